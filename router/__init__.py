@@ -1,0 +1,1 @@
+"""kvbaton: the multi-turn P/D conversation router (ASGI app, CLI, per-turn flow)."""

@@ -1,0 +1,36 @@
+"""The `kvbaton` command: `serve` (the router), `sim` (the engine simulator), `demo`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+USAGE = """usage: kvbaton {serve,sim,demo} [options]
+
+  serve   run the router (kvbaton serve --help)
+  sim     run a vLLM-compatible engine simulator (kvbaton sim --help)
+  demo    run a local GPU-free stack and a scripted conversation (kvbaton demo --help)
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "sim":
+        # The simulator is a separate program that shares no code with the router.
+        from vllm_sim.cli import main as sim_main
+
+        return sim_main(rest)
+    if command == "serve":
+        from router.server import serve_main
+
+        return serve_main(rest)
+    if command == "demo":
+        from router.demo import demo_main
+
+        return demo_main(rest)
+    print(f"kvbaton: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    return 2

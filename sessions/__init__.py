@@ -1,0 +1,1 @@
+"""Conversation state for kvbaton: pure model, digests and the session stores."""

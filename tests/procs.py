@@ -1,0 +1,137 @@
+"""Real processes for tests: free ports, a private redis-server, waiting for HTTP readiness."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_tcp(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll url until it answers 200; fail early if proc died."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
+def spawn(args: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
+    """Start a Python module of this project (args after `python -m`), logging to a temp file."""
+    log_dir = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
+    log_dir.mkdir(exist_ok=True)
+    log = open(log_dir / f"{log_name}.log", "wb")  # noqa: SIM115 - closed with the process
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+    )
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
+    """A private redis-server on a free loopback port, no persistence; yields (url, port, proc)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (make install installs it)")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen(
+            [
+                exe,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                tmp,
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_tcp(port)
+            yield f"redis://127.0.0.1:{port}/0", port, proc
+        finally:
+            stop(proc)
+
+
+def restart_redis(port: int) -> subprocess.Popen[bytes]:
+    """Start a fresh redis-server on a given port (after a test stopped the first one)."""
+    exe = shutil.which("redis-server")
+    assert exe is not None
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tempfile.gettempdir(),
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_tcp(port)
+    return proc
