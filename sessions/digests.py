@@ -1,0 +1,118 @@
+"""Digest chains over conversations and token sequences (pure): what D holds, in a few hex chars.
+
+A digest answers "is this exactly what D computed KV for?" without storing the prompt itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+# What a chat template renders from a message. Everything else (refusal, audio, annotations,
+# ids the SDK echoes back) is dropped, so an echoed assistant message matches the recorded one.
+_RENDERED_FIELDS = (
+    "role",
+    "content",
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "function_call",
+    "reasoning_content",
+    "reasoning",
+    "thinking",
+)
+_ENCODER = msgspec.json.Encoder(order="sorted")
+_CONV_SIZE = 16  # bytes: 32 hex chars
+_BLOCK_SIZE = 8  # bytes: 16 hex chars
+_TOKEN_BYTES = 8
+
+
+def _prune(value: Any) -> Any:
+    """A copy of a JSON value with every None-valued mapping entry removed, at any depth."""
+    if isinstance(value, Mapping):
+        return {k: _prune(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_prune(v) for v in value]
+    return value
+
+
+def canonical_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a chat message that a template renders, with None and empty values dropped.
+
+    `content` is kept apart: "" stays (vLLM renders `[{"type": "text", "text": ""}]` for it in
+    the openai content format, but nothing for a missing one), and a string is never made equal
+    to a list of text parts, since the two take different paths through the renderer.
+    """
+    out: dict[str, Any] = {}
+    for name in _RENDERED_FIELDS:
+        value = message.get(name)
+        if value is None:
+            continue
+        if name == "content":
+            if value == []:  # vLLM parses None and [] content alike
+                continue
+        elif value in ("", [], {}):
+            continue
+        out[name] = _prune(value)
+    return out
+
+
+def _canonical_item(api: str, item: Any) -> Any:
+    if api == "chat" and isinstance(item, Mapping):
+        return canonical_message(item)
+    return _prune(item)
+
+
+def conversation_digest(api: str, items: Sequence[Any]) -> str:
+    """Chained digest over canonical items (chat messages, responses input items), seeded by api."""
+    head = hashlib.blake2b(api.encode(), digest_size=_CONV_SIZE, person=b"kvbaton-conv").digest()
+    for item in items:
+        body = _ENCODER.encode(_canonical_item(api, item))
+        head = hashlib.blake2b(head + body, digest_size=_CONV_SIZE).digest()
+    return head.hex()
+
+
+def text_digest(api: str, text: str) -> str:
+    """Digest of a completions prompt (or any text), seeded by api."""
+    data = api.encode() + b"\0" + text.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=_CONV_SIZE, person=b"kvbaton-text").hexdigest()
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64, so digests agree across router hosts."""
+    packed = array("q", token_ids)
+    if sys.byteorder == "big":  # pragma: no cover - little-endian CI
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def iter_block_digests(token_ids: Sequence[int], block_size: int, limit: int) -> Iterator[str]:
+    """Lazily, the chained digest of each of the first `limit` full blocks."""
+    if block_size <= 0:
+        return
+    count = min(limit, len(token_ids) // block_size)
+    data = _pack(token_ids[: count * block_size])
+    step = block_size * _TOKEN_BYTES
+    head = b""
+    for start in range(0, count * step, step):
+        block = data[start : start + step]
+        digest = hashlib.blake2b(head + block, digest_size=_BLOCK_SIZE, person=b"kvbaton-block")
+        head = digest.digest()
+        yield head.hex()
+
+
+def block_digests(token_ids: Sequence[int], block_size: int) -> tuple[str, ...]:
+    """Chained digest of each FULL block of token_ids; a partial last block has none."""
+    return tuple(iter_block_digests(token_ids, block_size, len(token_ids)))
+
+
+def sequence_digest(token_ids: Sequence[int]) -> str:
+    """Digest of a whole token sequence (its length included)."""
+    return hashlib.blake2b(
+        _pack(token_ids), digest_size=_CONV_SIZE, person=b"kvbaton-seq"
+    ).hexdigest()

@@ -1,0 +1,103 @@
+"""The in-process session store, for a single replica without Redis (`--session-store memory`).
+
+Same semantics as the Redis store, TTLs included, expired lazily against an injected clock.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import msgspec
+
+from sessions.model import SessionState
+from sessions.store import StoreError
+
+
+def _detached(state: SessionState) -> SessionState:
+    """A copy that shares no mutable dict with the caller (Redis copies by serialising)."""
+    if state.kv_transfer_params is None:
+        return state
+    return msgspec.structs.replace(
+        state, kv_transfer_params=copy.deepcopy(state.kv_transfer_params)
+    )
+
+
+class MemorySessionStore:
+    """SessionStore in a dict; at most max_entries, the least recently committed evicted first.
+
+    Every method runs without awaiting, so each is atomic on the event loop.
+    """
+
+    def __init__(
+        self, clock: Callable[[], float] = time.time, *, max_entries: int = 100_000
+    ) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self._clock = clock
+        self._max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[SessionState, float]] = OrderedDict()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _live(self, key: str) -> SessionState | None:
+        if self._closed:
+            raise StoreError("session store is closed")
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        state, expires_at = entry
+        if self._clock() >= expires_at:
+            del self._entries[key]
+            return None
+        return state
+
+    def _replace(self, key: str, state: SessionState) -> None:
+        """Change a live entry's state, keeping its deadline and place in the eviction order."""
+        self._entries[key] = (state, self._entries[key][1])
+
+    async def claim(self, key: str, request_id: str) -> SessionState | None:
+        state = self._live(key)
+        if state is None:
+            return None
+        if state.kv_transfer_params:
+            taken = msgspec.structs.replace(state, kv_transfer_params=None, inflight=request_id)
+            self._replace(key, taken)
+        return state
+
+    async def commit(self, key: str, state: SessionState, expected_turn: int, ttl_s: float) -> bool:
+        current = self._live(key)
+        if (current.turn if current else 0) != expected_turn:
+            return False
+        self._entries[key] = (_detached(state), self._clock() + max(ttl_s, 0.001))
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
+        return True
+
+    async def release(self, key: str, request_id: str) -> None:
+        state = self._live(key)
+        if state is not None and state.inflight == request_id:
+            self._replace(key, msgspec.structs.replace(state, inflight=""))
+
+    async def get(self, key: str) -> SessionState | None:
+        state = self._live(key)
+        return None if state is None else _detached(state)
+
+    async def delete(self, key: str) -> bool:
+        found = self._live(key) is not None
+        if found:
+            del self._entries[key]
+        return found
+
+    async def ping(self) -> None:
+        if self._closed:
+            raise StoreError("session store is closed")
+
+    async def close(self) -> None:
+        self._closed = True
+        self._entries.clear()

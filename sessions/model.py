@@ -1,0 +1,264 @@
+"""A conversation's session state and the rules that read and advance it (pure, no I/O).
+
+Also its Redis HASH encoding, readable with `redis-cli HGETALL`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from sessions.digests import block_digests as block_digests
+from sessions.digests import canonical_message as canonical_message
+from sessions.digests import conversation_digest as conversation_digest
+from sessions.digests import iter_block_digests
+from sessions.digests import sequence_digest as sequence_digest
+from sessions.digests import text_digest as text_digest
+
+
+class SessionState(msgspec.Struct, frozen=True, kw_only=True):
+    """What the router remembers about one conversation between turns."""
+
+    turn: int = 0  # committed turns so far
+    api: str = ""  # "chat" | "completions" | "responses": the API that produced the handle
+    prefill: str = ""  # affinity: base URL of the P instance of the last committed turn
+    decode: str = ""  # affinity: base URL of the D instance of the last committed turn
+    decode_engine_id: str = ""  # remote_engine_id in D's handle
+    kv_transfer_params: dict[str, Any] | None = None  # D's handle (single use); None = none usable
+    no_handle_reason: str = ""  # why the last turn left no handle, e.g. "stream-no-kv-params"
+    prefix_digest: str = ""  # digest chain head over the canonical conversation D holds
+    prefix_len: int = 0  # items or characters (completions) that prefix_digest covers
+    token_count: int = 0  # tokens D holds KV for (the handle's remote_num_tokens)
+    block_size: int = 0
+    block_digests: tuple[str, ...] = ()  # chained digest per full block of D's first tokens
+    seq_digest: str = ""  # digest of D's whole first token_count tokens
+    handle_expires_at: float = 0.0  # wall-clock deadline of the handle (router clock)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    inflight: str = ""  # request id of the turn that claimed the handle; "" when none
+
+
+class StateDecodeError(ValueError):
+    """A stored hash that is not a session state; stores turn it into StoreError."""
+
+
+def prefix_extends(
+    state: SessionState,
+    api: str,
+    items: Sequence[Any] | None = None,
+    text: str | None = None,
+) -> bool:
+    """True iff the request strictly extends the canonical conversation D holds.
+
+    An edited history, a regenerated turn or a changed system prompt all fail here (vllm#43094:
+    P trusts that its prompt starts with D's tokens and never checks).
+    """
+    if state.api != api or not state.prefix_digest:
+        return False
+    n = state.prefix_len
+    if items is not None:
+        return len(items) > n and conversation_digest(api, items[:n]) == state.prefix_digest
+    if text is not None:
+        return len(text) > n and text_digest(api, text[:n]) == state.prefix_digest
+    return False
+
+
+def verified_tokens(state: SessionState, token_ids: Sequence[int]) -> int:
+    """How many leading tokens of the new prompt are verified equal to D's and may be read.
+
+    The whole of D's sequence when it matches and the prompt is longer; otherwise the longest
+    matching run of full blocks, leaving at least one token (rounded to a block) for the reader.
+    """
+    size = state.block_size
+    n = len(token_ids)
+    if size <= 0 or n == 0:
+        return 0
+    held = state.token_count
+    if state.seq_digest and 0 < held < n and sequence_digest(token_ids[:held]) == state.seq_digest:
+        return held
+    limit = min(len(state.block_digests), (n - 1) // size)
+    matched = 0
+    ours = iter_block_digests(token_ids, size, limit)
+    for got, want in zip(ours, state.block_digests[:limit], strict=True):
+        if got != want:
+            break
+        matched += 1
+    return matched * size
+
+
+def handle_unusable_reason(state: SessionState | None, api: str, now: float) -> str:
+    """ "" when the state's handle may be sent to P, else the reason for `X-KV-Reuse: miss`."""
+    if state is None:
+        return "no-session"
+    if not state.kv_transfer_params:
+        if state.inflight:
+            return "busy"
+        return state.no_handle_reason or "no-handle"
+    if state.api != api:
+        return "api-mismatch"
+    if now >= state.handle_expires_at:
+        return "expired"
+    return ""
+
+
+def _remote_num_tokens(params: Mapping[str, Any] | None) -> int:
+    raw = params.get("remote_num_tokens") if params else None
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw > 0:
+        return raw
+    return 0
+
+
+def next_state(
+    prev: SessionState | None,
+    *,
+    api: str,
+    prefill: str,
+    decode: str,
+    kv_transfer_params: dict[str, Any] | None,
+    no_handle_reason: str,
+    prefix_digest: str,
+    prefix_len: int,
+    token_ids: Sequence[int] | None,
+    block_size: int,
+    now: float,
+    handle_ttl: float,
+) -> SessionState:
+    """The state after a turn that finished normally (the caller commits it with CAS)."""
+    params = copy.deepcopy(kv_transfer_params) if kv_transfer_params else None
+    held = _remote_num_tokens(params)
+    blocks: tuple[str, ...] = ()
+    seq = ""
+    if token_ids is not None and held and len(token_ids) >= held:
+        blocks = block_digests(token_ids[:held], block_size)
+        seq = sequence_digest(token_ids[:held])
+    return SessionState(
+        turn=(prev.turn if prev else 0) + 1,
+        api=api,
+        prefill=prefill,
+        decode=decode,
+        decode_engine_id=str(params.get("remote_engine_id") or "") if params else "",
+        kv_transfer_params=params,
+        no_handle_reason="" if params else no_handle_reason,
+        prefix_digest=prefix_digest,
+        prefix_len=prefix_len,
+        token_count=held,
+        block_size=block_size,
+        block_digests=blocks,
+        seq_digest=seq,
+        handle_expires_at=now + handle_ttl if params else 0.0,
+        created_at=prev.created_at if prev else now,
+        updated_at=now,
+        inflight="",
+    )
+
+
+# The Redis HASH encoding: one field per attribute, in this order (HGETALL keeps it).
+_JSON = msgspec.json.Encoder()
+_INT_FIELDS = ("turn", "prefix_len", "token_count", "block_size")
+_FLOAT_FIELDS = ("handle_expires_at", "created_at", "updated_at")
+_STR_FIELDS = (
+    "api",
+    "prefill",
+    "decode",
+    "decode_engine_id",
+    "no_handle_reason",
+    "prefix_digest",
+    "seq_digest",
+    "inflight",
+)
+
+
+def _iso(ts: float) -> str:
+    try:
+        return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")
+    except (OverflowError, ValueError, OSError):
+        return ""
+
+
+def to_fields(state: SessionState) -> dict[str, str]:
+    """The HASH fields of a state, all human-readable strings."""
+    params = state.kv_transfer_params
+    return {
+        "turn": str(state.turn),
+        "api": state.api,
+        "prefill": state.prefill,
+        "decode": state.decode,
+        "decode_engine_id": state.decode_engine_id,
+        "kv_transfer_params": "" if params is None else _JSON.encode(params).decode(),
+        "no_handle_reason": state.no_handle_reason,
+        "prefix_digest": state.prefix_digest,
+        "prefix_len": str(state.prefix_len),
+        "token_count": str(state.token_count),
+        "block_size": str(state.block_size),
+        "block_digests": " ".join(state.block_digests),
+        "seq_digest": state.seq_digest,
+        "handle_expires_at": repr(state.handle_expires_at),
+        "created_at": repr(state.created_at),
+        "updated_at": repr(state.updated_at),
+        "created": _iso(state.created_at),
+        "updated": _iso(state.updated_at),
+        "inflight": state.inflight,
+    }
+
+
+def _text(value: bytes | str) -> str:
+    if isinstance(value, bytes):
+        return value.decode()  # UnicodeDecodeError is a ValueError
+    return value
+
+
+def _parse_int(name: str, raw: str) -> int:
+    if not raw.isascii() or not raw.isdigit():
+        raise StateDecodeError(f"field {name!r} is not a non-negative integer: {raw[:40]!r}")
+    return int(raw)
+
+
+def _parse_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise StateDecodeError(f"field {name!r} is not a finite number: {raw[:40]!r}")
+    return value
+
+
+def _parse_params(raw: str) -> dict[str, Any] | None:
+    if raw in ("", "null"):
+        return None
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise StateDecodeError(f"field 'kv_transfer_params' is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise StateDecodeError("field 'kv_transfer_params' is not a JSON object")
+    return value
+
+
+# Mapping is invariant in its key type: spell out what redis-py and to_fields produce.
+Fields = Mapping[bytes, bytes] | Mapping[str, str] | Mapping[bytes | str, bytes | str]
+
+
+def from_fields(fields: Fields) -> SessionState:
+    """Decode HASH fields; raises StateDecodeError on anything that is not a state."""
+    try:
+        raw = {_text(k): _text(v) for k, v in fields.items()}
+    except ValueError as exc:
+        raise StateDecodeError(f"hash is not UTF-8: {exc}") from None
+    if "turn" not in raw:
+        raise StateDecodeError("hash has no 'turn' field")
+    values: dict[str, Any] = {name: raw[name] for name in _STR_FIELDS if name in raw}
+    for name in _INT_FIELDS:
+        if name in raw:
+            values[name] = _parse_int(name, raw[name])
+    for name in _FLOAT_FIELDS:
+        if name in raw:
+            values[name] = _parse_float(name, raw[name])
+    values["kv_transfer_params"] = _parse_params(raw.get("kv_transfer_params", ""))
+    values["block_digests"] = tuple(raw.get("block_digests", "").split())
+    return SessionState(**values)

@@ -1,0 +1,143 @@
+"""The Redis session store: one HASH per conversation, claim and commit as single Lua scripts.
+
+One round trip each (redis-py's Script objects send EVALSHA and reload on NOSCRIPT).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Sequence
+from typing import Any, Self, TypeVar, cast
+
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from sessions.model import SessionState, StateDecodeError, from_fields, to_fields
+from sessions.store import StoreError
+
+T = TypeVar("T")
+
+# Returns the hash as it was; takes the handle (single use) if there is one.
+_CLAIM = """
+local fields = redis.call('HGETALL', KEYS[1])
+if #fields == 0 then return false end
+for i = 1, #fields, 2 do
+  if fields[i] == 'kv_transfer_params' then
+    local params = fields[i + 1]
+    if params ~= '' and params ~= 'null' then
+      redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'inflight', ARGV[1])
+    end
+    break
+  end
+end
+return fields
+"""
+
+# ARGV: expected turn, TTL in ms, then field, value, ... A missing (or unreadable) turn is 0,
+# so a first commit, or one over a garbage hash, goes through with expected turn 0.
+_COMMIT = """
+local stored = redis.call('HGET', KEYS[1], 'turn')
+local turn = 0
+if stored then turn = tonumber(stored) or 0 end
+if turn ~= tonumber(ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+_RELEASE = """
+if redis.call('HGET', KEYS[1], 'inflight') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'inflight', '')
+  return 1
+end
+return 0
+"""
+
+# TimeoutError (the builtin, which asyncio uses) is an OSError.
+_FAILURES = (RedisError, OSError, StateDecodeError)
+
+
+def _decode_pairs(reply: Sequence[bytes] | None) -> SessionState | None:
+    if not reply:
+        return None
+    if len(reply) % 2:
+        raise StateDecodeError("claim returned an odd number of hash fields and values")
+    return from_fields(dict(zip(reply[::2], reply[1::2], strict=True)))
+
+
+class RedisSessionStore:
+    """SessionStore on Redis (or anything speaking its protocol with Lua scripting)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        socket_timeout: float = 0.25,
+        connect_timeout: float = 0.25,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        self._owns_client = client is None
+        if client is None:
+            # One immediate retry on a broken pooled connection; none on a timeout: a slow
+            # Redis must not hold up the turn, which proceeds without reuse.
+            retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+            client = aioredis.Redis.from_url(
+                url,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=connect_timeout,
+                retry=retry,
+            )
+        self._client = client
+        self._claim = client.register_script(_CLAIM)
+        self._commit = client.register_script(_COMMIT)
+        self._release = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> Self:
+        return cls(url, **kwargs)
+
+    async def _run(self, what: str, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except _FAILURES as exc:
+            raise StoreError(f"session store {what} failed: {exc}") from exc
+
+    async def claim(self, key: str, request_id: str) -> SessionState | None:
+        async def claim() -> SessionState | None:
+            return _decode_pairs(await self._claim(keys=[key], args=[request_id]))
+
+        return await self._run("claim", claim())
+
+    async def commit(self, key: str, state: SessionState, expected_turn: int, ttl_s: float) -> bool:
+        ttl_ms = max(1, math.ceil(ttl_s * 1000))
+        args: list[str | int] = [expected_turn, ttl_ms]
+        for name, value in to_fields(state).items():
+            args += (name, value)
+        done = await self._run("commit", self._commit(keys=[key], args=args))
+        return bool(done)
+
+    async def release(self, key: str, request_id: str) -> None:
+        await self._run("release", self._release(keys=[key], args=[request_id]))
+
+    async def get(self, key: str) -> SessionState | None:
+        async def get() -> SessionState | None:
+            reply = await cast(Awaitable[dict[bytes, bytes]], self._client.hgetall(key))
+            return from_fields(reply) if reply else None
+
+        return await self._run("get", get())
+
+    async def delete(self, key: str) -> bool:
+        removed = await self._run("delete", self._client.delete(key))
+        return bool(removed)
+
+    async def ping(self) -> None:
+        await self._run("ping", cast(Awaitable[Any], self._client.ping()))
+
+    async def close(self) -> None:
+        """Close the connection pool, unless the client was passed in (its owner closes it)."""
+        if self._owns_client:
+            await self._client.aclose()

@@ -1,0 +1,54 @@
+"""The session store seam: the `SessionStore` protocol and `StoreError`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from sessions.model import SessionState
+
+
+class StoreError(Exception):
+    """The session store is unreachable, too slow, or returned garbage."""
+
+
+class SessionStore(Protocol):
+    """Per-conversation state keyed by `sessions.keys.conversation_key`; every change is atomic.
+
+    Every method raises StoreError, never a backend exception, when the backend fails.
+    """
+
+    async def claim(self, key: str, request_id: str) -> SessionState | None:
+        """Read the state and take its handle, atomically; None when there is no state.
+
+        Returns the state as it was (with its kv_transfer_params). When it had a handle, the
+        stored copy loses it and records `inflight=request_id`; nothing else changes. Of two
+        concurrent claims at most one gets the handle; the other sees `inflight` ("busy").
+        """
+        ...
+
+    async def commit(self, key: str, state: SessionState, expected_turn: int, ttl_s: float) -> bool:
+        """Replace the whole state iff the stored turn is expected_turn (0: no state yet).
+
+        Sets the key's TTL to ttl_s. False when another turn committed first.
+        """
+        ...
+
+    async def release(self, key: str, request_id: str) -> None:
+        """Clear `inflight` if it still is request_id (the turn failed); no-op otherwise."""
+        ...
+
+    async def get(self, key: str) -> SessionState | None:
+        """The stored state, unchanged; None when there is none."""
+        ...
+
+    async def delete(self, key: str) -> bool:
+        """Forget a conversation; True if there was a state."""
+        ...
+
+    async def ping(self) -> None:
+        """Return when the store is usable; raise StoreError otherwise."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; the store is not used afterwards."""
+        ...
