@@ -1,0 +1,83 @@
+"""The router's exception types and the one place they become OpenAI-format error bodies."""
+
+from __future__ import annotations
+
+import msgspec
+
+_encode = msgspec.json.Encoder().encode
+
+
+class RouterError(Exception):
+    """A failure the client sees as an OpenAI-format error with `status`."""
+
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class BadRequest(RouterError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(RouterError):
+    """An unknown model (OpenAI answers 404 for it)."""
+
+    status = 404
+    type = "not_found_error"
+
+
+class PayloadTooLarge(RouterError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(RouterError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class UpstreamError(RouterError):
+    """An engine failed and no other path is left."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class Unavailable(RouterError):
+    """No healthy instance, or the router is shutting down."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+def error_body(
+    message: str, type: str, code: str | int | None = None, param: str | None = None
+) -> bytes:
+    """`{"error": {...}}`, the body OpenAI and vLLM send with a 4xx/5xx status."""
+    return _encode({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+def error_bytes(exc: RouterError) -> bytes:
+    return error_body(exc.message, exc.type, exc.code, exc.param)
+
+
+def sse_error_event(
+    message: str, type: str = "upstream_error", code: str | int | None = None
+) -> bytes:
+    """The one event that ends a stream which fails after its 200 was sent (as vLLM does)."""
+    return b"data: " + error_body(message, type, code) + b"\n\n"

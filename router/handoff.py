@@ -1,0 +1,158 @@
+"""NixlConnector (pull mode) `kv_transfer_params`: the null handoff, hit params, truncation.
+
+Another connector (push mode, MoRI-IO, a KV store) is a sibling module with the same
+functions; `Handoff` names that seam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Protocol, TypeGuard, runtime_checkable
+
+# What vLLM's toy_proxy_server.py sends P on a miss: "keep the blocks for a remote decoder".
+NULL_HANDOFF: Mapping[str, Any] = MappingProxyType(
+    {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+)
+
+
+@runtime_checkable
+class Handoff(Protocol):
+    """What the turn needs from a connector module (this one is NixlConnector pull)."""
+
+    def miss_params(self) -> dict[str, Any]: ...
+    def hit_params(self, handle: Mapping[str, Any]) -> dict[str, Any]: ...
+    def truncate(
+        self, params: Mapping[str, Any], num_tokens: int, block_size: int
+    ) -> dict[str, Any]: ...
+    def is_handle(self, params: object) -> bool: ...
+    def engine_id(self, params: Mapping[str, Any]) -> str | None: ...
+    def num_tokens(self, params: Mapping[str, Any]) -> int: ...
+
+
+def miss_params() -> dict[str, Any]:
+    return dict(NULL_HANDOFF)
+
+
+def _copy(params: Mapping[str, Any]) -> dict[str, Any]:
+    # vLLM writes private markers (_remote_blocks_processed, _p_side_truncated) into the
+    # same dict; they are engine state and must never be sent.
+    out = {k: v for k, v in params.items() if not k.startswith("_")}
+    groups = out.get("remote_block_ids")
+    if isinstance(groups, list):
+        out["remote_block_ids"] = [list(g) if isinstance(g, list) else g for g in groups]
+    return out
+
+
+def hit_params(handle: Mapping[str, Any]) -> dict[str, Any]:
+    """D's cached handle as P's params: unchanged except the two direction flags.
+
+    remote_num_tokens (vllm#32553), tp/dcp/pp sizes, remote_blocks_expiry_time (vllm#47021)
+    and transfer_mode (vllm#50620) pass through: P needs them to read D's blocks.
+    """
+    out = _copy(handle)
+    out["do_remote_decode"] = True
+    out["do_remote_prefill"] = False
+    return out
+
+
+def truncate(params: Mapping[str, Any], num_tokens: int, block_size: int) -> dict[str, Any]:
+    """The handle reduced to its first `num_tokens` tokens (a block-aligned prefix).
+
+    Measured on vLLM 0.32: remote_num_tokens=N and every group cut to ceil(N / block_size)
+    blocks makes P pull exactly that prefix. Groups are cut as full-attention lists; a
+    sliding-window group (clipped by vLLM) must not be truncated this way.
+    """
+    held = params.get("remote_num_tokens")
+    if not _is_int(held):
+        raise ValueError("the handle has no integer remote_num_tokens")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if num_tokens == held:
+        return _copy(params)
+    if not 0 < num_tokens < held or num_tokens % block_size:
+        raise ValueError(
+            f"num_tokens={num_tokens} must be a positive multiple of block_size={block_size} "
+            f"below remote_num_tokens={held}, or equal to it"
+        )
+    keep = -(-num_tokens // block_size)
+    out = _copy(params)
+    groups = out.get("remote_block_ids")
+    if isinstance(groups, list):
+        out["remote_block_ids"] = [g[:keep] if isinstance(g, list) else g for g in groups]
+    out["remote_num_tokens"] = num_tokens
+    return out
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _block_ids_ok(groups: object) -> bool:
+    # One list per KV-cache group; at least one block somewhere.
+    if not isinstance(groups, list) or not groups:
+        return False
+    if not all(isinstance(g, list) and all(_is_int(b) for b in g) for g in groups):
+        return False
+    return any(groups)
+
+
+def is_handle(params: object) -> bool:
+    """A usable P- or D-produced dict (not the null handoff, not `null`, not garbage)."""
+    if not isinstance(params, Mapping) or not _block_ids_ok(params.get("remote_block_ids")):
+        return False
+    for key in ("remote_engine_id", "remote_request_id", "remote_host"):
+        value = params.get(key)
+        if not isinstance(value, str) or not value:
+            return False
+    port = params.get("remote_port")
+    if not _is_int(port) or not 0 < port < 65536:
+        return False
+    tokens = params.get("remote_num_tokens")
+    if tokens is None:
+        # Engines before vllm#32553 do not send it; D-produced handles always do.
+        return params.get("do_remote_decode") is not True
+    return _is_int(tokens) and tokens >= 0
+
+
+def engine_id(params: Mapping[str, Any]) -> str | None:
+    value = params.get("remote_engine_id")
+    return value if isinstance(value, str) else None
+
+
+def num_tokens(params: Mapping[str, Any]) -> int:
+    """remote_num_tokens, or 0 when absent or not an integer."""
+    value = params.get("remote_num_tokens")
+    return value if _is_int(value) else 0
+
+
+def produced_params(body: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The top-level kv_transfer_params of an engine's JSON body when usable, else None.
+
+    P may answer 200 with `null` (no connector) or D without bidirectional_kv_xfer; the
+    turn then goes on without a handle instead of forwarding a P-leg dict.
+    """
+    if body is None or not is_handle(body.get("kv_transfer_params")):
+        return None
+    return _copy(body["kv_transfer_params"])
+
+
+def prefill_failed(status: int, body: Mapping[str, Any] | None) -> bool:
+    """P rejected the request: HTTP >= 400, an error body, or a choice that ended in "error"."""
+    if status >= 400:
+        return True
+    if body is None:
+        return False
+    if isinstance(body.get("error"), Mapping) or body.get("status") == "failed":
+        return True
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return False
+    return any(isinstance(c, Mapping) and c.get("finish_reason") == "error" for c in choices)

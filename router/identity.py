@@ -1,0 +1,50 @@
+"""Who is asking and about which conversation: tenant hashing and conversation id validation."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from router.errors import BadRequest
+
+DEFAULT_TENANT = "default"
+MAX_CONVERSATION_ID = 128
+# No braces (the Redis Cluster hash tag in kvbaton:conv:{tenant:id}), spaces, `*` or controls.
+_CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+def _digest(value: str) -> str:
+    # Keyed by purpose so a tenant id never equals another hash of the same secret.
+    h = hashlib.blake2b(value.encode(), digest_size=8, person=b"kvbaton-tenant")
+    return h.hexdigest()
+
+
+def tenant_of(authorization: str | None, tenant_header_value: str | None = None) -> str:
+    """A 16-hex-char hash of the configured tenant header's value, else of the bearer token.
+
+    "default" when neither is present. The token itself is never returned or stored.
+    """
+    if tenant_header_value:
+        return _digest(tenant_header_value)
+    if authorization:
+        scheme, _, token = authorization.strip().partition(" ")
+        secret = token.strip() if scheme.lower() == "bearer" else authorization.strip()
+        if secret:
+            return _digest(secret)
+    return DEFAULT_TENANT
+
+
+def validate_conversation_id(value: object) -> str:
+    """The conversation id, or BadRequest: a str of 1..128 chars from [A-Za-z0-9._:@/+=-]."""
+    if not isinstance(value, str):
+        raise BadRequest(
+            f"conversation_id must be a string, not {type(value).__name__}",
+            param="conversation_id",
+        )
+    if not _CONVERSATION_ID.fullmatch(value):
+        raise BadRequest(
+            f"conversation_id must be 1 to {MAX_CONVERSATION_ID} characters from "
+            "A-Z a-z 0-9 . _ : @ / + = -",
+            param="conversation_id",
+        )
+    return value

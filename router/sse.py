@@ -1,0 +1,342 @@
+"""D's response relayed to the client: strip router-only fields, capture what the turn needs.
+
+The stream relay passes every event it does not change through as the original bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import msgspec
+
+KV_KEY = b'"kv_transfer_params"'
+TOKEN_IDS_KEY = b'token_ids"'  # matches "token_ids" and "prompt_token_ids"
+_LF = b"\n\n"
+_CRLF = b"\r\n\r\n"
+
+
+class Captured(msgspec.Struct):
+    """What the router learns from D's response."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    done: bool = False
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] = []
+    output_text: str = ""
+    reasoning: bool = False
+    tool_calls: bool = False
+    usage: dict[str, Any] | None = None
+
+
+# Typed views of the fields we read; everything else in a chunk is skipped by the decoder.
+class _Delta(msgspec.Struct):
+    content: Any = None
+    reasoning_content: Any = None
+    reasoning: Any = None
+    tool_calls: Any = None
+
+
+class _Choice(msgspec.Struct):
+    index: Any = 0
+    delta: _Delta | None = None  # chat chunk
+    message: _Delta | None = None  # chat body
+    text: Any = None  # completions
+    finish_reason: Any = None
+    token_ids: Any = None
+    prompt_token_ids: Any = None  # completions carry it per choice
+
+
+class _Response(msgspec.Struct):  # the Responses API's response object
+    status: Any = None
+    incomplete_details: Any = None
+    error: Any = None
+    usage: Any = None
+    kv_transfer_params: Any = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    prompt_token_ids: Any = None  # chat carries it at the top level
+    kv_transfer_params: Any = None
+    usage: Any = None
+    error: Any = None
+    object: Any = None  # "error" in vLLM's older flat error body
+    message: Any = None
+    code: Any = None
+    type: Any = None  # Responses API event type
+    delta: Any = None
+    response: _Response | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_decode_any = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+def _int_list(value: object) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+class _Capture:
+    """Accumulates a Captured; text parts are joined once, not per chunk."""
+
+    def __init__(self) -> None:
+        self.cap = Captured()
+        self.text: list[str] = []
+
+    def result(self) -> Captured:
+        if len(self.text) > 1:
+            self.text = ["".join(self.text)]
+        self.cap.output_text = self.text[0] if self.text else ""
+        return self.cap
+
+    def chunk(self, c: _Chunk) -> None:
+        cap = self.cap
+        if isinstance(c.kv_transfer_params, dict):
+            cap.kv_transfer_params = c.kv_transfer_params
+        if isinstance(c.usage, dict):
+            cap.usage = c.usage
+        if isinstance(c.error, dict):
+            cap.error = c.error
+        elif c.object == "error" or c.type == "error":  # flat vLLM error; Responses error event
+            cap.error = {"message": c.message, "type": c.type, "code": c.code}
+        if cap.prompt_token_ids is None and _int_list(c.prompt_token_ids):
+            cap.prompt_token_ids = c.prompt_token_ids
+        if c.choices:
+            for choice in c.choices:
+                if choice.index == 0:
+                    self._choice(choice)
+        if c.type is not None:
+            self._responses_event(c)
+
+    def _choice(self, ch: _Choice) -> None:
+        cap = self.cap
+        if isinstance(ch.finish_reason, str):
+            cap.finish_reason = ch.finish_reason
+        if _int_list(ch.token_ids):
+            cap.output_token_ids.extend(ch.token_ids)
+        if cap.prompt_token_ids is None and _int_list(ch.prompt_token_ids):
+            cap.prompt_token_ids = ch.prompt_token_ids
+        if isinstance(ch.text, str) and ch.text:
+            self.text.append(ch.text)
+        d = ch.delta if ch.delta is not None else ch.message
+        if d is not None:
+            if isinstance(d.content, str) and d.content:
+                self.text.append(d.content)
+            if d.reasoning_content or d.reasoning:
+                cap.reasoning = True
+            if d.tool_calls:
+                cap.tool_calls = True
+
+    def _responses_event(self, c: _Chunk) -> None:
+        # Responses API stream: text deltas, and the final response.completed whose
+        # response.kv_transfer_params is D's handle on stock vLLM 0.32 (vllm#37424).
+        cap, kind = self.cap, c.type
+        if not isinstance(kind, str):
+            return
+        if kind == "response.output_text.delta":
+            if isinstance(c.delta, str):
+                self.text.append(c.delta)
+        elif kind.startswith("response.reasoning"):
+            cap.reasoning = True
+        elif kind.startswith("response.function_call"):
+            cap.tool_calls = True
+        if c.response is not None:
+            self.response(c.response)
+
+    def response(self, r: _Response) -> None:
+        cap = self.cap
+        if isinstance(r.kv_transfer_params, dict):
+            cap.kv_transfer_params = r.kv_transfer_params
+        if isinstance(r.usage, dict):
+            cap.usage = r.usage
+        # One finish rule for every API: completed -> "stop", incomplete -> "length".
+        if r.status == "completed":
+            cap.finish_reason = "stop"
+        elif r.status == "incomplete":
+            details = r.incomplete_details
+            reason = details.get("reason") if isinstance(details, dict) else None
+            cap.finish_reason = "length" if reason in (None, "max_output_tokens") else reason
+        elif r.status == "failed":
+            cap.error = r.error if isinstance(r.error, dict) else {"message": None}
+
+
+def _strip(obj: dict[str, Any], strip_token_ids: bool) -> bool:
+    """Remove our fields from a freshly decoded (owned) object; True if anything changed."""
+    changed = "kv_transfer_params" in obj
+    obj.pop("kv_transfer_params", None)
+    response = obj.get("response")
+    if isinstance(response, dict) and "kv_transfer_params" in response:
+        del response["kv_transfer_params"]
+        changed = True
+    if not strip_token_ids:
+        return changed
+    if "prompt_token_ids" in obj:
+        del obj["prompt_token_ids"]
+        changed = True
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict):
+                for key in ("token_ids", "prompt_token_ids"):
+                    if key in choice:
+                        del choice[key]
+                        changed = True
+    return changed
+
+
+def _data_of(block: bytes) -> bytes | None:
+    """The data of one event (its `data:` lines joined by \\n), or None if it has none."""
+    if b"\n" not in block and b"\r" not in block:  # the usual single-line event
+        if block.startswith(b"data: "):
+            return block[6:]
+        return block[5:] if block.startswith(b"data:") else None
+    parts = [
+        line[6:] if line.startswith(b"data: ") else line[5:]
+        for line in block.splitlines()
+        if line.startswith(b"data:")
+    ]
+    return b"\n".join(parts) if parts else None
+
+
+def _with_data(block: bytes, data: bytes, eol: bytes) -> bytes:
+    """The event's other lines (event:, id:, comments) kept; its data lines replaced by one."""
+    if block.startswith(b"data:") and b"\n" not in block and b"\r" not in block:
+        return b"data: " + data
+    out: list[bytes] = []
+    for line in block.splitlines():
+        if not line.startswith(b"data:"):
+            out.append(line)
+        elif data:
+            out.append(b"data: " + data)
+            data = b""
+    return eol.join(out)
+
+
+class SseRelay:
+    """Incremental relay of D's SSE stream: complete events out, a partial event held."""
+
+    def __init__(self, *, strip_token_ids: bool) -> None:
+        self._strip_ids = strip_token_ids
+        self._capture = _Capture()
+        self._held = bytearray()
+        self._scan_from = 0  # where to resume looking for a blank line in _held
+        self._first, self._second = _LF, _CRLF  # the separator seen last is looked for first
+
+    @property
+    def captured(self) -> Captured:
+        return self._capture.result()
+
+    def _end_of_event(self, data: bytes | bytearray, start: int) -> tuple[int, int]:
+        """(index of the blank line that ends the event at `start`, its length) or (-1, 0)."""
+        first, second = self._first, self._second
+        i = data.find(first, start)
+        j = data.find(second, start, len(data) if i < 0 else i + len(second) - 1)
+        if j < 0:
+            return i, len(first)
+        self._first, self._second = second, first
+        return j, len(second)
+
+    def feed(self, data: bytes) -> bytes:
+        """The bytes to forward now: every complete event, rewritten only where needed."""
+        if self._held:
+            held = self._held
+            held += data
+            if self._end_of_event(held, self._scan_from)[0] < 0:
+                self._scan_from = max(0, len(held) - 3)
+                return b""
+            data = bytes(held)
+            self._held = bytearray()
+        self._scan_from = 0
+        out: list[bytes] = []
+        emitted = start = 0
+        while True:
+            end, sep = self._end_of_event(data, start)
+            if end < 0:
+                break
+            new = self._event(data[start:end], data[end : end + sep])
+            if new is not None:
+                out.append(data[emitted:start])
+                out.append(new)
+                emitted = end + sep
+            start = end + sep
+        if start < len(data):
+            self._held = bytearray(data[start:])
+            self._scan_from = max(0, len(self._held) - 3)
+        if not out:
+            return data if start == len(data) else data[:start]
+        out.append(data[emitted:start])
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """At EOF: what is held, as a last event (still captured and stripped)."""
+        if not self._held:
+            return b""
+        rest, self._held = bytes(self._held), bytearray()
+        new = self._event(rest, b"")
+        return rest if new is None else new
+
+    def _event(self, block: bytes, sep: bytes) -> bytes | None:
+        """Capture one event; its replacement bytes, or None to forward it unchanged."""
+        data = _data_of(block)
+        if data is None:
+            return None
+        if data == b"[DONE]":
+            self._capture.cap.done = True
+            return None
+        try:
+            self._capture.chunk(_decode_chunk(data))
+        except msgspec.ValidationError:
+            pass  # JSON of another shape: nothing to capture, but still stripped below
+        except msgspec.DecodeError:
+            return None  # not JSON: the client gets it as sent
+        if KV_KEY not in data and not (self._strip_ids and TOKEN_IDS_KEY in data):
+            return None
+        obj = _decode_any(data)
+        if not isinstance(obj, dict) or not _strip(obj, self._strip_ids):
+            return None
+        return _with_data(block, _encode(obj), b"\r\n" if sep == _CRLF else b"\n") + sep
+
+
+def capture_body(body: bytes, *, strip_token_ids: bool) -> tuple[bytes, Captured]:
+    """A non-streaming D body: what it tells the router, and the body for the client.
+
+    Only our fields are removed (top-level kv_transfer_params, and token ids when the
+    client did not ask for them); usage and everything else stay as D sent them.
+    """
+    capture = _Capture()
+    try:
+        obj = _decode_any(body)
+    except msgspec.DecodeError:
+        return body, capture.result()
+    if not isinstance(obj, dict):
+        return body, capture.result()
+    with contextlib.suppress(msgspec.ValidationError):
+        capture.chunk(msgspec.convert(obj, _Chunk))
+        if obj.get("object") == "response":  # a Responses API body
+            capture.response(msgspec.convert(obj, _Response))
+            _responses_output(capture, obj.get("output"))
+    if not _strip(obj, strip_token_ids):
+        return body, capture.result()
+    return _encode(obj), capture.result()
+
+
+def _responses_output(capture: _Capture, items: object) -> None:
+    """A non-streaming Responses body: text from message items, flags from the others."""
+    if not isinstance(items, list):
+        return
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        if kind == "reasoning":
+            capture.cap.reasoning = True
+        elif kind == "function_call":
+            capture.cap.tool_calls = True
+        elif kind == "message" and isinstance(item.get("content"), list):
+            for part in item["content"]:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    capture.text.append(part["text"])
