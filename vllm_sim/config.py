@@ -1,0 +1,131 @@
+"""The simulator's settings: one frozen struct, built once from the command line (and env)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from collections.abc import Sequence
+
+import msgspec
+
+
+class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
+    role: str = "prefill"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_port: int = 0  # 0: a free port, chosen when the side channel starts
+    side_channel_host: str = "127.0.0.1"  # echoed as remote_host (VLLM_NIXL_SIDE_CHANNEL_HOST)
+    engine_id: str = ""
+    model: str = "sim-model"
+    block_size: int = 16
+    num_blocks: int = 4096
+    max_model_len: int = 8192
+    default_max_tokens: int = 64
+    bidirectional: bool = False
+    decoder_kv_blocks_ttl: float = 480.0
+    kv_lease_duration: float = 30.0
+    kv_recompute_threshold: int = 0
+    kv_load_failure_policy: str = "fail"
+    stream_kv_params: bool = False
+    reasoning_tokens: int = 0
+    prefill_ms_per_token: float = 0.0
+    transfer_ms_per_block: float = 0.0
+    decode_ms_per_token: float = 0.0
+    max_num_seqs: int = 256
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_events_topic: str = "kv-events"
+    api_key: str | None = None
+    enable_request_id_headers: bool = False
+    sweep_interval: float = 1.0
+    handshake_timeout: float = 5.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbaton sim", description="A vLLM-compatible P/D engine simulator (NixlConnector)."
+    )
+    a = p.add_argument
+    a("--role", choices=["prefill", "decode"], default="prefill")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000, help="HTTP port (0: a free one)")
+    a("--kv-port", type=int, default=0, help="side-channel port (default: a free one)")
+    a("--side-channel-host", default=None, help="remote_host to advertise (default: --host)")
+    a("--engine-id", default=None, help="default: a random uuid4")
+    a("--model", default="sim-model", help="served model name")
+    a("--block-size", type=int, default=16)
+    a("--num-blocks", type=int, default=4096, help="KV capacity in blocks")
+    a("--max-model-len", type=int, default=8192)
+    a("--default-max-tokens", type=int, default=64, help="cap on chat max_tokens when absent")
+    a("--bidirectional", action="store_true", help="vLLM's bidirectional_kv_xfer")
+    a("--decoder-kv-blocks-ttl", type=float, default=480.0)
+    a("--kv-lease-duration", type=float, default=30.0)
+    a("--kv-recompute-threshold", type=int, default=None, help="default: 64 if bidir else 0")
+    a("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
+    a("--stream-kv-params", action="store_true", help="vLLM PR #40186: params in final chunk")
+    a("--reasoning-tokens", type=int, default=0, help="first N output tokens are reasoning")
+    a("--prefill-ms-per-token", type=float, default=0.0)
+    a("--transfer-ms-per-block", type=float, default=0.0)
+    a("--decode-ms-per-token", type=float, default=0.0)
+    a("--max-num-seqs", type=int, default=256, help="concurrent requests; the rest queue")
+    a("--kv-events-port", type=int, default=None, help="ZMQ PUB port for KV events")
+    a("--kv-events-replay-port", type=int, default=None, help="ZMQ ROUTER replay port")
+    a("--kv-events-topic", default="kv-events")
+    a("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 (env VLLM_API_KEY)")
+    a("--enable-request-id-headers", action="store_true", help="echo X-Request-Id")
+    a("--sweep-interval", type=float, default=1.0, help="seconds between expired-pin sweeps")
+    return p
+
+
+def parse_settings(argv: Sequence[str] | None) -> SimSettings:
+    ns = build_parser().parse_args(argv)
+    host = ns.host
+    side_host = ns.side_channel_host or (host if host not in ("", "0.0.0.0", "::") else "127.0.0.1")
+    threshold = ns.kv_recompute_threshold
+    if threshold is None:
+        threshold = 64 if ns.bidirectional else 0
+    settings = SimSettings(
+        role=ns.role,
+        host=host,
+        port=ns.port,
+        kv_port=ns.kv_port,
+        side_channel_host=side_host,
+        engine_id=ns.engine_id or str(uuid.uuid4()),
+        model=ns.model,
+        block_size=ns.block_size,
+        num_blocks=ns.num_blocks,
+        max_model_len=ns.max_model_len,
+        default_max_tokens=ns.default_max_tokens,
+        bidirectional=ns.bidirectional,
+        decoder_kv_blocks_ttl=ns.decoder_kv_blocks_ttl,
+        kv_lease_duration=ns.kv_lease_duration,
+        kv_recompute_threshold=threshold,
+        kv_load_failure_policy=ns.kv_load_failure_policy,
+        stream_kv_params=ns.stream_kv_params,
+        reasoning_tokens=ns.reasoning_tokens,
+        prefill_ms_per_token=ns.prefill_ms_per_token,
+        transfer_ms_per_block=ns.transfer_ms_per_block,
+        decode_ms_per_token=ns.decode_ms_per_token,
+        max_num_seqs=ns.max_num_seqs,
+        kv_events_port=ns.kv_events_port,
+        kv_events_replay_port=ns.kv_events_replay_port,
+        kv_events_topic=ns.kv_events_topic,
+        api_key=ns.api_key or os.environ.get("VLLM_API_KEY") or None,
+        enable_request_id_headers=ns.enable_request_id_headers,
+        sweep_interval=ns.sweep_interval,
+    )
+    check(settings)
+    return settings
+
+
+def check(s: SimSettings) -> None:
+    """Reject settings the engine cannot honour (vLLM refuses to start on these too)."""
+    if s.block_size < 1 or s.max_model_len < 2 or s.max_num_seqs < 1:
+        raise SystemExit("block-size, max-model-len and max-num-seqs must be positive")
+    needed = -(-s.max_model_len // s.block_size) + 1
+    if s.num_blocks < needed:
+        raise SystemExit(
+            f"--num-blocks {s.num_blocks} cannot hold one max-model-len sequence "
+            f"({needed} blocks including the reserved null block)"
+        )

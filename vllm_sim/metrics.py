@@ -1,0 +1,156 @@
+"""Prometheus text for /metrics: vLLM 0.32 names and labels, plus `vllm_sim:` counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prompt_tokens_cached: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    nixl_failed_transfers: int = 0
+    nixl_failed_notifications: int = 0
+    nixl_kv_expired_reqs: int = 0
+    nixl_transfers: int = 0
+    nixl_bytes_transferred: int = 0
+    request_success: dict[str, int] = field(default_factory=dict)
+    by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    # simulator-only
+    sim_blocks_pinned: int = 0
+    sim_blocks_freed: int = 0
+    sim_blocks_expired: int = 0
+    sim_reads_served: int = 0
+    sim_reads_declined: int = 0
+    sim_reads_refused: int = 0
+    sim_notify_unknown: int = 0
+    sim_requests_failed: int = 0
+
+
+@dataclass(frozen=True)
+class Gauges:
+    kv_cache_usage: float
+    running: int
+    waiting: int
+    pinned_requests: int
+    pinned_blocks: int
+
+
+_VLLM_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("prompt_tokens", "vllm:prompt_tokens_total", "Number of prefill tokens processed."),
+    ("generation_tokens", "vllm:generation_tokens_total", "Number of generation tokens."),
+    ("prompt_tokens_cached", "vllm:prompt_tokens_cached_total", "Cached prompt tokens."),
+    ("prefix_cache_queries", "vllm:prefix_cache_queries_total", "Prefix cache queries (tokens)."),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits_total", "Prefix cache hits (tokens)."),
+    (
+        "external_prefix_cache_queries",
+        "vllm:external_prefix_cache_queries_total",
+        "External prefix cache queries (tokens).",
+    ),
+    (
+        "external_prefix_cache_hits",
+        "vllm:external_prefix_cache_hits_total",
+        "External prefix cache hits (tokens).",
+    ),
+    (
+        "nixl_failed_transfers",
+        "vllm:nixl_num_failed_transfers_total",
+        "Number of failed NIXL KV transfers.",
+    ),
+    (
+        "nixl_failed_notifications",
+        "vllm:nixl_num_failed_notifications_total",
+        "Number of failed NIXL notifications.",
+    ),
+    (
+        "nixl_kv_expired_reqs",
+        "vllm:nixl_num_kv_expired_reqs_total",
+        "Requests whose pinned KV blocks expired before being read.",
+    ),
+)
+
+_SIM_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("sim_blocks_pinned", "vllm_sim:blocks_pinned_total", "Blocks pinned for a remote reader."),
+    ("sim_blocks_freed", "vllm_sim:blocks_freed_total", "Pinned blocks freed by notification."),
+    ("sim_blocks_expired", "vllm_sim:blocks_expired_total", "Pinned blocks freed by expiry."),
+    ("sim_reads_served", "vllm_sim:reads_served_total", "Side-channel block reads served."),
+    ("sim_reads_declined", "vllm_sim:reads_declined_total", "Remote reads declined (expiry)."),
+    ("sim_reads_refused", "vllm_sim:reads_refused_total", "Side-channel reads refused (bad ids)."),
+    ("sim_notify_unknown", "vllm_sim:notify_unknown_total", "Free notifications for no pin."),
+    ("sim_requests_failed", "vllm_sim:requests_failed_total", "Requests failed by KV load."),
+)
+
+
+def _fmt(value: float) -> str:
+    return repr(float(value))
+
+
+def render(c: Counters, g: Gauges, model: str, cache_labels: dict[str, str]) -> str:
+    base = f'engine="0",model_name="{model}"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lines.append(f"{name}{{{labels}}} {_fmt(value)}")
+
+    for attr, name, help_ in _VLLM_COUNTERS:
+        metric(name, "counter", help_, [(base, getattr(c, attr))])
+    metric(
+        "vllm:prompt_tokens_by_source_total",
+        "counter",
+        "Prompt tokens by source.",
+        [(f'{base},source="{s}"', c.by_source[s]) for s in SOURCES],
+    )
+    metric(
+        "vllm:request_success_total",
+        "counter",
+        "Finished requests by finish reason.",
+        [(f'{base},finished_reason="{r}"', n) for r, n in sorted(c.request_success.items())],
+    )
+    for family, total in (
+        ("vllm:nixl_xfer_time_seconds", 0.0),
+        ("vllm:nixl_bytes_transferred", float(c.nixl_bytes_transferred)),
+    ):
+        lines.append(f"# TYPE {family} summary")
+        lines.append(f"{family}_count{{{base}}} {_fmt(c.nixl_transfers)}")
+        lines.append(f"{family}_sum{{{base}}} {_fmt(total)}")
+    metric(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage (1 = 100%).",
+        [(base, g.kv_cache_usage)],
+    )
+    metric("vllm:num_requests_running", "gauge", "Requests running.", [(base, g.running)])
+    metric("vllm:num_requests_waiting", "gauge", "Requests waiting.", [(base, g.waiting)])
+    info = ",".join(f'{k}="{v}"' for k, v in cache_labels.items())
+    metric(
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the LLMEngine CacheConfig.",
+        [(f'engine="0",{info}', 1)],
+    )
+    for attr, name, help_ in _SIM_COUNTERS:
+        metric(name, "counter", help_, [(base, getattr(c, attr))])
+    metric(
+        "vllm_sim:pinned_requests",
+        "gauge",
+        "Requests holding pinned blocks.",
+        [(base, g.pinned_requests)],
+    )
+    metric(
+        "vllm_sim:pinned_blocks",
+        "gauge",
+        "Blocks pinned for remote readers.",
+        [(base, g.pinned_blocks)],
+    )
+    lines.append("")
+    return "\n".join(lines)
