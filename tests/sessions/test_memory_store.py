@@ -1,0 +1,61 @@
+"""What only the in-memory store has: lazy expiry by its clock, a size bound, close."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sessions.memory_store import MemorySessionStore
+from sessions.model import SessionState
+from sessions.store import StoreError
+from tests.sessions.conftest import FakeClock
+
+STATE = SessionState(turn=1, api="chat", kv_transfer_params={"remote_num_tokens": 4})
+
+
+async def test_expiry_is_lazy_and_by_the_clock(clock: FakeClock) -> None:
+    store = MemorySessionStore(clock)
+    await store.commit("k", STATE, 0, 10.0)
+    clock.advance(9.0)
+    assert await store.claim("k", "req-1") is not None  # claim keeps the deadline
+    clock.advance(1.0)
+    assert len(store) == 1  # nothing happens until the key is touched
+    assert await store.claim("k", "req-2") is None
+    assert len(store) == 0
+    # An expired state counts as absent for the compare-and-set too.
+    assert await store.commit("k", STATE, 0, 10.0) is True
+
+
+async def test_size_is_bounded_oldest_commit_first(clock: FakeClock) -> None:
+    store = MemorySessionStore(clock, max_entries=2)
+    await store.commit("a", STATE, 0, 60.0)
+    await store.commit("b", STATE, 0, 60.0)
+    await store.commit("a", STATE, 1, 60.0)  # a is now the newest
+    await store.commit("c", STATE, 0, 60.0)
+    assert len(store) == 2
+    assert await store.get("b") is None
+    assert await store.get("a") is not None and await store.get("c") is not None
+
+
+@pytest.mark.parametrize(
+    ("method", "args"),
+    [
+        ("claim", ("k", "r")),
+        ("commit", ("k", STATE, 0, 1.0)),
+        ("release", ("k", "r")),
+        ("get", ("k",)),
+        ("delete", ("k",)),
+        ("ping", ()),
+    ],
+)
+async def test_closed_store_raises_store_error(method: str, args: tuple[Any, ...]) -> None:
+    store = MemorySessionStore()
+    await store.close()
+    with pytest.raises(StoreError, match="closed"):
+        await getattr(store, method)(*args)
+
+
+def test_max_entries_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_entries"):
+        MemorySessionStore(max_entries=0)

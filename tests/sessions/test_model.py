@@ -1,0 +1,249 @@
+"""The session rules, as tables: prefix checks, token verification, handle usability, next state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from sessions.model import (
+    SessionState,
+    block_digests,
+    conversation_digest,
+    handle_unusable_reason,
+    next_state,
+    prefix_extends,
+    sequence_digest,
+    text_digest,
+    verified_tokens,
+)
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+U1 = {"role": "user", "content": "What is 2+2?"}
+A1 = {"role": "assistant", "content": "4"}
+U2 = {"role": "user", "content": "And 3+3?"}
+HISTORY = [SYSTEM, U1, A1]
+PARAMS = {
+    "do_remote_decode": False,
+    "do_remote_prefill": True,
+    "remote_engine_id": "d-engine-1",
+    "remote_block_ids": [1, 2, 3],
+    "remote_request_id": "req-1",
+    "remote_host": "10.0.0.2",
+    "remote_port": 5600,
+    "tp_size": 1,
+    "remote_num_tokens": 10,
+}
+
+
+def chat_state(history: list[dict[str, Any]] = HISTORY) -> SessionState:
+    return SessionState(
+        turn=1,
+        api="chat",
+        prefix_digest=conversation_digest("chat", history),
+        prefix_len=len(history),
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "extends"),
+    [
+        ([*HISTORY, U2], True),  # faithful extension
+        ([*HISTORY, U2, {"role": "assistant", "content": "6"}, U2], True),
+        ([*HISTORY, {"role": "assistant", "content": "four"}], True),  # prefill continuation
+        (HISTORY, False),  # nothing new: not a strict extension
+        ([SYSTEM, U1], False),  # regenerated turn: the last answer dropped
+        ([SYSTEM, U1, {"role": "assistant", "content": "Four."}, U2], False),  # edited answer
+        ([SYSTEM, {"role": "user", "content": "What is 2+3?"}, A1, U2], False),  # edited question
+        ([{"role": "system", "content": "Be verbose."}, U1, A1, U2], False),  # new system prompt
+        ([U1, A1, U2, U2], False),  # system prompt removed
+        ([{**SYSTEM, "refusal": None}, U1, {**A1, "tool_calls": []}, U2], True),  # echo noise
+    ],
+)
+def test_prefix_extends_chat(messages: list[dict[str, Any]], extends: bool) -> None:
+    state = chat_state()
+    assert prefix_extends(state, "chat", items=messages) is extends
+
+
+def test_prefix_extends_text_and_guards() -> None:
+    state = SessionState(
+        api="completions", prefix_digest=text_digest("completions", "Once upon"), prefix_len=9
+    )
+    assert prefix_extends(state, "completions", text="Once upon a time")
+    assert not prefix_extends(state, "completions", text="Once upon")
+    assert not prefix_extends(state, "completions", text="Twice upon a time")
+    assert not prefix_extends(state, "chat", text="Once upon a time")  # api differs
+    assert not prefix_extends(state, "completions")  # neither items nor text
+    assert not prefix_extends(chat_state(), "responses", items=[*HISTORY, U2])
+    assert not prefix_extends(SessionState(api="chat"), "chat", items=[U1])  # nothing recorded
+
+
+BS = 4
+D_SEQ = list(range(100, 110))  # D holds KV for 10 tokens: blocks [0:4], [4:8], tail 8..9
+
+
+def token_state(seq: list[int] = D_SEQ, block_size: int = BS) -> SessionState:
+    return SessionState(
+        token_count=len(seq),
+        block_size=block_size,
+        block_digests=block_digests(seq, block_size),
+        seq_digest=sequence_digest(seq),
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "verified"),
+    [
+        ([*D_SEQ, 1, 2, 3], 10),  # full match: all of D's tokens, the partial block included
+        ([*D_SEQ, 1], 10),  # full match, one token left for the reader
+        ([*D_SEQ[:9], 999, 1, 2], 8),  # diverges mid-block in the tail: two full blocks
+        ([*D_SEQ[:6], 999, *D_SEQ[7:], 5], 4),  # diverges in block 1
+        ([999, *D_SEQ[1:], 5], 0),  # diverges in block 0
+        (D_SEQ, 8),  # not longer than D's: the full blocks that leave >= 1 token to compute
+        (D_SEQ[:8], 4),  # prompt ends on D's block boundary: last block left for the reader
+        (D_SEQ[:9], 8),
+        (D_SEQ[:5], 4),
+        (D_SEQ[:4], 0),
+        ([], 0),
+    ],
+)
+def test_verified_tokens(prompt: list[int], verified: int) -> None:
+    assert verified_tokens(token_state(), prompt) == verified
+
+
+def test_verified_tokens_without_blocks_or_state() -> None:
+    assert verified_tokens(token_state(block_size=0), [*D_SEQ, 1]) == 0
+    assert verified_tokens(SessionState(block_size=BS), [1, 2, 3, 4, 5, 6]) == 0
+    aligned = list(range(8))
+    # D's sequence block-aligned and the prompt longer: the whole of it.
+    assert verified_tokens(token_state(aligned), [*aligned, 1]) == 8
+
+
+def test_verified_tokens_never_reaches_the_last_prompt_token() -> None:
+    state = token_state()
+    for n in range(len(D_SEQ) + 3):
+        prompt = [*D_SEQ, 7, 7, 7][:n]
+        got = verified_tokens(state, prompt)
+        assert got <= max(n - 1, 0)
+        assert got == len(D_SEQ) or got % BS == 0
+
+
+NOW = 1_000.0
+USABLE = SessionState(api="chat", kv_transfer_params=PARAMS, handle_expires_at=NOW + 1)
+
+
+@pytest.mark.parametrize(
+    ("state", "api", "reason"),
+    [
+        (USABLE, "chat", ""),
+        (None, "chat", "no-session"),
+        (
+            msgspec.structs.replace(USABLE, kv_transfer_params=None, inflight="req-9"),
+            "chat",
+            "busy",
+        ),
+        (
+            msgspec.structs.replace(
+                USABLE, kv_transfer_params=None, no_handle_reason="stream-no-kv-params"
+            ),
+            "chat",
+            "stream-no-kv-params",
+        ),
+        (msgspec.structs.replace(USABLE, kv_transfer_params=None), "chat", "no-handle"),
+        (msgspec.structs.replace(USABLE, kv_transfer_params={}), "chat", "no-handle"),
+        (USABLE, "responses", "api-mismatch"),
+        (msgspec.structs.replace(USABLE, handle_expires_at=NOW), "chat", "expired"),
+        (msgspec.structs.replace(USABLE, handle_expires_at=0.0), "chat", "expired"),
+    ],
+)
+def test_handle_unusable_reason(state: SessionState | None, api: str, reason: str) -> None:
+    assert handle_unusable_reason(state, api, NOW) == reason
+
+
+def advance(prev: SessionState | None, **overrides: Any) -> SessionState:
+    args: dict[str, Any] = {
+        "api": "chat",
+        "prefill": "http://p1:8000",
+        "decode": "http://d1:8000",
+        "kv_transfer_params": PARAMS,
+        "no_handle_reason": "",
+        "prefix_digest": "ab" * 16,
+        "prefix_len": 4,
+        "token_ids": list(range(11)),
+        "block_size": BS,
+        "now": NOW,
+        "handle_ttl": 400.0,
+    }
+    args.update(overrides)
+    return next_state(prev, **args)
+
+
+def test_next_state_first_turn() -> None:
+    params = dict(PARAMS)
+    tokens = list(range(11))
+    state = advance(None, kv_transfer_params=params, token_ids=tokens)
+    assert state == SessionState(
+        turn=1,
+        api="chat",
+        prefill="http://p1:8000",
+        decode="http://d1:8000",
+        decode_engine_id="d-engine-1",
+        kv_transfer_params=PARAMS,
+        prefix_digest="ab" * 16,
+        prefix_len=4,
+        token_count=10,
+        block_size=BS,
+        block_digests=block_digests(tokens[:10], BS),
+        seq_digest=sequence_digest(tokens[:10]),
+        handle_expires_at=NOW + 400.0,
+        created_at=NOW,
+        updated_at=NOW,
+    )
+    assert len(state.block_digests) == 2
+    assert params == PARAMS and tokens == list(range(11))  # arguments untouched
+    assert state.kv_transfer_params is not params  # and not aliased
+    assert verified_tokens(state, [*tokens, 5]) == 10
+
+
+def test_next_state_keeps_created_and_counts_turns() -> None:
+    prev = msgspec.structs.replace(advance(None, now=10.0), turn=4, inflight="req-1")
+    state = advance(prev, now=50.0)
+    assert (state.turn, state.created_at, state.updated_at, state.inflight) == (5, 10.0, 50.0, "")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        # No handle (stock vLLM streaming): affinity and the prefix stay, nothing to read.
+        (
+            {"kv_transfer_params": None, "no_handle_reason": "stream-no-kv-params"},
+            {"token_count": 0, "block_digests": (), "seq_digest": "", "handle_expires_at": 0.0},
+        ),
+        ({"token_ids": None}, {"token_count": 10, "block_digests": (), "seq_digest": ""}),
+        # Fewer token ids than D claims to hold: cannot vouch for any of them.
+        ({"token_ids": list(range(9))}, {"block_digests": (), "seq_digest": ""}),
+        (
+            {"kv_transfer_params": {**PARAMS, "remote_num_tokens": None}},
+            {"token_count": 0, "block_digests": ()},
+        ),
+        ({"kv_transfer_params": {**PARAMS, "remote_num_tokens": True}}, {"token_count": 0}),
+        ({"kv_transfer_params": {"remote_num_tokens": 4}}, {"decode_engine_id": ""}),
+        ({"no_handle_reason": "ignored"}, {"no_handle_reason": ""}),
+        ({"block_size": 0}, {"block_digests": (), "block_size": 0}),
+    ],
+)
+def test_next_state_edges(overrides: dict[str, Any], expected: dict[str, Any]) -> None:
+    state = advance(None, **overrides)
+    assert {name: getattr(state, name) for name in expected} == expected
+    assert (state.prefill, state.decode, state.prefix_len) == (
+        "http://p1:8000",
+        "http://d1:8000",
+        4,
+    )
+
+
+def test_next_state_without_handle_reports_why() -> None:
+    state = advance(None, kv_transfer_params=None, no_handle_reason="stream-no-kv-params")
+    assert state.kv_transfer_params is None and state.decode_engine_id == ""
+    assert handle_unusable_reason(state, "chat", NOW) == "stream-no-kv-params"

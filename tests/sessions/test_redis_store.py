@@ -1,0 +1,168 @@
+"""What only the Redis store has: the readable key layout, failures as StoreError, scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from sessions.keys import conversation_key
+from sessions.model import SessionState
+from sessions.redis_store import RedisSessionStore
+from sessions.store import StoreError
+from tests.procs import free_port
+
+KEY = conversation_key("tenant-a", "conv-1")
+STATE = SessionState(
+    turn=1,
+    api="chat",
+    decode="http://d1:8000",
+    decode_engine_id="d-engine-1",
+    kv_transfer_params={"remote_engine_id": "d-engine-1", "remote_num_tokens": 40},
+    token_count=40,
+    created_at=1_732_934_400.0,
+    updated_at=1_732_934_400.0,
+)
+
+
+@pytest.fixture
+async def store(redis_url: str) -> AsyncIterator[RedisSessionStore]:
+    s = RedisSessionStore.from_url(redis_url)
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def raw(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def test_hash_is_readable_with_redis_cli(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    await store.commit(KEY, STATE, 0, 450.0)
+    assert await raw.keys("kvbaton:conv:*") == ["kvbaton:conv:{tenant-a:conv-1}"]
+    assert await raw.type(KEY) == "hash"
+    assert 0 < await raw.ttl(KEY) <= 450
+    fields = await raw.hgetall(KEY)
+    assert fields["turn"] == "1"
+    assert fields["decode"] == "http://d1:8000"
+    assert fields["decode_engine_id"] == "d-engine-1"
+    assert json.loads(fields["kv_transfer_params"]) == STATE.kv_transfer_params
+    assert fields["token_count"] == "40"
+    assert fields["created"] == "2024-11-30T02:40:00.000+00:00"
+    assert fields["updated_at"] == "1732934400.0"
+    assert list(fields)[:2] == ["turn", "api"]  # HGETALL keeps the documented order
+
+
+def store_calls(store: RedisSessionStore) -> list[Callable[[], Awaitable[Any]]]:
+    return [
+        lambda: store.claim(KEY, "req-1"),
+        lambda: store.commit(KEY, STATE, 0, 450.0),
+        lambda: store.release(KEY, "req-1"),
+        lambda: store.get(KEY),
+        lambda: store.delete(KEY),
+        store.ping,
+    ]
+
+
+@pytest.mark.parametrize("method", range(6))
+async def test_dead_redis_raises_store_error_fast(method: int) -> None:
+    store = RedisSessionStore(f"redis://127.0.0.1:{free_port()}/0")
+    started = time.monotonic()
+    with pytest.raises(StoreError):
+        await store_calls(store)[method]()
+    assert time.monotonic() - started < 1.0
+    await store.close()
+
+
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A server that accepts and never answers: a Redis too slow to be useful."""
+    await reader.read()
+    writer.close()
+
+
+@pytest.mark.parametrize("method", range(6))
+async def test_stalled_redis_raises_store_error_fast(method: int) -> None:
+    server = await asyncio.start_server(_silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisSessionStore(f"redis://127.0.0.1:{port}/0", socket_timeout=0.1)
+    started = time.monotonic()
+    with pytest.raises(StoreError):
+        await store_calls(store)[method]()
+    assert time.monotonic() - started < 1.0
+    await store.close()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        {"turn": "not-a-number", "api": "chat"},
+        {"api": "chat"},
+        {"turn": "1", "kv_transfer_params": "{oops"},
+        {"turn": "1", "created_at": "yesterday"},
+    ],
+)
+async def test_garbage_hash_is_a_store_error(
+    store: RedisSessionStore, raw: aioredis.Redis, garbage: dict[str, str]
+) -> None:
+    await raw.hset(KEY, mapping=dict(garbage.items()))
+    with pytest.raises(StoreError, match="get"):
+        await store.get(KEY)
+    with pytest.raises(StoreError, match="claim"):
+        await store.claim(KEY, "req-1")
+    # A commit over the stored turn replaces it (an unreadable turn counts as 0), so the
+    # conversation recovers instead of failing until the TTL.
+    expected = 1 if garbage.get("turn") == "1" else 0
+    assert await store.commit(KEY, STATE, expected, 450.0) is True
+    assert await store.get(KEY) == STATE
+
+
+async def test_wrong_type_is_a_store_error(store: RedisSessionStore, raw: aioredis.Redis) -> None:
+    await raw.set(KEY, "a string, not a hash")
+    for call in store_calls(store)[:4]:
+        with pytest.raises(StoreError):
+            await call()
+
+
+async def test_scripts_survive_script_flush(store: RedisSessionStore, raw: aioredis.Redis) -> None:
+    await store.commit(KEY, STATE, 0, 450.0)
+    await raw.script_flush()  # NOSCRIPT on the next EVALSHA: redis-py loads and retries
+    claimed = await store.claim(KEY, "req-1")
+    assert claimed == STATE
+    await raw.script_flush()
+    await store.release(KEY, "req-1")
+    await raw.script_flush()
+    assert await store.commit(KEY, STATE, 0, 450.0) is False
+    await raw.script_flush()
+    assert await store.commit(KEY, STATE, 1, 450.0) is True
+
+
+async def test_claim_is_one_round_trip(store: RedisSessionStore, raw: aioredis.Redis) -> None:
+    await store.commit(KEY, STATE, 0, 450.0)
+    await store.claim(KEY, "warm-up")  # EVALSHA may have needed a SCRIPT LOAD once
+    await raw.config_resetstat()
+    await store.claim(KEY, "req-1")
+    await store.commit(KEY, STATE, 1, 450.0)
+    stats = await raw.info("commandstats")
+    calls = {name: s["calls"] for name, s in stats.items() if name != "cmdstat_config"}
+    assert calls.get("cmdstat_evalsha") == 2
+    assert "cmdstat_eval" not in calls and "cmdstat_script|load" not in calls
+
+
+async def test_injected_client_is_left_open(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    store = RedisSessionStore(redis_url, client=client)
+    await store.ping()
+    await store.close()
+    assert await client.ping() is True
+    await client.aclose()

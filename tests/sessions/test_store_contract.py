@@ -1,0 +1,199 @@
+"""One contract for every SessionStore: the Redis store and the in-memory store pass it alike."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+from sessions.keys import conversation_key
+from sessions.memory_store import MemorySessionStore
+from sessions.model import SessionState, handle_unusable_reason
+from sessions.redis_store import RedisSessionStore
+from sessions.store import SessionStore
+from tests.sessions.conftest import FakeClock
+
+KEY = conversation_key("tenant-a", "conv-1")
+OTHER = conversation_key("tenant-b", "conv-1")
+TTL = 600.0
+
+
+@dataclass
+class Harness:
+    store: SessionStore
+    # Checks that key expires after about ttl_s (Redis: PTTL; memory: by moving the clock).
+    assert_ttl: Callable[[str, float], Awaitable[None]]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def harness(
+    request: pytest.FixtureRequest, clock: FakeClock, redis_url_session: str
+) -> AsyncIterator[Harness]:
+    if request.param == "memory":
+        memory = MemorySessionStore(clock)
+
+        async def memory_ttl(key: str, ttl_s: float) -> None:
+            clock.advance(ttl_s - 0.01)
+            assert await memory.get(key) is not None
+            clock.advance(0.01)
+            assert await memory.get(key) is None
+
+        yield Harness(memory, memory_ttl)
+        await memory.close()
+        return
+    # The async `redis_url` fixture cannot be requested lazily; flush here as it does.
+    raw = aioredis.Redis.from_url(redis_url_session)
+    await raw.flushall()
+    store = RedisSessionStore(redis_url_session)
+
+    async def redis_ttl(key: str, ttl_s: float) -> None:
+        pttl = await raw.pttl(key)
+        assert ttl_s * 1000 - 5_000 < pttl <= ttl_s * 1000
+
+    yield Harness(store, redis_ttl)
+    await store.close()
+    await raw.aclose()
+
+
+def state_with(params: dict[str, Any] | None, **fields: Any) -> SessionState:
+    base = SessionState(
+        turn=1,
+        api="chat",
+        prefill="http://p1:8000",
+        decode="http://d1:8000",
+        decode_engine_id="d-engine-1",
+        kv_transfer_params=params,
+        prefix_digest="ab" * 16,
+        prefix_len=3,
+        token_count=40,
+        block_size=16,
+        block_digests=("0123456789abcdef", "fedcba9876543210"),
+        seq_digest="cd" * 16,
+        handle_expires_at=1_700_000_400.0,
+        created_at=1_700_000_000.0,
+        updated_at=1_700_000_000.0,
+    )
+    return msgspec.structs.replace(base, **fields)
+
+
+async def test_absent_key(harness: Harness) -> None:
+    store = harness.store
+    assert await store.claim(KEY, "req-1") is None
+    assert await store.get(KEY) is None
+    assert await store.delete(KEY) is False
+    await store.release(KEY, "req-1")
+    assert await store.get(KEY) is None  # release never creates a state
+    await store.ping()
+
+
+async def test_commit_then_get(harness: Harness, params: dict[str, Any]) -> None:
+    state = state_with(params)
+    assert await harness.store.commit(KEY, state, 0, TTL) is True
+    assert await harness.store.get(KEY) == state
+    assert await harness.store.get(OTHER) is None
+
+
+async def test_claim_takes_the_handle(harness: Harness, params: dict[str, Any]) -> None:
+    store = harness.store
+    state = state_with(params)
+    await store.commit(KEY, state, 0, TTL)
+
+    first = await store.claim(KEY, "req-1")
+    assert first == state  # as it was, handle included
+    assert handle_unusable_reason(first, "chat", 1_700_000_001.0) == ""
+
+    second = await store.claim(KEY, "req-2")
+    assert second is not None
+    assert second.kv_transfer_params is None
+    assert second.inflight == "req-1"  # the holder, not the late comer
+    assert handle_unusable_reason(second, "chat", 1_700_000_001.0) == "busy"
+    # Only the handle went: affinity, digests and turn stay for the next turn.
+    assert second == state_with(None, inflight="req-1")
+    assert await store.get(KEY) == second
+
+
+async def test_claim_without_handle_changes_nothing(harness: Harness) -> None:
+    state = state_with(None, no_handle_reason="stream-no-kv-params")
+    await harness.store.commit(KEY, state, 0, TTL)
+    assert await harness.store.claim(KEY, "req-1") == state
+    assert await harness.store.get(KEY) == state
+
+
+async def test_concurrent_claims_single_use(harness: Harness, params: dict[str, Any]) -> None:
+    await harness.store.commit(KEY, state_with(params), 0, TTL)
+    claims = await asyncio.gather(*(harness.store.claim(KEY, f"req-{i}") for i in range(20)))
+    winners = [c for c in claims if c is not None and c.kv_transfer_params is not None]
+    assert len(winners) == 1
+    assert all(c is not None for c in claims)
+
+
+async def test_commit_is_compare_and_set(harness: Harness, params: dict[str, Any]) -> None:
+    store = harness.store
+    first = state_with(params, no_handle_reason="")
+    assert await store.commit(KEY, first, 0, TTL) is True
+    assert await store.commit(KEY, state_with(params, prefill="http://p9:8000"), 0, TTL) is False
+    assert await store.get(KEY) == first
+
+    await store.claim(KEY, "req-1")
+    second = state_with(None, turn=2, no_handle_reason="stream-no-kv-params", block_digests=())
+    assert await store.commit(KEY, second, 1, TTL) is True
+    # A slower turn that read turn 1 loses; the stored state is the whole committed one.
+    assert await store.commit(KEY, state_with(params, turn=2), 1, TTL) is False
+    assert await store.commit(KEY, state_with(params, turn=3), 3, TTL) is False
+    assert await store.get(KEY) == second
+
+
+async def test_concurrent_commits_one_wins(harness: Harness, params: dict[str, Any]) -> None:
+    candidates = [state_with(params, decode=f"http://d{i}:8000") for i in range(10)]
+    results = await asyncio.gather(*(harness.store.commit(KEY, s, 0, TTL) for s in candidates))
+    assert results.count(True) == 1
+    assert await harness.store.get(KEY) == candidates[results.index(True)]
+
+
+async def test_commit_sets_the_ttl(harness: Harness, params: dict[str, Any]) -> None:
+    await harness.store.commit(KEY, state_with(params), 0, 30.0)
+    await harness.store.commit(KEY, state_with(params, turn=2), 1, TTL)  # refreshed, not kept
+    await harness.store.claim(KEY, "req-1")  # claim and release keep it
+    await harness.store.release(KEY, "req-1")
+    await harness.assert_ttl(KEY, TTL)
+
+
+async def test_release(harness: Harness, params: dict[str, Any]) -> None:
+    store = harness.store
+    await store.commit(KEY, state_with(params), 0, TTL)
+    await store.claim(KEY, "req-1")
+    await store.release(KEY, "req-2")  # not the holder: no-op
+    held = await store.get(KEY)
+    assert held is not None and held.inflight == "req-1"
+
+    await store.release(KEY, "req-1")
+    released = await store.get(KEY)
+    assert released == state_with(None)  # the handle stays spent
+    assert handle_unusable_reason(released, "chat", 1_700_000_001.0) == "no-handle"
+
+
+async def test_delete(harness: Harness, params: dict[str, Any]) -> None:
+    await harness.store.commit(KEY, state_with(params), 0, TTL)
+    await harness.store.commit(OTHER, state_with(params), 0, TTL)
+    assert await harness.store.delete(KEY) is True
+    assert await harness.store.get(KEY) is None
+    assert await harness.store.delete(KEY) is False
+    assert await harness.store.get(OTHER) is not None
+    assert await harness.store.commit(KEY, state_with(params), 0, TTL) is True  # starts over
+
+
+async def test_stored_state_is_a_copy(harness: Harness, params: dict[str, Any]) -> None:
+    await harness.store.commit(KEY, state_with(params), 0, TTL)
+    params["remote_engine_id"] = "mutated"
+    got = await harness.store.get(KEY)
+    assert got is not None and got.kv_transfer_params is not None
+    got.kv_transfer_params["remote_port"] = 1
+    claimed = await harness.store.claim(KEY, "req-1")
+    assert claimed is not None and claimed.kv_transfer_params is not None
+    assert claimed.kv_transfer_params["remote_engine_id"] == "d-engine-1"
+    assert claimed.kv_transfer_params["remote_port"] == 5600
