@@ -13,10 +13,10 @@ MAX_CONVERSATION_ID = 128
 _CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
 
-def _digest(value: str) -> str:
-    # Keyed by purpose so a tenant id never equals another hash of the same secret.
-    h = hashlib.blake2b(value.encode(), digest_size=8, person=b"kvbaton-tenant")
-    return h.hexdigest()
+def _digest(value: str, person: bytes) -> str:
+    # Personalised per source, so a bearer token chosen equal to another tenant's header
+    # value does not land in that tenant, and no other hash of the secret matches.
+    return hashlib.blake2b(value.encode(), digest_size=8, person=person).hexdigest()
 
 
 def tenant_of(authorization: str | None, tenant_header_value: str | None = None) -> str:
@@ -25,12 +25,12 @@ def tenant_of(authorization: str | None, tenant_header_value: str | None = None)
     "default" when neither is present. The token itself is never returned or stored.
     """
     if tenant_header_value:
-        return _digest(tenant_header_value)
+        return _digest(tenant_header_value, b"kvbaton-header")
     if authorization:
         scheme, _, token = authorization.strip().partition(" ")
         secret = token.strip() if scheme.lower() == "bearer" else authorization.strip()
         if secret:
-            return _digest(secret)
+            return _digest(secret, b"kvbaton-token")
     return DEFAULT_TENANT
 
 

