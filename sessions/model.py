@@ -33,6 +33,8 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True):
     no_handle_reason: str = ""  # why the last turn left no handle, e.g. "stream-no-kv-params"
     prefix_digest: str = ""  # digest chain head over the canonical conversation D holds
     prefix_len: int = 0  # items or characters (completions) that prefix_digest covers
+    prompt_digest: str = ""  # the same chain over the last turn's prompt only (without D's answer)
+    prompt_len: int = 0  # items or characters that prompt_digest covers
     token_count: int = 0  # tokens D holds KV for (the handle's remote_num_tokens)
     block_size: int = 0
     block_digests: tuple[str, ...] = ()  # chained digest per full block of D's first tokens
@@ -123,6 +125,8 @@ def next_state(
     no_handle_reason: str,
     prefix_digest: str,
     prefix_len: int,
+    prompt_digest: str = "",
+    prompt_len: int = 0,
     token_ids: Sequence[int] | None,
     block_size: int,
     now: float,
@@ -146,6 +150,8 @@ def next_state(
         no_handle_reason="" if params else no_handle_reason,
         prefix_digest=prefix_digest,
         prefix_len=prefix_len,
+        prompt_digest=prompt_digest,
+        prompt_len=prompt_len,
         token_count=held,
         block_size=block_size,
         block_digests=blocks,
@@ -159,7 +165,7 @@ def next_state(
 
 # The Redis HASH encoding: one field per attribute, in this order (HGETALL keeps it).
 _JSON = msgspec.json.Encoder()
-_INT_FIELDS = ("turn", "prefix_len", "token_count", "block_size")
+_INT_FIELDS = ("turn", "prefix_len", "prompt_len", "token_count", "block_size")
 _FLOAT_FIELDS = ("handle_expires_at", "created_at", "updated_at")
 _STR_FIELDS = (
     "api",
@@ -168,6 +174,7 @@ _STR_FIELDS = (
     "decode_engine_id",
     "no_handle_reason",
     "prefix_digest",
+    "prompt_digest",
     "seq_digest",
     "inflight",
 )
@@ -193,6 +200,8 @@ def to_fields(state: SessionState) -> dict[str, str]:
         "no_handle_reason": state.no_handle_reason,
         "prefix_digest": state.prefix_digest,
         "prefix_len": str(state.prefix_len),
+        "prompt_digest": state.prompt_digest,
+        "prompt_len": str(state.prompt_len),
         "token_count": str(state.token_count),
         "block_size": str(state.block_size),
         "block_digests": " ".join(state.block_digests),

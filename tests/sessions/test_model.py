@@ -206,6 +206,12 @@ def test_next_state_first_turn() -> None:
     assert verified_tokens(state, [*tokens, 5]) == 10
 
 
+def test_next_state_records_the_prompt_digest() -> None:
+    assert (advance(None).prompt_digest, advance(None).prompt_len) == ("", 0)
+    state = advance(None, prompt_digest="cd" * 16, prompt_len=3)
+    assert (state.prompt_digest, state.prompt_len) == ("cd" * 16, 3)
+
+
 def test_next_state_keeps_created_and_counts_turns() -> None:
     prev = msgspec.structs.replace(advance(None, now=10.0), turn=4, inflight="req-1")
     state = advance(prev, now=50.0)
