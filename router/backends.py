@@ -1,0 +1,123 @@
+"""Engine instances by role: health, load, and placement with conversation affinity."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.errors import Unavailable
+from router.upstream import Upstream, UpstreamFailure
+
+log = logging.getLogger("kvbaton.backends")
+
+Role = Literal["prefill", "decode"]
+
+# A conversation stays on its previous instance unless that one has this many more requests
+# in flight than the least loaded one: its prefix cache is worth a little queueing.
+AFFINITY_SLACK = 8
+
+
+@dataclass
+class Instance:
+    url: str
+    role: Role
+    healthy: bool = True
+    outstanding: int = 0
+    failures: int = 0
+    block_size: int = 0
+    model: str = ""
+    draining: bool = False
+    last_error: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining
+
+
+@dataclass
+class Pool:
+    """All instances. Placement never awaits, so it is atomic on the event loop."""
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    unhealthy_after: int = 3
+    _by_role: dict[str, list[Instance]] = field(default_factory=dict)
+    _next: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._by_role = {
+            "prefill": [Instance(url, "prefill") for url in self.prefill_urls],
+            "decode": [Instance(url, "decode") for url in self.decode_urls],
+        }
+        self._next = {"prefill": 0, "decode": 0}
+
+    def instances(self, role: Role | None = None) -> list[Instance]:
+        if role is None:
+            return self._by_role["prefill"] + self._by_role["decode"]
+        return list(self._by_role[role])
+
+    def find(self, role: Role, url: str) -> Instance | None:
+        return next((i for i in self._by_role[role] if i.url == url), None)
+
+    def pick(self, role: Role, prefer: str = "", exclude: Collection[str] = ()) -> Instance:
+        """The preferred instance if usable and not overloaded, else the least loaded one."""
+        candidates = [i for i in self._by_role[role] if i.usable and i.url not in exclude]
+        if not candidates:
+            raise Unavailable(f"no healthy {role} instance is available")
+        least = min(i.outstanding for i in candidates)
+        if prefer:
+            for inst in candidates:
+                if inst.url == prefer and inst.outstanding <= least + AFFINITY_SLACK:
+                    return inst
+        tied = [i for i in candidates if i.outstanding == least]
+        start = self._next[role]
+        self._next[role] = start + 1
+        return tied[start % len(tied)]
+
+    @contextlib.contextmanager
+    def busy(self, inst: Instance) -> Iterator[Instance]:
+        inst.outstanding += 1
+        try:
+            yield inst
+        finally:
+            inst.outstanding -= 1
+
+    def record_success(self, inst: Instance) -> None:
+        inst.failures = 0
+
+    def record_failure(self, inst: Instance, reason: str) -> None:
+        inst.failures += 1
+        inst.last_error = reason
+        if inst.healthy and inst.failures >= self.unhealthy_after:
+            inst.healthy = False
+            log.warning(
+                "ejected %s instance %s after %d failures: %s",
+                inst.role,
+                inst.url,
+                inst.failures,
+                reason,
+            )
+
+
+async def probe(upstream: Upstream, inst: Instance, timeout: float) -> bool:
+    try:
+        status, _ = await upstream.get(inst.url + "/health", timeout=timeout)
+    except UpstreamFailure as exc:
+        inst.last_error = str(exc)
+        return False
+    return status == 200
+
+
+async def health_loop(pool: Pool, upstream: Upstream, interval: float) -> None:
+    """Re-admit ejected instances whose /health answers 200 again."""
+    while True:
+        await asyncio.sleep(interval)
+        for inst in pool.instances():
+            if not inst.healthy and await probe(upstream, inst, timeout=interval):
+                inst.healthy = True
+                inst.failures = 0
+                log.info("re-admitted %s instance %s", inst.role, inst.url)

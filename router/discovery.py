@@ -1,0 +1,72 @@
+"""Start-up checks: every instance serves the same model; learn the KV block size."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import msgspec
+
+from router.backends import Instance
+from router.services import Services
+from router.upstream import UpstreamFailure
+
+log = logging.getLogger("kvbaton.discovery")
+
+# vLLM exports its cache config as labels of an info metric (measured on 0.32).
+_BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+
+
+class StartupError(RuntimeError):
+    """The engines do not form a valid deployment (e.g. different models)."""
+
+
+async def inspect(svc: Services, inst: Instance) -> None:
+    """Fill in the instance's model and block size; mark it unhealthy if it cannot answer."""
+    timeout = svc.settings.connect_timeout + 5.0
+    try:
+        status, raw = await svc.upstream.get(inst.url + "/v1/models", timeout=timeout)
+        if status != 200:
+            raise UpstreamFailure(f"/v1/models answered {status}")
+        data = msgspec.json.decode(raw).get("data") or []
+        inst.model = str(data[0]["id"]) if data else ""
+        status, metrics = await svc.upstream.get(inst.url + "/metrics", timeout=timeout)
+    except (UpstreamFailure, msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
+        inst.healthy = False
+        inst.last_error = f"start-up check failed: {exc}"
+        log.warning("%s instance %s is not answering at start: %s", inst.role, inst.url, exc)
+        return
+    match = _BLOCK_SIZE.search(metrics) if status == 200 else None
+    inst.block_size = int(match.group(1)) if match else 0
+
+
+async def discover(svc: Services) -> None:
+    """Check all instances; refuse to start when they serve different models."""
+    if not svc.settings.check_models:
+        svc.model = svc.settings.model
+        svc.block_size = svc.settings.block_size
+        return
+    instances = svc.pool.instances()
+    await asyncio.gather(*(inspect(svc, inst) for inst in instances))
+    models = {inst.model for inst in instances if inst.model}
+    if svc.settings.model:
+        models.add(svc.settings.model)
+    if len(models) > 1:
+        detail = ", ".join(f"{i.url}={i.model or '?'}" for i in instances)
+        raise StartupError(f"instances serve different models: {detail}")
+    svc.model = models.pop() if models else ""
+    sizes = {inst.block_size for inst in instances if inst.block_size}
+    if svc.settings.block_size:
+        svc.block_size = svc.settings.block_size
+    elif len(sizes) == 1:
+        svc.block_size = sizes.pop()
+    elif sizes:
+        raise StartupError(f"instances use different KV block sizes: {sorted(sizes)}")
+    log.info(
+        "model %r, block size %s, %d prefill and %d decode instances",
+        svc.model,
+        svc.block_size or "unknown",
+        len(svc.settings.prefill),
+        len(svc.settings.decode),
+    )

@@ -1,0 +1,143 @@
+"""The client's request, read once and validated: what the router routes on, and nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from router.errors import BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
+from router.identity import tenant_of, validate_conversation_id
+from router.rewrite import client_wants_token_ids, split_client_body
+
+Api = Literal["chat", "completions"]
+
+_decoder = msgspec.json.Decoder()
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A validated client request. `body` is what the engines get (router fields stripped)."""
+
+    api: Api
+    body: dict[str, Any]
+    stream: bool
+    conversation_id: str | None
+    tenant: str
+    wants_token_ids: bool
+
+    @property
+    def messages(self) -> list[Any]:
+        messages: list[Any] = self.body["messages"]
+        return messages
+
+    @property
+    def prompt(self) -> str | list[int]:
+        """The single completions prompt: text, or token ids."""
+        prompt = self.body["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        return prompt  # type: ignore[no-any-return]
+
+
+def check_content_type(content_type: str | None) -> None:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise UnsupportedMediaType(
+            "Unsupported Media Type: only 'application/json' is allowed",
+            code="unsupported_media_type",
+        )
+
+
+def decode_json(raw: bytes, max_bytes: int) -> dict[str, Any]:
+    if len(raw) > max_bytes:
+        raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {max_bytes}")
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _check_messages(body: Mapping[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(
+                f"messages[{index}] must be an object with a string 'role'", param="messages"
+            )
+
+
+def _check_prompt(body: Mapping[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return
+        if len(prompt) == 1 and isinstance(prompt[0], str | list):
+            return
+        raise BadRequest(
+            "P/D routing serves one prompt per request: send a batch of prompts as separate "
+            "requests",
+            param="prompt",
+        )
+    raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def _check_common(body: Mapping[str, Any], model: str) -> bool:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        # vLLM's P/D handoff carries one sequence's KV: n > 1 cannot be split over P and D.
+        raise BadRequest("P/D routing serves n=1 only", param="n")
+    requested = body.get("model")
+    if requested is not None and not isinstance(requested, str):
+        raise BadRequest("'model' must be a string", param="model")
+    if requested and model and requested != model:
+        raise NotFound(
+            f"The model `{requested}` does not exist.", code="model_not_found", param="model"
+        )
+    return stream
+
+
+def read_incoming(
+    raw: bytes,
+    headers: Mapping[str, str],
+    *,
+    api: Api,
+    model: str,
+    max_bytes: int,
+    tenant_header: str = "",
+) -> Incoming:
+    """Validate the client's request; raise a RouterError with the right status otherwise."""
+    check_content_type(headers.get("content-type"))
+    body, conversation_id = split_client_body(decode_json(raw, max_bytes))
+    if api == "chat":
+        _check_messages(body)
+    else:
+        _check_prompt(body)
+    stream = _check_common(body, model)
+    if conversation_id is None:
+        conversation_id = headers.get("x-conversation-id")
+    if conversation_id is not None:
+        conversation_id = validate_conversation_id(conversation_id)
+    tenant = tenant_of(
+        headers.get("authorization"), headers.get(tenant_header) if tenant_header else None
+    )
+    return Incoming(
+        api=api,
+        body=body,
+        stream=stream,
+        conversation_id=conversation_id,
+        tenant=tenant,
+        wants_token_ids=client_wants_token_ids(body),
+    )

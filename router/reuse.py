@@ -1,0 +1,193 @@
+"""Claim a conversation's handle and verify it against the new prompt before any read.
+
+A read of D's blocks for a prompt that is not an exact token extension of D's sequence
+answers wrongly with HTTP 200 and poisons P's prefix cache (vllm#43094; measured on 0.32).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
+
+from router import handoff
+from router.incoming import Incoming
+from router.services import Services
+from router.upstream import UpstreamFailure
+from sessions import model as sm
+from sessions.keys import conversation_key
+from sessions.model import SessionState
+from sessions.store import StoreError
+
+log = logging.getLogger("kvbaton.reuse")
+
+# Fields of a chat request that change how /tokenize renders the prompt.
+_TOKENIZE_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+)
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """The `X-KV-Reuse` verdict: hit, or miss/skip with a reason."""
+
+    outcome: str
+    reason: str = ""
+    tokens: int = 0
+
+    def header(self) -> str:
+        return f"{self.outcome};reason={self.reason}" if self.reason else self.outcome
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A conversation's state as claimed, and what the P leg may read."""
+
+    key: str | None
+    state: SessionState | None
+    reuse: Reuse
+    params: dict[str, Any] | None = None
+    claimed: bool = False
+
+    def miss(self, reason: str) -> Claim:
+        return replace(self, reuse=Reuse("miss", reason), params=None)
+
+
+async def claim(svc: Services, inc: Incoming, request_id: str) -> Claim:
+    """Take the conversation's handle from the store (single use), or say why not."""
+    if inc.conversation_id is None:
+        return Claim(None, None, Reuse("skip", "no-conversation-id"))
+    key = conversation_key(inc.tenant, inc.conversation_id)
+    try:
+        state = await svc.guard.call(lambda: svc.store.claim(key, request_id))
+    except StoreError:
+        return Claim(key, None, Reuse("miss", "store-unavailable"))
+    reason = sm.handle_unusable_reason(state, inc.api, svc.clock())
+    if state is not None and not reason:
+        reason = _placement_reason(svc, state)
+    if reason:
+        return Claim(key, state, Reuse("miss", reason), claimed=state is not None)
+    assert state is not None and state.kv_transfer_params is not None
+    return Claim(
+        key,
+        state,
+        Reuse("hit", tokens=state.token_count),
+        params=handoff.hit_params(state.kv_transfer_params),
+        claimed=True,
+    )
+
+
+def _placement_reason(svc: Services, state: SessionState) -> str:
+    """A handle naming an instance the router no longer routes to is not used."""
+    inst = svc.pool.find("decode", state.decode)
+    if inst is None:
+        return "decode-removed"
+    if not inst.healthy:
+        return "decode-unhealthy"
+    return ""
+
+
+def _prefix_verdict(inc: Incoming, state: SessionState) -> str:
+    """'extends', 'diverges-late' (inside D's last answer: tokens decide), or 'mismatch'."""
+    if inc.api == "chat":
+        items = inc.messages
+        if sm.prefix_extends(state, inc.api, items=items):
+            return "extends"
+        late = (
+            state.prompt_len > 0
+            and len(items) > state.prefix_len
+            and items[state.prompt_len].get("role") == "assistant"
+            and sm.prefix_extends(
+                replace_digest(state), inc.api, items=items[: state.prompt_len + 1]
+            )
+        )
+        return "diverges-late" if late else "mismatch"
+    prompt = inc.prompt
+    if not isinstance(prompt, str):
+        return "extends"  # token-id prompts are compared token by token
+    if sm.prefix_extends(state, inc.api, text=prompt):
+        return "extends"
+    if (
+        state.prompt_len > 0
+        and len(prompt) > state.prefix_len
+        and sm.prefix_extends(replace_digest(state), inc.api, text=prompt[: state.prompt_len + 1])
+    ):
+        return "diverges-late"
+    return "mismatch"
+
+
+def replace_digest(state: SessionState) -> SessionState:
+    """The state seen as covering only the prompt of its last turn (without D's answer)."""
+    return msgspec.structs.replace(
+        state, prefix_digest=state.prompt_digest, prefix_len=state.prompt_len
+    )
+
+
+def tokenize_body(inc: Incoming, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": inc.body.get("model") or model}
+    if inc.api == "chat":
+        body["messages"] = inc.messages
+        body["add_generation_prompt"] = True
+        body.update({k: inc.body[k] for k in _TOKENIZE_CHAT_FIELDS if k in inc.body})
+    else:
+        body["prompt"] = inc.prompt
+        if "add_special_tokens" in inc.body:
+            body["add_special_tokens"] = inc.body["add_special_tokens"]
+    return body
+
+
+async def prompt_token_ids(
+    svc: Services, inc: Incoming, prefill_url: str, request_id: str
+) -> list[int] | None:
+    """The new prompt as the chosen P renders it (its own /tokenize), or None on failure."""
+    if inc.api == "completions" and not isinstance(inc.prompt, str):
+        return list(inc.prompt)
+    try:
+        status, raw = await svc.upstream.post_json(
+            prefill_url + "/tokenize",
+            tokenize_body(inc, svc.model),
+            request_id=request_id,
+            timeout=svc.settings.prefill_timeout,
+        )
+        tokens = msgspec.json.decode(raw).get("tokens") if status == 200 else None
+    except (UpstreamFailure, msgspec.DecodeError, AttributeError) as exc:
+        log.warning("tokenize on %s failed: %s", prefill_url, exc)
+        return None
+    if not isinstance(tokens, list):
+        return None
+    return tokens
+
+
+async def verify(
+    svc: Services, inc: Incoming, found: Claim, prefill_url: str, request_id: str
+) -> Claim:
+    """Keep the hit only for the longest verified prefix of D's sequence."""
+    if found.params is None or found.state is None:
+        return found
+    state = found.state
+    verdict = _prefix_verdict(inc, state)
+    if verdict == "mismatch":
+        return found.miss("prefix-mismatch")
+    if svc.settings.verify_prefix == "digest":
+        return found if verdict == "extends" else found.miss("prefix-mismatch")
+    if not state.block_digests and not state.seq_digest:
+        return found.miss("no-token-digests")
+    tokens = await prompt_token_ids(svc, inc, prefill_url, request_id)
+    if tokens is None:
+        return found.miss("tokenize-failed")
+    verified = sm.verified_tokens(state, tokens)
+    floor = max(svc.settings.min_reuse_tokens, state.block_size, 1)
+    if verified < floor:
+        return found.miss("prefix-mismatch")
+    if verified >= state.token_count:
+        return found
+    params = handoff.truncate(found.params, verified, state.block_size)
+    return replace(found, params=params, reuse=Reuse("hit", tokens=verified))

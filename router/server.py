@@ -1,0 +1,54 @@
+"""`kvbaton serve`: the router app on Hypercorn, with graceful shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
+
+from router.app import create_app
+from router.config import ConfigError, Settings, load_settings
+from router.discovery import StartupError
+
+
+def hypercorn_config(settings: Settings) -> Config:
+    config = Config()
+    config.bind = [f"{settings.host}:{settings.port}"]
+    config.graceful_timeout = settings.shutdown_grace
+    config.keep_alive_timeout = 75.0
+    config.accesslog = None
+    config.errorlog = "-"
+    config.loglevel = settings.log_level.upper()
+    return config
+
+
+async def run(settings: Settings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    app = create_app(settings)
+    await serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    try:
+        settings = load_settings(argv)
+    except ConfigError as exc:
+        print(f"kvbaton serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        asyncio.run(run(settings))
+    except StartupError as exc:
+        print(f"kvbaton serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,69 @@
+"""E2E fixtures: simulator P and D, a from-scratch reference instance, and routers."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from tests.e2e.harness import RouterProc, router
+from tests.procs import SimProc, sim
+
+BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
+
+
+@dataclass
+class Stack:
+    p: SimProc
+    d: SimProc
+    ref: SimProc
+    router: RouterProc
+    redis_url: str
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample on an instance's /metrics, filtered by labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        match = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(match.group(3))
+    return total
+
+
+def pulled(url: str) -> float:
+    return metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url_session: str) -> Iterator[Stack]:
+    with (
+        sim("prefill", *BIDIR, name="e2e-p") as p,
+        sim("decode", *BIDIR, "--stream-kv-params", name="e2e-d") as d,
+        sim("decode", name="e2e-ref") as ref,
+        router([p.url], [d.url], "--stream-kv-params", redis_url=redis_url_session) as r,
+    ):
+        yield Stack(p, d, ref, r, redis_url_session)
+
+
+@pytest.fixture(scope="module")
+def stack_reasoning(redis_url_session: str) -> Iterator[Stack]:
+    """Engines whose template drops reasoning from earlier turns (vllm#43094)."""
+    think = ("--reasoning-tokens", "8")
+    with (
+        sim("prefill", *BIDIR, *think, name="think-p") as p,
+        sim("decode", *BIDIR, *think, name="think-d") as d,
+        sim("decode", *think, name="think-ref") as ref,
+        router([p.url], [d.url], redis_url=redis_url_session) as r,
+    ):
+        yield Stack(p, d, ref, r, redis_url_session)

@@ -1,0 +1,127 @@
+"""The OpenAI SDK holds multi-turn conversations through kvbaton: turns 2+ hit, P pulls the
+prefix from D, and every answer equals the from-scratch answer of a fresh instance."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import openai
+import pytest
+import redis
+
+from tests.e2e.conftest import Stack, pulled
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = "You are a terse assistant that answers in short words about the weather and tea."
+
+
+def client(url: str, **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="test-key", max_retries=0, **kw)
+
+
+def reference_chat(stack: Stack, messages: list[dict[str, str]], max_tokens: int) -> str:
+    ref = client(stack.ref.url + "/v1")
+    out = ref.chat.completions.create(model="sim-model", messages=messages, max_tokens=max_tokens)  # type: ignore[arg-type]
+    return out.choices[0].message.content or ""
+
+
+def chat_turn(
+    api: openai.OpenAI, messages: list[dict[str, str]], *, stream: bool, cid: str | None,
+    max_tokens: int = 24,
+) -> tuple[str, str]:
+    """One turn; returns (answer, X-KV-Reuse)."""
+    extra = {"conversation_id": cid} if cid else None
+    if stream:
+        with api.chat.completions.with_streaming_response.create(
+            model="sim-model", messages=messages, max_tokens=max_tokens, stream=True,  # type: ignore[arg-type]
+            extra_body=extra,
+        ) as resp:
+            reuse = resp.headers["x-kv-reuse"]
+            text = "".join(
+                chunk.choices[0].delta.content or ""
+                for chunk in resp.parse()
+                if chunk.choices
+            )
+        return text, reuse
+    raw = api.chat.completions.with_raw_response.create(
+        model="sim-model", messages=messages, max_tokens=max_tokens, extra_body=extra,  # type: ignore[arg-type]
+    )
+    return raw.parse().choices[0].message.content or "", raw.headers["x-kv-reuse"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_five_turn_chat_hits_and_answers_exactly(stack: Stack, stream: bool) -> None:
+    api = client(stack.router.base_url)
+    cid = f"conv-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": SYSTEM}]
+    for turn in range(1, 6):
+        messages.append({"role": "user", "content": f"Question {turn}: is it going to rain today?"})
+        before = pulled(stack.p.url)
+        answer, reuse = chat_turn(api, messages, stream=stream, cid=cid)
+        assert answer == reference_chat(stack, messages, 24), f"turn {turn}"
+        if turn == 1:
+            assert reuse == "miss;reason=no-session"
+        else:
+            assert reuse == "hit", f"turn {turn}: {reuse}"
+            assert pulled(stack.p.url) > before, f"turn {turn}: P pulled nothing from D"
+        messages.append({"role": "assistant", "content": answer})
+
+
+def test_conversation_id_by_header(stack: Stack) -> None:
+    cid = f"hdr-{uuid.uuid4().hex[:8]}"
+    api = client(stack.router.base_url, default_headers={"X-Conversation-Id": cid})
+    messages = [{"role": "user", "content": "Tell me about tea and the weather please."}]
+    answer, reuse = chat_turn(api, messages, stream=False, cid=None)
+    assert reuse == "miss;reason=no-session"
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "More?"}]
+    answer2, reuse2 = chat_turn(api, messages, stream=False, cid=None)
+    assert reuse2 == "hit"
+    assert answer2 == reference_chat(stack, messages, 24)
+
+
+def test_without_conversation_id_is_skip(stack: Stack) -> None:
+    api = client(stack.router.base_url)
+    answer, reuse = chat_turn(api, [{"role": "user", "content": "hello"}], stream=False, cid=None)
+    assert reuse == "skip;reason=no-conversation-id"
+    assert answer == reference_chat(stack, [{"role": "user", "content": "hello"}], 24)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_completions_conversation(stack: Stack, stream: bool) -> None:
+    api = client(stack.router.base_url)
+    ref = client(stack.ref.url + "/v1")
+    cid = f"cmpl-{uuid.uuid4().hex[:8]}"
+    prompt = "The weather report for the coming week says"
+    for turn in range(1, 6):
+        kwargs: dict[str, Any] = {"model": "sim-model", "prompt": prompt, "max_tokens": 24,
+                                  "extra_body": {"conversation_id": cid}}
+        if stream:
+            with api.completions.with_streaming_response.create(stream=True, **kwargs) as resp:
+                reuse = resp.headers["x-kv-reuse"]
+                text = "".join(c.choices[0].text for c in resp.parse() if c.choices)
+        else:
+            raw = api.completions.with_raw_response.create(**kwargs)
+            reuse, text = raw.headers["x-kv-reuse"], raw.parse().choices[0].text
+        expected = ref.completions.create(model="sim-model", prompt=prompt, max_tokens=24)
+        assert text == expected.choices[0].text
+        assert reuse == ("miss;reason=no-session" if turn == 1 else "hit"), f"turn {turn}"
+        prompt = prompt + text + f" and then on day {turn} it"
+
+
+def test_session_is_readable_with_redis_cli_fields(stack: Stack) -> None:
+    api = client(stack.router.base_url, api_key="tenant-a-key")
+    cid = f"redis-{uuid.uuid4().hex[:8]}"
+    chat_turn(api, [{"role": "user", "content": "Is it sunny?"}], stream=False, cid=cid)
+    r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    keys = r.keys(f"kvbaton:conv:{{*:{cid}}}")
+    assert len(keys) == 1
+    fields = r.hgetall(keys[0])
+    assert fields["turn"] == "1"
+    assert fields["decode"] == stack.d.url
+    assert fields["prefill"] == stack.p.url
+    assert '"remote_engine_id"' in fields["kv_transfer_params"]
+    assert int(fields["token_count"]) > 0
+    assert 0 < r.ttl(keys[0]) <= 3600
+    r.close()

@@ -1,0 +1,81 @@
+"""The prefix guard: edited history, regenerated turns and changed system prompts never read
+D's KV; a late divergence reuses only the verified block-aligned prefix; answers stay exact
+and P's prefix cache is never poisoned."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.e2e.conftest import Stack, pulled
+from tests.e2e.test_conversation import SYSTEM, chat_turn, client, reference_chat
+
+pytestmark = pytest.mark.e2e
+
+
+def two_turns(stack: Stack, cid: str) -> list[dict[str, str]]:
+    """Turn 1 of a conversation; returns the history including D's answer."""
+    api = client(stack.router.base_url)
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is the weather like in the hills this morning?"},
+    ]
+    answer, reuse = chat_turn(api, messages, stream=False, cid=cid, max_tokens=40)
+    assert reuse == "miss;reason=no-session"
+    return [*messages, {"role": "assistant", "content": answer}]
+
+
+@pytest.mark.parametrize("edit", ["system", "first-user", "regenerate"])
+def test_edited_history_is_a_prefix_mismatch(stack: Stack, edit: str) -> None:
+    cid = f"edit-{uuid.uuid4().hex[:8]}"
+    history = two_turns(stack, cid)
+    if edit == "system":
+        messages = [{"role": "system", "content": "You are verbose."}, *history[1:]]
+        messages.append({"role": "user", "content": "And tomorrow?"})
+    elif edit == "first-user":
+        messages = [history[0], {"role": "user", "content": "Different question."}, history[2]]
+        messages.append({"role": "user", "content": "And tomorrow?"})
+    else:
+        messages = history[:2]  # regenerate: the same prompt again
+    before = pulled(stack.p.url)
+    answer, reuse = chat_turn(client(stack.router.base_url), messages, stream=False, cid=cid,
+                              max_tokens=40)
+    assert reuse == "miss;reason=prefix-mismatch"
+    assert answer == reference_chat(stack, messages, 40)
+    assert pulled(stack.p.url) == before
+
+
+def test_late_divergence_reuses_only_the_verified_prefix(stack: Stack) -> None:
+    cid = f"late-{uuid.uuid4().hex[:8]}"
+    history = two_turns(stack, cid)
+    words = history[2]["content"].split(" ")
+    edited = " ".join(words[: len(words) - 3] + ["tea", "tea", "tea"])
+    messages = [*history[:2], {"role": "assistant", "content": edited},
+                {"role": "user", "content": "Thanks. And in the evening?"}]
+    answer, reuse = chat_turn(client(stack.router.base_url), messages, stream=False, cid=cid,
+                              max_tokens=40)
+    assert reuse == "hit"
+    assert answer == reference_chat(stack, messages, 40)
+    # The same prompt again, without any handle: P's prefix cache must not be poisoned.
+    again, reuse2 = chat_turn(client(stack.router.base_url), messages, stream=False, cid=None,
+                              max_tokens=40)
+    assert reuse2 == "skip;reason=no-conversation-id"
+    assert again == answer
+
+
+def test_reasoning_template_is_caught_by_tokens(stack_reasoning: Stack) -> None:
+    """A template that drops reasoning from history (vllm#43094): the digest matches, the
+    tokens do not; only the verified prefix is read and the answer stays exact."""
+    stack = stack_reasoning
+    api = client(stack.router.base_url)
+    cid = f"think-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Will it rain on the tea fields tonight?"}]
+    for turn in range(1, 4):
+        answer, reuse = chat_turn(api, messages, stream=False, cid=cid, max_tokens=40)
+        assert answer == reference_chat(stack, messages, 40), f"turn {turn}"
+        if turn > 1:
+            assert reuse in ("hit", "miss;reason=prefix-mismatch")
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": f"And after {turn} hours?"}]

@@ -1,0 +1,55 @@
+"""Single use under concurrency, and two router replicas sharing one Redis."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from tests.e2e.conftest import Stack
+from tests.e2e.harness import router
+from tests.e2e.test_conversation import chat_turn, client, reference_chat
+
+pytestmark = pytest.mark.e2e
+
+
+def test_concurrent_turns_use_the_handle_at_most_once(stack: Stack) -> None:
+    cid = f"race-{uuid.uuid4().hex[:8]}"
+    api = client(stack.router.base_url)
+    messages = [{"role": "user", "content": "Describe the rain on the hills."}]
+    answer, _ = chat_turn(api, messages, stream=False, cid=cid)
+    follow = [*messages, {"role": "assistant", "content": answer}]
+
+    def turn(i: int) -> tuple[str, str, list[dict[str, str]]]:
+        msgs = [*follow, {"role": "user", "content": f"Variant {i}: and the tea?"}]
+        text, reuse = chat_turn(client(stack.router.base_url), msgs, stream=False, cid=cid)
+        return text, reuse, msgs
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(turn, range(4)))
+    reuses = [r for _, r, _ in results]
+    assert reuses.count("hit") <= 1, reuses
+    assert all(r == "hit" or r.startswith("miss;reason=") for r in reuses), reuses
+    for text, _, msgs in results:
+        assert text == reference_chat(stack, msgs, 24)
+    r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    (key,) = r.keys(f"kvbaton:conv:{{*:{cid}}}")
+    assert r.hget(key, "turn") == "2"  # exactly one of the four turns committed on turn 1
+    assert r.hget(key, "inflight") == ""
+    r.close()
+
+
+def test_two_routers_share_sessions(stack: Stack) -> None:
+    with router([stack.p.url], [stack.d.url], "--stream-kv-params",
+                redis_url=stack.redis_url, name="router-b") as second:
+        cid = f"pair-{uuid.uuid4().hex[:8]}"
+        messages = [{"role": "user", "content": "What about the weather at sea?"}]
+        answer, reuse = chat_turn(client(stack.router.base_url), messages, stream=False, cid=cid)
+        assert reuse == "miss;reason=no-session"
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "And on land?"}]
+        answer2, reuse2 = chat_turn(client(second.base_url), messages, stream=False, cid=cid)
+        assert reuse2 == "hit"
+        assert answer2 == reference_chat(stack, messages, 24)
