@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -27,6 +27,7 @@ class Incoming:
     conversation_id: str | None
     tenant: str
     wants_token_ids: bool
+    forward_headers: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def messages(self) -> list[Any]:
@@ -126,8 +127,7 @@ def read_incoming(
     else:
         _check_prompt(body)
     stream = _check_common(body, model)
-    if conversation_id is None:
-        conversation_id = headers.get("x-conversation-id")
+    conversation_id = _conversation_id(body, headers, conversation_id)
     if conversation_id is not None:
         conversation_id = validate_conversation_id(conversation_id)
     tenant = tenant_of(
@@ -140,4 +140,25 @@ def read_incoming(
         conversation_id=conversation_id,
         tenant=tenant,
         wants_token_ids=client_wants_token_ids(body),
+        forward_headers=_forwarded(headers),
     )
+
+
+def _conversation_id(
+    body: Mapping[str, Any], headers: Mapping[str, str], from_body: str | None
+) -> Any:
+    """Our field, our header, then vLLM's own session identity (vLLM #48048), forwarded as is."""
+    for value in (
+        from_body,
+        headers.get("x-conversation-id"),
+        body.get("session_id"),
+        headers.get("x-session-id"),
+    ):
+        if value is not None:
+            return value
+    return None
+
+
+def _forwarded(headers: Mapping[str, str]) -> dict[str, str]:
+    session = headers.get("x-session-id")
+    return {"X-Session-ID": session} if session is not None else {}

@@ -61,6 +61,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
                     inst.url + PATHS[inc.api],
                     body,
                     request_id=turn.request_id,
+                    extra_headers=inc.forward_headers,
                     timeout=svc.settings.prefill_timeout,
                 )
                 failure = f"HTTP {status}"

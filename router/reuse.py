@@ -117,7 +117,7 @@ def _prefix_verdict(inc: Incoming, state: SessionState) -> str:
         return "extends"
     if (
         state.prompt_len > 0
-        and len(prompt) > state.prefix_len
+        and len(prompt) > state.prompt_len
         and sm.prefix_extends(replace_digest(state), inc.api, text=prompt[: state.prompt_len + 1])
     ):
         return "diverges-late"

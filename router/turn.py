@@ -108,7 +108,9 @@ async def _decode(turn: Turn, d_inst: Instance, prefilled: Prefilled) -> Respons
     turn.decode = d_inst
     body = decode_body(inc.body, prefilled.params, return_token_ids=turn.want_token_ids)
     url = d_inst.url + PATHS[inc.api]
-    resp = await svc.upstream.open_stream(url, body, request_id=turn.request_id)
+    resp = await svc.upstream.open_stream(
+        url, body, request_id=turn.request_id, extra_headers=inc.forward_headers
+    )
     if resp.status >= 500:
         text = await _read_error(resp)
         raise UpstreamFailure(f"{url} answered {resp.status}: {text[:200]!r}")

@@ -48,18 +48,26 @@ class Upstream:
             raise RuntimeError("Upstream.open() was not called")
         return self._session
 
-    def headers(self, request_id: str) -> dict[str, str]:
+    def headers(self, request_id: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        if extra:
+            return {**extra, **self._base_headers, "X-Request-Id": request_id}
         return {**self._base_headers, "X-Request-Id": request_id}
 
     async def post_json(
-        self, url: str, body: Mapping[str, Any], *, request_id: str, timeout: float
+        self,
+        url: str,
+        body: Mapping[str, Any],
+        *,
+        request_id: str,
+        timeout: float,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> tuple[int, bytes]:
         """POST a JSON body and read the whole answer: (status, body bytes)."""
         try:
             async with self.session.post(
                 url,
                 data=msgspec.json.encode(body),
-                headers=self.headers(request_id),
+                headers=self.headers(request_id, extra_headers),
                 timeout=aiohttp.ClientTimeout(
                     total=timeout, connect=self._settings.connect_timeout
                 ),
@@ -82,13 +90,20 @@ class Upstream:
             raise UpstreamFailure(f"{url}: {describe(exc)}") from exc
 
     async def open_stream(
-        self, url: str, body: Mapping[str, Any], *, request_id: str
+        self,
+        url: str,
+        body: Mapping[str, Any],
+        *,
+        request_id: str,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
         """POST and return the response once its status line and headers have arrived."""
         try:
             return await asyncio.wait_for(
                 self.session.post(
-                    url, data=msgspec.json.encode(body), headers=self.headers(request_id)
+                    url,
+                    data=msgspec.json.encode(body),
+                    headers=self.headers(request_id, extra_headers),
                 ),
                 self._settings.decode_first_byte_timeout,
             )

@@ -1,0 +1,60 @@
+"""Placement: affinity while healthy and not overloaded, else least loaded, round robin."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.backends import AFFINITY_SLACK, Pool
+from router.errors import Unavailable
+
+
+def pool() -> Pool:
+    return Pool(("http://p1", "http://p2"), ("http://d1", "http://d2", "http://d3"), 2)
+
+
+def test_round_robin_on_ties() -> None:
+    p = pool()
+    picked = [p.pick("decode").url for _ in range(6)]
+    assert sorted(set(picked)) == ["http://d1", "http://d2", "http://d3"]
+    assert picked[:3] != picked[0:1] * 3
+
+
+def test_least_outstanding_wins() -> None:
+    p = pool()
+    d1, d2, _ = p.instances("decode")
+    d1.outstanding, d2.outstanding = 3, 1
+    assert p.pick("decode").url == "http://d3"
+
+
+def test_affinity_kept_until_overloaded() -> None:
+    p = pool()
+    d1 = p.instances("decode")[0]
+    d1.outstanding = AFFINITY_SLACK
+    assert p.pick("decode", prefer="http://d1").url == "http://d1"
+    d1.outstanding = AFFINITY_SLACK + 1
+    assert p.pick("decode", prefer="http://d1").url != "http://d1"
+
+
+def test_ejection_after_consecutive_failures_and_exclusion() -> None:
+    p = pool()
+    p1 = p.instances("prefill")[0]
+    p.record_failure(p1, "boom")
+    assert p1.healthy
+    p.record_success(p1)
+    p.record_failure(p1, "boom")
+    assert p1.healthy
+    p.record_failure(p1, "boom")
+    assert not p1.healthy
+    assert p.pick("prefill", prefer="http://p1").url == "http://p2"
+    with pytest.raises(Unavailable, match="no healthy prefill"):
+        p.pick("prefill", exclude=["http://p2"])
+
+
+def test_busy_counts_and_always_releases() -> None:
+    p = pool()
+    d = p.instances("decode")[0]
+    with pytest.raises(RuntimeError), p.busy(d):
+        assert d.outstanding == 1
+        raise RuntimeError
+    assert d.outstanding == 0
+    assert p.find("decode", "http://d9") is None

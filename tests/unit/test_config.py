@@ -1,0 +1,79 @@
+"""Settings from flags, env and a TOML file, with precedence and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.config import FLAGS, ConfigError, Settings, build_parser, load_settings
+
+URLS = ["--prefill", "http://p:8100", "--decode", "http://d:8200/"]
+
+
+def test_defaults_and_url_normalisation() -> None:
+    s = load_settings(URLS, env={})
+    assert s.prefill == ("http://p:8100",)
+    assert s.decode == ("http://d:8200",)
+    assert s.handle_ttl == 450.0
+    assert s.verify_prefix == "tokens"
+    assert s.session_store == "redis"
+
+
+def test_env_then_cli_precedence(tmp_path: Path) -> None:
+    conf = tmp_path / "router.toml"
+    conf.write_text('port = 9001\nhandle-ttl = 100\nprefill = ["http://file:1"]\n')
+    env = {
+        "KVBATON_PORT": "9002",
+        "KVBATON_DECODE": "http://e:1, http://e:2",
+        "KVBATON_STREAM_KV_PARAMS": "true",
+    }
+    s = load_settings(["--config", str(conf), "--port", "9003"], env=env)
+    assert s.port == 9003
+    assert s.handle_ttl == 100.0
+    assert s.prefill == ("http://file:1",)
+    assert s.decode == ("http://e:1", "http://e:2")
+    assert s.stream_kv_params is True
+    s2 = load_settings(["--config", str(conf)], env=env)
+    assert s2.port == 9002
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--decode", "http://d:1"], {}, "--prefill"),
+        (["--prefill", "p:1", "--decode", "http://d:1"], {}, "http://"),
+        ([*URLS, "--handle-ttl", "500", "--session-ttl", "100"], {}, "handle-ttl"),
+        (URLS, {"KVBATON_PORT": "eighty"}, "KVBATON_PORT"),
+        (URLS, {"KVBATON_VERIFY_PREFIX": "maybe"}, "KVBATON_VERIFY_PREFIX"),
+        (URLS, {"KVBATON_STREAM_KV_PARAMS": "perhaps"}, "boolean"),
+        ([*URLS, "--block-size", "-1"], {}, "block-size"),
+    ],
+)
+def test_invalid_settings_say_which_and_why(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(argv, env=env)
+
+
+def test_unknown_and_broken_config_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("colour = 'blue'\n")
+    with pytest.raises(ConfigError, match="unknown setting 'colour'"):
+        load_settings([*URLS, "--config", str(bad)], env={})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("port = = 1\n")
+    with pytest.raises(ConfigError, match="broken.toml"):
+        load_settings([*URLS, "--config", str(broken)], env={})
+    with pytest.raises(ConfigError, match="missing.toml"):
+        load_settings([*URLS, "--config", str(tmp_path / "missing.toml")], env={})
+
+
+def test_every_setting_has_a_flag_and_help() -> None:
+    names = {f.name for f in FLAGS}
+    assert names == set(Settings.__struct_fields__)
+    help_text = build_parser().format_help()
+    for flag in FLAGS:
+        assert "--" + flag.name.replace("_", "-") in help_text
+        assert "KVBATON_" + flag.name.upper() in help_text.replace("\n", "").replace(" ", "")

@@ -1,0 +1,105 @@
+"""The client's request: content type, size, JSON, fields, identity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.errors import BadRequest, NotFound, PayloadTooLarge, RouterError, UnsupportedMediaType
+from router.incoming import Api, read_incoming
+
+JSON = {"content-type": "application/json"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def read(
+    body: Any,
+    headers: dict[str, str] | None = None,
+    api: Api = "chat",
+    max_bytes: int = 10_000,
+    tenant_header: str = "",
+) -> Any:
+    raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    return read_incoming(
+        raw,
+        JSON if headers is None else headers,
+        api=api,
+        model="m",
+        max_bytes=max_bytes,
+        tenant_header=tenant_header,
+    )
+
+
+def test_chat_strips_router_fields_and_client_handles() -> None:
+    inc = read(
+        {
+            **CHAT,
+            "conversation_id": "c-1",
+            "kv_transfer_params": {"remote_block_ids": [[1]]},
+            "stream": True,
+        }
+    )
+    assert inc.conversation_id == "c-1"
+    assert "conversation_id" not in inc.body
+    assert "kv_transfer_params" not in inc.body
+    assert inc.stream is True
+    assert inc.tenant == "default"
+
+
+def test_header_conversation_id_and_tenants() -> None:
+    inc = read(CHAT, {**JSON, "x-conversation-id": "abc", "authorization": "Bearer k1"})
+    other = read(CHAT, {**JSON, "x-conversation-id": "abc", "authorization": "Bearer k2"})
+    assert inc.conversation_id == other.conversation_id == "abc"
+    assert inc.tenant != other.tenant != "default"
+    by_header = read(CHAT, {**JSON, "x-org": "acme"}, tenant_header="x-org")
+    assert by_header.tenant not in ("default", inc.tenant)
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "error", "match"),
+    [
+        (CHAT, {"content-type": "text/plain"}, UnsupportedMediaType, "application/json"),
+        (CHAT, {}, UnsupportedMediaType, "application/json"),
+        (b"{nope", JSON, BadRequest, "not valid JSON"),
+        (b"[1, 2]", JSON, BadRequest, "JSON object"),
+        (b"x" * 20_000, JSON, PayloadTooLarge, "limit"),
+        ({"model": "m"}, JSON, BadRequest, "messages"),
+        ({"messages": []}, JSON, BadRequest, "messages"),
+        ({"messages": ["hi"]}, JSON, BadRequest, "messages\\[0\\]"),
+        ({**CHAT, "stream": "yes"}, JSON, BadRequest, "stream"),
+        ({**CHAT, "n": 2}, JSON, BadRequest, "n=1"),
+        ({**CHAT, "model": 5}, JSON, BadRequest, "model"),
+        ({**CHAT, "model": "other"}, JSON, NotFound, "other"),
+        ({**CHAT, "conversation_id": "a{b}"}, JSON, BadRequest, "conversation_id"),
+        ({**CHAT, "conversation_id": "x" * 500}, JSON, BadRequest, "conversation_id"),
+        ({**CHAT, "conversation_id": 7}, JSON, BadRequest, "conversation_id"),
+    ],
+)
+def test_bad_input_is_a_clear_error(
+    body: Any, headers: dict[str, str], error: type[RouterError], match: str
+) -> None:
+    with pytest.raises(error, match=match) as info:
+        read(body, headers)
+    assert info.value.status in (400, 404, 413, 415)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5])],
+)
+def test_completions_prompt_forms(prompt: Any, expected: Any) -> None:
+    inc = read({"prompt": prompt}, api="completions")
+    assert inc.prompt == expected
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], None, 5, [], [1, "a"]])
+def test_completions_batches_and_junk_are_refused(prompt: Any) -> None:
+    with pytest.raises(BadRequest, match="prompt"):
+        read({"prompt": prompt}, api="completions")
+
+
+def test_token_id_request_flag() -> None:
+    assert read({**CHAT, "return_token_ids": True}).wants_token_ids
+    assert not read(CHAT).wants_token_ids

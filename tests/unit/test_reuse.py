@@ -1,0 +1,143 @@
+"""The prefix verdict (message digests) and the store circuit breaker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.incoming import Incoming
+from router.reuse import Reuse, _prefix_verdict, tokenize_body
+from router.services import StoreGuard
+from sessions import model as sm
+from sessions.store import StoreError
+
+SYSTEM = {"role": "system", "content": "be brief"}
+USER = {"role": "user", "content": "is it raining?"}
+ANSWER = {"role": "assistant", "content": " yes it is"}
+
+
+def chat(messages: list[dict[str, Any]]) -> Incoming:
+    return Incoming("chat", {"messages": messages}, False, "c", "default", False)
+
+
+def completion(prompt: Any) -> Incoming:
+    return Incoming("completions", {"prompt": prompt}, False, "c", "default", False)
+
+
+def chat_state() -> sm.SessionState:
+    prompt = [SYSTEM, USER]
+    return sm.SessionState(
+        api="chat",
+        prompt_digest=sm.conversation_digest("chat", prompt),
+        prompt_len=2,
+        prefix_digest=sm.conversation_digest("chat", [*prompt, ANSWER]),
+        prefix_len=3,
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "verdict"),
+    [
+        ([SYSTEM, USER, ANSWER, {"role": "user", "content": "and now?"}], "extends"),
+        ([SYSTEM, USER, {**ANSWER, "refusal": None}, {"role": "user", "content": "x"}], "extends"),
+        (
+            [
+                SYSTEM,
+                USER,
+                {"role": "assistant", "content": " yes it was"},
+                {"role": "user", "content": "x"},
+            ],
+            "diverges-late",
+        ),
+        (
+            [
+                {"role": "system", "content": "be long"},
+                USER,
+                ANSWER,
+                {"role": "user", "content": "x"},
+            ],
+            "mismatch",
+        ),
+        (
+            [
+                SYSTEM,
+                {"role": "user", "content": "other"},
+                ANSWER,
+                {"role": "user", "content": "x"},
+            ],
+            "mismatch",
+        ),
+        ([SYSTEM, USER], "mismatch"),  # regenerate
+        ([SYSTEM, USER, ANSWER], "mismatch"),  # nothing new
+        (
+            [SYSTEM, USER, {"role": "user", "content": "x"}, {"role": "user", "content": "y"}],
+            "mismatch",
+        ),  # the answer was replaced by a user message
+    ],
+)
+def test_chat_prefix_verdicts(messages: list[dict[str, Any]], verdict: str) -> None:
+    assert _prefix_verdict(chat(messages), chat_state()) == verdict
+
+
+def test_completion_prefix_verdicts() -> None:
+    prompt, out = "The weather", " is fine today"
+    state = sm.SessionState(
+        api="completions",
+        prompt_digest=sm.text_digest("completions", prompt),
+        prompt_len=len(prompt),
+        prefix_digest=sm.text_digest("completions", prompt + out),
+        prefix_len=len(prompt + out),
+    )
+    assert _prefix_verdict(completion(prompt + out + " and"), state) == "extends"
+    assert _prefix_verdict(completion(prompt + " was bad and"), state) == "diverges-late"
+    assert _prefix_verdict(completion("A weather" + out + " and"), state) == "mismatch"
+    assert _prefix_verdict(completion([1, 2, 3]), state) == "extends"
+
+
+def test_tokenize_body_keeps_rendering_fields() -> None:
+    inc = Incoming(
+        "chat",
+        {"messages": [USER], "chat_template_kwargs": {"x": 1}, "top_p": 0.5},
+        False,
+        None,
+        "default",
+        False,
+    )
+    body = tokenize_body(inc, "m")
+    assert body == {
+        "model": "m",
+        "messages": [USER],
+        "add_generation_prompt": True,
+        "chat_template_kwargs": {"x": 1},
+    }
+    assert tokenize_body(completion("hi"), "m") == {"model": "m", "prompt": "hi"}
+
+
+def test_reuse_header() -> None:
+    assert Reuse("hit").header() == "hit"
+    assert Reuse("miss", "expired").header() == "miss;reason=expired"
+
+
+async def test_store_guard_opens_and_recovers() -> None:
+    now = [100.0]
+    guard = StoreGuard(retry_after=2.0, clock=lambda: now[0])
+    calls = []
+
+    async def failing() -> int:
+        calls.append(1)
+        raise StoreError("down")
+
+    async def working() -> int:
+        calls.append(2)
+        return 7
+
+    with pytest.raises(StoreError):
+        await guard.call(failing)
+    assert guard.is_open
+    with pytest.raises(StoreError, match="circuit open"):
+        await guard.call(working)
+    assert calls == [1]  # skipped while open: no timeout paid per request
+    now[0] += 2.5
+    assert await guard.call(working) == 7
+    assert guard.failures == 1
