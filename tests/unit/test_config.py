@@ -64,9 +64,9 @@ def test_unknown_and_broken_config_file(tmp_path: Path) -> None:
         load_settings([*URLS, "--config", str(bad)], env={})
     broken = tmp_path / "broken.toml"
     broken.write_text("port = = 1\n")
-    with pytest.raises(ConfigError, match="broken.toml"):
+    with pytest.raises(ConfigError, match=r"broken\.toml"):
         load_settings([*URLS, "--config", str(broken)], env={})
-    with pytest.raises(ConfigError, match="missing.toml"):
+    with pytest.raises(ConfigError, match=r"missing\.toml"):
         load_settings([*URLS, "--config", str(tmp_path / "missing.toml")], env={})
 
 
