@@ -1,0 +1,51 @@
+"""`kvbaton sim` / `python -m vllm_sim`: run one simulated instance until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from vllm_sim.config import SimSettings, parse_settings
+from vllm_sim.server import Sim, build_app
+
+
+async def serve(settings: SimSettings) -> None:
+    sim = Sim(settings)
+    runner = web.AppRunner(build_app(sim), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        port = int(runner.addresses[0][1])
+        events = ""
+        if sim.publisher.port is not None:
+            events = f", kv events port {sim.publisher.port}"
+        print(
+            f"vllm_sim {settings.role} ready on http://{settings.host}:{port} "
+            f"(kv side channel {sim.engine.kv_port}, engine id {settings.engine_id}, "
+            f"model {settings.model}{events})",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_settings(sys.argv[1:] if argv is None else list(argv))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(settings))
+    except OSError as exc:
+        print(f"vllm_sim: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,159 @@
+"""The KV side channel (NIXL's stand-in): handshake, block read and free notification.
+
+Bodies are msgpack. A read returns whatever the blocks hold now, as an RDMA READ would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+_MSGPACK = "application/msgpack"
+
+
+class KVSource(Protocol):
+    """What a producer exposes on its side channel."""
+
+    engine_id: str
+    block_size: int
+
+    def now(self) -> float: ...
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[list[int]] | None: ...
+
+    def release(self, request_id: str) -> bool: ...
+
+
+class TransferError(Exception):
+    """Handshake, read or notification failed (vLLM: a failed transfer)."""
+
+
+@dataclass(frozen=True)
+class Handshake:
+    engine_id: str
+    block_size: int
+    offset: float  # remote clock minus local clock, estimated at the handshake
+
+    def remote_now(self, local_now: float) -> float:
+        return local_now + self.offset
+
+
+def _pack(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.msgpack.encode(obj), status=status, content_type=_MSGPACK)
+
+
+async def _unpack(request: web.Request) -> dict[str, Any]:
+    try:
+        body = msgspec.msgpack.decode(await request.read())
+    except msgspec.DecodeError as exc:
+        raise web.HTTPBadRequest(text=f"bad msgpack: {exc}") from exc
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="body must be a map")
+    return body
+
+
+def side_channel_app(source: KVSource) -> web.Application:
+    """The producer's side-channel server."""
+
+    async def handshake(_: web.Request) -> web.Response:
+        return _pack(
+            {"engine_id": source.engine_id, "now": source.now(), "block_size": source.block_size}
+        )
+
+    async def read(request: web.Request) -> web.Response:
+        body = await _unpack(request)
+        if body.get("engine_id") != source.engine_id:
+            return _pack({"error": "engine id mismatch"}, status=409)
+        ids = body.get("block_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            return _pack({"error": "block_ids must be a list of ints"}, status=400)
+        blocks = source.read_blocks(ids)
+        if blocks is None:
+            return _pack({"error": "block id out of range"}, status=400)
+        notify = body.get("notify")
+        if isinstance(notify, str):
+            source.release(notify)
+        return _pack({"blocks": blocks})
+
+    async def notify(request: web.Request) -> web.Response:
+        body = await _unpack(request)
+        if body.get("engine_id") != source.engine_id:
+            return _pack({"error": "engine id mismatch"}, status=409)
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str):
+            return _pack({"error": "request_id must be a string"}, status=400)
+        return _pack({"released": source.release(request_id)})
+
+    app = web.Application()
+    app.router.add_get("/handshake", handshake)
+    app.router.add_post("/read", read)
+    app.router.add_post("/notify", notify)
+    return app
+
+
+class KVChannelClient:
+    """The reader's side: one pooled aiohttp session with explicit timeouts."""
+
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout, connect=timeout)
+        self._clock = clock
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(self, method: str, url: str, body: Any = None) -> dict[str, Any]:
+        if self._session is None:
+            raise TransferError("side-channel client not started")
+        data = None if body is None else msgspec.msgpack.encode(body)
+        headers = {"Content-Type": _MSGPACK} if data is not None else None
+        try:
+            async with self._session.request(method, url, data=data, headers=headers) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise TransferError(f"{method} {url}: {exc!r}") from exc
+        try:
+            out = msgspec.msgpack.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise TransferError(f"{method} {url}: HTTP {status}, not msgpack") from exc
+        if status != 200 or not isinstance(out, dict):
+            raise TransferError(f"{method} {url}: HTTP {status} {out!r:.200}")
+        return out
+
+    async def handshake(self, host: str, port: int, engine_id: str) -> Handshake:
+        t0 = self._clock()
+        out = await self._call("GET", f"http://{host}:{port}/handshake")
+        t1 = self._clock()
+        if out.get("engine_id") != engine_id:
+            raise TransferError(f"engine id mismatch: want {engine_id}, got {out.get('engine_id')}")
+        remote_now = out.get("now")
+        block_size = out.get("block_size")
+        if not isinstance(remote_now, float | int) or not isinstance(block_size, int):
+            raise TransferError(f"bad handshake reply {out!r:.200}")
+        return Handshake(engine_id, block_size, float(remote_now) - (t0 + t1) / 2)
+
+    async def read(
+        self, host: str, port: int, engine_id: str, block_ids: list[int], notify: str | None
+    ) -> list[list[int]]:
+        body = {"engine_id": engine_id, "block_ids": block_ids, "notify": notify}
+        out = await self._call("POST", f"http://{host}:{port}/read", body)
+        blocks = out.get("blocks")
+        if not isinstance(blocks, list) or len(blocks) != len(block_ids):
+            raise TransferError(f"bad read reply {out!r:.200}")
+        return blocks
+
+    async def notify(self, host: str, port: int, engine_id: str, request_id: str) -> None:
+        body = {"engine_id": engine_id, "request_id": request_id}
+        await self._call("POST", f"http://{host}:{port}/notify", body)

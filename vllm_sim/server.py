@@ -1,0 +1,210 @@
+"""The aiohttp app: OpenAI routes, /metrics, /tokenize, admin routes, and the lifespan.
+
+The lifespan starts the KV side channel, the KV-events publisher and the pin sweeper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from vllm_sim import api, metrics, shapes
+from vllm_sim.blocks import CacheEvent, Cleared, Removed, Stored
+from vllm_sim.clock import SimClock
+from vllm_sim.config import SimSettings
+from vllm_sim.engine import Engine
+from vllm_sim.errors import ApiError
+from vllm_sim.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
+from vllm_sim.faults import Faults
+from vllm_sim.kvchannel import side_channel_app
+from vllm_sim.serving import GenerationRoutes, json_response, require_json
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Sim:
+    """Everything one simulated instance owns; held by the app, no module globals."""
+
+    def __init__(self, settings: SimSettings, clock: SimClock | None = None) -> None:
+        self.settings = settings
+        self.clock = clock or SimClock()
+        self.faults = Faults()
+        self.publisher = KVEventPublisher(
+            port=settings.kv_events_port,
+            replay_port=settings.kv_events_replay_port,
+            topic=settings.kv_events_topic,
+            host=settings.host if settings.host not in ("", "0.0.0.0", "::") else "127.0.0.1",
+        )
+        self.engine = Engine(
+            settings, kv_port=settings.kv_port, clock=self.clock, on_events=self._publish
+        )
+        self.routes = GenerationRoutes(self.engine, self.faults)
+        self.created = int(time.time())
+
+    def _publish(self, events: list[CacheEvent]) -> None:
+        bs = self.settings.block_size
+        out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        for e in events:
+            if isinstance(e, Stored):
+                out.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, bs))
+            elif isinstance(e, Removed):
+                out.append(BlockRemoved(e.block_hashes))
+            elif isinstance(e, Cleared):
+                out.append(AllBlocksCleared())
+        self.publisher.publish(out)
+
+    async def lifespan(self, _: web.Application) -> AsyncIterator[None]:
+        s = self.settings
+        await self.engine.channel.start()
+        side = web.AppRunner(side_channel_app(self.engine), access_log=None)
+        await side.setup()
+        site = web.TCPSite(side, s.host, s.kv_port)
+        await site.start()
+        self.engine.kv_port = int(side.addresses[0][1])
+        self.publisher.start()
+        sweeper = asyncio.create_task(self._sweep_forever())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await side.cleanup()
+            await self.engine.channel.close()
+            self.publisher.close()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval)
+            self.engine.sweep()
+
+    # -- routes ---------------------------------------------------------------------------
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, _: web.Request) -> web.Response:
+        s = self.settings
+        return json_response(shapes.models_list(s.model, s.max_model_len, self.created))
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        s = self.settings
+        labels = {
+            "block_size": str(s.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "num_gpu_blocks": str(s.num_blocks),
+            "prefix_caching_hash_algo": "sim64",
+        }
+        text = metrics.render(self.engine.counters, self.engine.gauges(), s.model, labels)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        require_json(request)
+        body = api.decode_body(await request.read())
+        ids = api.tokenize(self.engine.tok, body, self.settings.model)
+        return json_response(
+            {
+                "count": len(ids),
+                "max_model_len": self.settings.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            }
+        )
+
+    async def reset_prefix_cache(self, _: web.Request) -> web.Response:
+        self.engine.reset_prefix_cache()
+        return web.Response(status=200)
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        body = api.decode_body(await request.read())
+        self.faults.update(body)
+        return json_response(self.faults.state())
+
+    async def get_faults(self, _: web.Request) -> web.Response:
+        return json_response(self.faults.state())
+
+    async def clear_faults(self, _: web.Request) -> web.Response:
+        self.faults.clear()
+        return json_response(self.faults.state())
+
+    async def advance_clock(self, request: web.Request) -> web.Response:
+        body = api.decode_body(await request.read())
+        seconds = body.get("advance_s")
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < 0:
+            raise ApiError("'advance_s' must be a non-negative number", param="advance_s")
+        self.clock.advance(float(seconds))
+        expired = self.engine.sweep()
+        return json_response({"now": self.clock(), "expired_requests": expired})
+
+    async def state(self, _: web.Request) -> web.Response:
+        e = self.engine
+        s = self.settings
+        body: dict[str, Any] = {
+            "role": s.role,
+            "engine_id": e.engine_id,
+            "model": s.model,
+            "kv_port": e.kv_port,
+            "kv_events_port": self.publisher.port,
+            "kv_events_replay_port": self.publisher.replay_port,
+            "now": e.now(),
+            "block_size": s.block_size,
+            "blocks": {
+                "total": s.num_blocks,
+                "free": e.pool.num_free,
+                "cached": e.pool.num_cached,
+                "usage": e.pool.usage,
+            },
+            "pins": e.pins.snapshot(),
+            "running": e.running,
+            "waiting": e.waiting,
+            "faults": self.faults.state(),
+            "settings": {k: getattr(s, k) for k in s.__struct_fields__ if k != "api_key"},
+        }
+        return json_response(body)
+
+
+def _middlewares(sim: Sim) -> list[Any]:
+    api_key = sim.settings.api_key
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if (
+            api_key is not None
+            and request.path.startswith("/v1")
+            and request.headers.get("Authorization") != f"Bearer {api_key}"
+        ):
+            return json_response({"error": "Unauthorized"}, status=401)
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return json_response(exc.body(), status=exc.status)
+
+    return [errors]
+
+
+def build_app(sim: Sim) -> web.Application:
+    app = web.Application(middlewares=_middlewares(sim), client_max_size=64 * 1024 * 1024)
+    app.cleanup_ctx.append(sim.lifespan)
+    r = app.router
+    r.add_post("/v1/chat/completions", sim.routes.chat)
+    r.add_post("/v1/completions", sim.routes.completions)
+    r.add_get("/v1/models", sim.models)
+    r.add_get("/health", sim.health)
+    r.add_get("/metrics", sim.metrics)
+    r.add_post("/tokenize", sim.tokenize)
+    r.add_post("/reset_prefix_cache", sim.reset_prefix_cache)
+    r.add_post("/sim/faults", sim.set_faults)
+    r.add_get("/sim/faults", sim.get_faults)
+    r.add_delete("/sim/faults", sim.clear_faults)
+    r.add_post("/sim/clock", sim.advance_clock)
+    r.add_get("/sim/state", sim.state)
+    return app

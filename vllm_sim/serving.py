@@ -1,0 +1,238 @@
+"""The generation routes: /v1/chat/completions and /v1/completions, JSON and SSE.
+
+Errors before the response starts are JSON bodies with a status; once a stream has started
+a failure is one `data: {"error": ...}` event followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from vllm_sim import api, shapes
+from vllm_sim.engine import Engine, GenRequest, RunResult, Step
+from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
+from vllm_sim.faults import Faults, Injection
+
+_JSON = "application/json"
+
+
+@dataclass
+class Ids:
+    response_id: str  # chatcmpl-<base> / cmpl-<base>
+    internal: str  # with the engine's random suffix (vllm#27987)
+    base: str
+
+
+def request_ids(request: web.Request, chat: bool) -> Ids:
+    base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    response_id = ("chatcmpl-" if chat else "cmpl-") + base
+    # Completions number each prompt (`-0`) before the engine adds its suffix.
+    sub = response_id if chat else f"{response_id}-0"
+    return Ids(response_id, f"{sub}-{secrets.token_hex(4)}", base)
+
+
+def json_response(
+    body: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=shapes._encode(body), status=status, content_type=_JSON, headers=headers
+    )
+
+
+def require_json(request: web.Request) -> None:
+    if request.content_type != _JSON:
+        raise ApiError(
+            "Unsupported Media Type: Only 'application/json' is allowed",
+            status=415,
+            err_type="Unsupported Media Type",
+        )
+
+
+class GenerationRoutes:
+    def __init__(self, engine: Engine, faults: Faults) -> None:
+        self.engine = engine
+        self.faults = faults
+        s = engine.settings
+        self.model = s.model
+        self.stream_kv_params = s.stream_kv_params
+        self.echo_request_id = s.enable_request_id_headers
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=False)
+
+    async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        inj = self.faults.take()
+        if inj.fail_status is not None:
+            err = ApiError(f"injected fault: HTTP {inj.fail_status}", status=inj.fail_status)
+            return json_response(err.body(), status=err.status)
+        s = self.engine.settings
+        try:
+            require_json(request)
+            body = api.decode_body(await request.read())
+            parsed = api.parse(
+                self.engine.tok,
+                body,
+                chat=chat,
+                served_model=s.model,
+                max_model_len=s.max_model_len,
+                default_max_tokens=s.default_max_tokens,
+            )
+        except ApiError as exc:
+            return json_response(exc.body(), status=exc.status)
+        ids = request_ids(request, chat)
+        headers = {"X-Request-Id": ids.base} if self.echo_request_id else None
+        if inj.stall_s:
+            await asyncio.sleep(inj.stall_s)
+        req = GenRequest(
+            request_id=ids.internal,
+            prompt=parsed.prompt,
+            max_tokens=parsed.max_tokens,
+            min_tokens=parsed.min_tokens,
+            stop=parsed.stop,
+            include_stop_str_in_output=parsed.include_stop_str_in_output,
+            kv_params=parsed.kv_transfer_params,
+        )
+        if parsed.stream:
+            return await self._stream(request, parsed, req, ids, inj, headers)
+        return await self._complete(request, parsed, req, ids, inj, headers)
+
+    async def _complete(
+        self,
+        request: web.Request,
+        p: api.Parsed,
+        req: GenRequest,
+        ids: Ids,
+        inj: Injection,
+        headers: dict[str, str] | None,
+    ) -> web.StreamResponse:
+        res = RunResult()
+        try:
+            async with contextlib.aclosing(self.engine.generate(req, res)) as steps:
+                async for _ in steps:
+                    pass
+        except KVLoadError:
+            return json_response(INTERNAL_ERROR, status=500, headers=headers)
+        if inj.drop_after_chunks is not None or inj.error_after_chunks is not None:
+            # A non-streaming response has no chunks: drop/error faults cut it off entirely.
+            _abort(request)
+            return web.Response(status=500)
+        usage = shapes.usage(len(p.prompt), len(res.output_ids), res.cached_tokens)
+        common: dict[str, Any] = {
+            "response_id": ids.response_id,
+            "created": int(time.time()),
+            "model": self.model,
+            "finish_reason": res.finish_reason,
+            "stop_reason": res.stop_reason,
+            "token_ids": list(res.output_ids) if p.return_token_ids else None,
+            "prompt_token_ids": p.prompt if p.return_token_ids else None,
+            "usage_": usage,
+            "kv_transfer_params": res.kv_transfer_params,
+        }
+        if p.chat:
+            reasoning = res.reasoning or None
+            body = shapes.chat_response(content=res.content, reasoning=reasoning, **common)
+        else:
+            body = shapes.completion_response(text=res.reasoning + res.content, **common)
+        return json_response(body, headers=headers)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        p: api.Parsed,
+        req: GenRequest,
+        ids: Ids,
+        inj: Injection,
+        headers: dict[str, str] | None,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8", **(headers or {})}
+        )
+        await resp.prepare(request)
+        out = _Sink(request, resp, inj)
+        maker = shapes.ChunkMaker(ids.response_id, int(time.time()), self.model, p.chat)
+        res = RunResult()
+        first = True
+        try:
+            async with contextlib.aclosing(self.engine.generate(req, res)) as steps:
+                async for step in steps:
+                    if first and p.chat:
+                        role = maker.role(p.prompt if p.return_token_ids else None)
+                        if not await out.send(role):
+                            return resp
+                    chunk = self._token_chunk(maker, p, step, res, first)
+                    first = False
+                    if not await out.send(chunk):
+                        return resp
+        except KVLoadError:
+            await out.raw(shapes.stream_error())
+            await out.raw(shapes.DONE)
+            return resp
+        except ConnectionResetError:
+            return resp  # the client went away; aclosing() already freed the request
+        if p.include_usage:
+            usage = shapes.usage(len(p.prompt), len(res.output_ids), res.cached_tokens)
+            if not await out.send(maker.usage(usage)):
+                return resp
+        await out.raw(shapes.DONE)
+        return resp
+
+    def _token_chunk(
+        self, maker: shapes.ChunkMaker, p: api.Parsed, step: Step, res: RunResult, first: bool
+    ) -> dict[str, Any]:
+        text = step.content if p.chat else step.reasoning + step.content
+        chunk = maker.token(
+            content=text,
+            reasoning=step.reasoning if p.chat else "",
+            token_ids=step.token_ids if p.return_token_ids else None,
+            finish_reason=step.finish_reason,
+            stop_reason=step.stop_reason,
+            prompt_token_ids=p.prompt if (first and p.return_token_ids) else None,
+        )
+        if self.stream_kv_params and step.finish_reason is not None:
+            # vLLM PR #40186: the final chunk carries the params (top-level key).
+            chunk["kv_transfer_params"] = res.kv_transfer_params
+        return chunk
+
+
+class _Sink:
+    """Writes SSE events, applying drop/error faults after K chunks."""
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse, inj: Injection) -> None:
+        self.request = request
+        self.resp = resp
+        self.inj = inj
+        self.sent = 0
+
+    async def send(self, chunk: dict[str, Any]) -> bool:
+        """Send one chunk; False once a fault ended the stream."""
+        if self.inj.error_after_chunks is not None and self.sent >= self.inj.error_after_chunks:
+            await self.raw(shapes.stream_error())
+            await self.raw(shapes.DONE)
+            return False
+        if self.inj.drop_after_chunks is not None and self.sent >= self.inj.drop_after_chunks:
+            _abort(self.request)
+            return False
+        await self.raw(shapes.sse(chunk))
+        self.sent += 1
+        return True
+
+    async def raw(self, data: bytes) -> None:
+        await self.resp.write(data)
+
+
+def _abort(request: web.Request) -> None:
+    """Close the connection without finishing the response (a crashed or dropped engine)."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
