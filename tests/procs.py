@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import socket
@@ -12,6 +13,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -135,3 +137,45 @@ def restart_redis(port: int) -> subprocess.Popen[bytes]:
     )
     wait_tcp(port)
     return proc
+
+
+@dataclasses.dataclass(frozen=True)
+class SimProc:
+    """A running vllm_sim instance (see docs/simulator.md)."""
+
+    url: str  # http://127.0.0.1:<port>
+    port: int
+    kv_port: int  # the KV side channel (remote_port in its kv_transfer_params)
+    engine_id: str
+    proc: subprocess.Popen[bytes]
+
+
+@contextlib.contextmanager
+def sim(role: str, *args: str, name: str = "sim") -> Iterator[SimProc]:
+    """Start `python -m vllm_sim --role ROLE` on free ports (extra flags in args); stop it after.
+
+    `--engine-id`, `--port` and `--kv-port` may be given in args; otherwise they are chosen here.
+    """
+    flags = list(args)
+
+    def given(flag: str) -> str | None:
+        for i, a in enumerate(flags):
+            if a == flag and i + 1 < len(flags):
+                return flags[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    port = int(given("--port") or 0) or free_port()
+    kv_port = int(given("--kv-port") or 0) or free_port()
+    engine_id = given("--engine-id") or f"{role}-{uuid.uuid4()}"
+    extra = [] if given("--port") else ["--port", str(port)]
+    extra += [] if given("--kv-port") else ["--kv-port", str(kv_port)]
+    extra += [] if given("--engine-id") else ["--engine-id", engine_id]
+    proc = spawn(["vllm_sim", "--role", role, *extra, *flags], f"{name}-{port}")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", proc=proc)
+        yield SimProc(url=url, port=port, kv_port=kv_port, engine_id=engine_id, proc=proc)
+    finally:
+        stop(proc)
