@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -172,7 +173,11 @@ def sim(role: str, *args: str, name: str = "sim") -> Iterator[SimProc]:
     extra = [] if given("--port") else ["--port", str(port)]
     extra += [] if given("--kv-port") else ["--kv-port", str(kv_port)]
     extra += [] if given("--engine-id") else ["--engine-id", engine_id]
-    proc = spawn(["vllm_sim", "--role", role, *extra, *flags], f"{name}-{port}")
+    with warnings.catch_warnings():
+        # spawn() lets its log file object go once Popen has the descriptor; the child keeps
+        # writing to it, so the parent's ResourceWarning is noise here.
+        warnings.simplefilter("ignore", ResourceWarning)
+        proc = spawn(["vllm_sim", "--role", role, *extra, *flags], f"{name}-{port}")
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", proc=proc)

@@ -1,0 +1,103 @@
+"""Plain aiohttp helpers for talking to simulator instances in tests."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any
+
+import aiohttp
+
+from vllm_sim.words import COMMON
+
+NULL_HANDOFF: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+_TIMEOUT = aiohttp.ClientTimeout(total=20)
+
+
+def words(seed: int, n: int) -> str:
+    """n common words (one vocabulary token each, so n tokens), different per seed."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(COMMON) for _ in range(n))
+
+
+async def post(
+    url: str, body: Any, headers: dict[str, str] | None = None, raw: bytes | None = None
+) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession(timeout=_TIMEOUT) as s,
+        s.post(url, json=None if raw is not None else body, data=raw, headers=headers) as r,
+    ):
+        text = await r.text()
+        try:
+            return r.status, json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return r.status, text
+
+
+async def get(url: str) -> tuple[int, Any]:
+    async with aiohttp.ClientSession(timeout=_TIMEOUT) as s, s.get(url) as r:
+        text = await r.text()
+        try:
+            return r.status, json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return r.status, text
+
+
+def parse_sse(raw: bytes) -> list[Any]:
+    """`data:` events in order; `[DONE]` stays the string "[DONE]"."""
+    events: list[Any] = []
+    for block in raw.decode().split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def stream(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    async with (
+        aiohttp.ClientSession(timeout=_TIMEOUT) as s,
+        s.post(url, json=body, headers=headers) as r,
+    ):
+        return r.status, await r.read()
+
+
+async def chat(
+    base: str, messages: list[dict[str, Any]], **extra: Any
+) -> tuple[int, dict[str, Any]]:
+    status, body = await post(base + "/v1/chat/completions", {"messages": messages, **extra})
+    return status, body
+
+
+async def metric(base: str, name: str, **labels: str) -> float:
+    """One sample's value from /metrics (labels given must all match)."""
+    _, text = await get(base + "/metrics")
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} {labels} not in /metrics")
+
+
+async def external(base: str) -> float:
+    return await metric(base, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+async def tokenize(base: str, messages: list[dict[str, Any]]) -> list[int]:
+    status, body = await post(
+        base + "/tokenize", {"messages": messages, "add_generation_prompt": True}
+    )
+    assert status == 200, body
+    return list(body["tokens"])
