@@ -168,8 +168,11 @@ async def start_router(stack: Stack, port: int, store: list[str], p: str, d: str
     flags = f"--host {HOST} --port {port} --prefill {p} --decode {d}".split()
     argv = [sys.executable, "-m", "router", "serve", *flags, *store]
     url = f"http://{HOST}:{port}"
-    await wait_ready(stack, "router", stack.start("router", argv), url + "/ready")
+    await wait_ready(stack, "router", stack.start("router", argv), url + "/health")
     print(f"  router     {url}")
+    async with aiohttp.ClientSession() as http, http.get(url + "/ready") as resp:
+        if resp.status != 200:  # e.g. Redis unreachable: the router serves, without reuse
+            print(f"  router is not ready ({resp.status}): {await resp.text()}")
     return url
 
 
@@ -221,20 +224,23 @@ async def converse(url: str, conv_id: str) -> None:
     )
 
 
-def print_usage(url: str, conv_id: str) -> None:
+def print_usage(url: str, conv_id: str, store: list[str]) -> None:
     print(f"""
-The router is at {url}  (OpenAI API: {url}/v1)
+The router is at {url}  (OpenAI API: {url}/v1). Try it:
 
-  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -i \\
-    -d '{{"model": "{MODEL}", "conversation_id": "my-chat",
-         "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+  curl -si {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -H 'X-Conversation-Id: my-chat' \\
+    -d '{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
   from openai import OpenAI
   client = OpenAI(base_url="{url}/v1", api_key="unused")
   reply = client.chat.completions.create(
       model="{MODEL}", messages=[{{"role": "user", "content": "Hello!"}}],
-      extra_body={{"conversation_id": "{conv_id}"}})
+      extra_body={{"conversation_id": "my-chat"}})
 """)
+    if store[0] == "--redis-url":
+        key = f"kvbaton:conv:{{default:{conv_id}}}"  # no bearer token: tenant "default"
+        print(f"  The demo conversation in Redis:\n  redis-cli -u {store[1]} HGETALL '{key}'\n")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -256,7 +262,7 @@ async def run(args: argparse.Namespace, stack: Stack) -> None:
     url = await start_router(stack, args.port or free_port(8000), store, p_url, d_url)
     conv_id = f"demo-{uuid.uuid4().hex[:8]}"
     await converse(url, conv_id)
-    print_usage(url, conv_id)
+    print_usage(url, conv_id, store)
     if args.no_serve:
         return
     print("Serving. Press Ctrl-C to stop.", flush=True)
