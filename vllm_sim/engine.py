@@ -336,6 +336,8 @@ class Engine:
                     self.counters.request_success.get(finish, 0) + 1
                 )
             yield Step([token], content, delta.reasoning, finish, delta.stop_reason)
+            if finish is not None:
+                return
 
     def _finish(
         self, req: GenRequest, seq: _Seq, leg: transfer.Leg, res: RunResult
