@@ -1,0 +1,226 @@
+"""The deploy files, checked without a Docker engine: every compose command parses with the CLI
+it runs, env names real settings, URLs and healthchecks hit the ports services listen on."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from router.config import ENV_PREFIX, FLAGS, Settings, load_settings
+from vllm_sim.config import SimSettings, parse_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE: dict[str, Any] = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+KNOWN_ENV = {ENV_PREFIX + flag.name.upper() for flag in FLAGS} | {ENV_PREFIX + "CONFIG"}
+# `vllm serve` flags the GPU profile may use (vLLM 0.32; the engine is not installed here).
+VLLM_FLAGS = {
+    "--host", "--port", "--served-model-name", "--max-model-len", "--block-size",
+    "--gpu-memory-utilization", "--enforce-eager", "--enable-prompt-tokens-details",
+    "--kv-transfer-config", "--api-key", "--enable-request-id-headers",
+}  # fmt: skip
+BIDIR_NIXL = {
+    "kv_connector": "NixlConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
+}
+
+
+def kind(svc: dict[str, Any]) -> str:
+    """router, sim, vllm or redis: which program the service runs."""
+    if svc.get("entrypoint") == ["vllm", "serve"]:
+        return "vllm"
+    if str(svc.get("image", "")).startswith("redis:"):
+        return "redis"
+    assert svc["build"]["dockerfile"] == "deploy/Dockerfile", svc
+    command = svc["command"][0]
+    assert command in ("serve", "sim"), f"unknown kvbaton command {command!r}"
+    return "router" if command == "serve" else "sim"
+
+
+def named(wanted: str) -> list[str]:
+    return [name for name, svc in SERVICES.items() if kind(svc) == wanted]
+
+
+def env_of(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    assert isinstance(env, dict), "environment as a mapping"
+    return {key: str(value) for key, value in env.items()}
+
+
+def router_settings(name: str) -> Settings:
+    svc = SERVICES[name]
+    return load_settings(svc["command"][1:], env=env_of(svc))
+
+
+def sim_settings(name: str) -> SimSettings:
+    return parse_settings(SERVICES[name]["command"][1:])
+
+
+def vllm_flag(name: str, flag: str) -> str:
+    command: list[str] = SERVICES[name]["command"]
+    return command[command.index(flag) + 1]
+
+
+def listen_port(name: str) -> int:
+    svc = SERVICES[name]
+    port = {
+        "router": lambda: router_settings(name).port,
+        "sim": lambda: sim_settings(name).port,
+        "vllm": lambda: int(vllm_flag(name, "--port")),
+        "redis": lambda: 6379,
+    }[kind(svc)]()
+    return int(port)
+
+
+def profiles(name: str) -> set[str]:
+    return set(SERVICES[name].get("profiles", []))
+
+
+def test_every_service_is_known_and_both_profiles_exist() -> None:
+    kinds = {name: kind(svc) for name, svc in SERVICES.items()}
+    default = {kinds[n] for n in SERVICES if not profiles(n)}
+    gpu = {kinds[n] for n in SERVICES if "gpu" in profiles(n)}
+    assert default == {"redis", "router", "sim"}
+    assert gpu == {"router", "vllm"}
+
+
+@pytest.mark.parametrize("name", named("router"))
+def test_router_command_and_env_load_as_settings(name: str) -> None:
+    settings = router_settings(name)  # the real parser, env reader and validation
+    assert settings.host == "0.0.0.0", "reachable from other containers"
+    assert settings.session_store == "redis"
+
+
+def test_every_kvbaton_env_var_names_a_setting() -> None:
+    for name, svc in SERVICES.items():
+        unknown = {key for key in env_of(svc) if key.startswith(ENV_PREFIX)} - KNOWN_ENV
+        assert not unknown, f"{name}: not kvbaton settings: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("name", named("sim"))
+def test_simulator_command_parses(name: str) -> None:
+    settings = sim_settings(name)
+    assert settings.host == "0.0.0.0"
+    assert settings.side_channel_host == name, "the address the other engine pulls from"
+    assert settings.bidirectional
+    assert settings.role in name
+
+
+@pytest.mark.parametrize("name", named("router"))
+def test_router_urls_point_at_services_listening_there(name: str) -> None:
+    settings = router_settings(name)
+    depends = SERVICES[name]["depends_on"]
+    targets = [(url, role) for role in ("prefill", "decode") for url in getattr(settings, role)]
+    for url, role in [*targets, (settings.redis_url, "redis")]:
+        parts = urlsplit(url)
+        target = str(parts.hostname)
+        assert target in SERVICES, f"{name}: {url} names no service"
+        assert parts.port == listen_port(target), f"{name}: {url} but {target} listens elsewhere"
+        assert depends[target]["condition"] == "service_healthy", f"{name} -> {target}"
+        if role != "redis":
+            assert role in target, f"{name}: --{role} {url} points at {target}"
+
+
+def test_depends_on_targets_exist_are_healthchecked_and_enabled_together() -> None:
+    for name, svc in SERVICES.items():
+        for target, cond in (svc.get("depends_on") or {}).items():
+            assert target in SERVICES, f"{name} depends on a missing service {target}"
+            if cond["condition"] == "service_healthy":
+                assert "healthcheck" in SERVICES[target], f"{target} has no healthcheck"
+            # A service always enabled cannot wait for one that only a profile enables.
+            assert not profiles(target) or profiles(target) & profiles(name), (name, target)
+
+
+def test_healthchecks_probe_health_on_the_listening_port() -> None:
+    for name, svc in SERVICES.items():
+        test = " ".join(svc.get("healthcheck", {}).get("test", []))
+        urls = re.findall(r"http://127\.0\.0\.1:(\d+)(/\w+)", test)
+        if kind(svc) == "router":
+            assert "healthcheck" not in svc, "the image's HEALTHCHECK reads KVBATON_PORT"
+            continue
+        if kind(svc) == "redis":
+            assert "redis-cli ping" in test
+            continue
+        assert urls == [(str(listen_port(name)), "/health")], f"{name}: {test}"
+
+
+def test_published_router_ports_match_listen_ports() -> None:
+    for name in named("router"):
+        for mapping in SERVICES[name]["ports"]:
+            assert int(str(mapping).rsplit(":", 1)[1]) == listen_port(name)
+    published = [str(m).split(":")[0] for n in SERVICES for m in SERVICES[n].get("ports", [])]
+    assert len(published) == len(set(published)), "two services publish the same host port"
+
+
+@pytest.mark.parametrize("name", named("vllm"))
+def test_gpu_engines_run_bidirectional_nixl(name: str) -> None:
+    svc = SERVICES[name]
+    command: list[str] = svc["command"]
+    flags = {arg for arg in command if arg.startswith("--")}
+    assert flags <= VLLM_FLAGS, f"{name}: unexpected vllm serve flags {flags - VLLM_FLAGS}"
+    assert "--enable-prompt-tokens-details" in flags, "cached_tokens in usage"
+    assert json.loads(vllm_flag(name, "--kv-transfer-config")) == BIDIR_NIXL
+    env = env_of(svc)
+    address = svc["networks"]["default"]["ipv4_address"]
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == address, "advertised and bound side channel"
+    assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 0
+    devices = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+    assert profiles(name) == {"gpu"}
+
+
+def test_gpu_engines_use_distinct_gpus_addresses_and_ports() -> None:
+    engines = [SERVICES[n] for n in named("vllm")]
+    gpus = [
+        e["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0] for e in engines
+    ]
+    side = [env_of(e)["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in engines]
+    assert len(engines) == 2 and len(set(gpus)) == 2 and len(set(side)) == 2
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of deploy/Dockerfile, continuation lines joined."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1])
+        for line in lines
+        if line and not line.startswith("#")
+    ]
+
+
+def test_dockerfile_runs_kvbaton_as_non_root_with_a_healthcheck() -> None:
+    steps = dockerfile()
+    last_stage = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM") :]
+    ops = dict(last_stage)
+    assert last_stage[0][1].startswith("python:3.11-slim")
+    assert ops["USER"].split(":")[0] not in ("root", "0")
+    assert "/health" in ops["HEALTHCHECK"] and "KVBATON_PORT" in ops["HEALTHCHECK"]
+    assert ops["EXPOSE"] == "8000"
+    assert json.loads(ops["ENTRYPOINT"]) == ["kvbaton"]
+    assert json.loads(ops["CMD"]) == ["serve"]
+    assert "KVBATON_HOST=0.0.0.0" in ops["ENV"]
+
+
+def test_dockerfile_copies_paths_that_exist_and_are_not_ignored() -> None:
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text()
+    for op, args in dockerfile():
+        if op != "COPY" or args.startswith("--from"):
+            continue
+        for source in args.split()[:-1]:
+            assert (ROOT / source).exists(), f"COPY {source}: missing"
+            assert f"!{source}" in ignore, f"COPY {source}: excluded by the .dockerignore"
+
+
+def test_settings_file_example_loads() -> None:
+    settings = load_settings(["--config", str(DEPLOY / "router.example.toml")], env={})
+    assert settings.prefill and settings.decode
+    assert settings.handle_ttl < 480, "below vLLM's decoder_kv_blocks_ttl"

@@ -1,0 +1,103 @@
+"""`kvbaton demo` end to end: real redis-server, simulator P and D and router processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.procs import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+TURN_ROW = re.compile(r"^\s+(\d)\s+\d+ ms\s+(\S+)\s+(\d+)\s+(\d+)\s", re.MULTILINE)
+
+pytestmark = pytest.mark.e2e
+
+
+def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "router", "demo", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def reuse_by_turn(output: str) -> dict[int, str]:
+    return {int(turn): reuse for turn, reuse, _prompt, _cached in TURN_ROW.findall(output)}
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def finish(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, _ = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_demo_runs_four_turns_with_reuse_from_turn_two() -> None:
+    assert shutil.which("redis-server"), "redis-server is required (make install installs it)"
+    port = free_port()
+    proc = demo("--no-serve", "--port", str(port))
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert "private redis-server" in out
+    reuse = reuse_by_turn(out)
+    assert list(reuse) == [1, 2, 3, 4], out
+    assert reuse[1].startswith("miss;reason="), out
+    assert [reuse[turn] for turn in (2, 3, 4)] == ["hit", "hit", "hit"], out
+    cached = [int(row[3]) for row in TURN_ROW.findall(out)]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]), out
+    assert f"http://127.0.0.1:{port}/v1" in out and "extra_body" in out
+    assert port_is_free(port), "the router process is gone"
+
+
+@pytest.mark.timeout(120)
+def test_demo_without_redis_server_uses_the_memory_store() -> None:
+    env = dict(os.environ, PATH=str(ROOT / "no-such-dir"))
+    proc = demo("--no-serve", "--port", str(free_port()), env=env)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert "--session-store memory" in out
+    assert [reuse_by_turn(out)[turn] for turn in (2, 3, 4)] == ["hit", "hit", "hit"], out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_serves_until_a_signal_then_stops_every_process(sig: signal.Signals) -> None:
+    port = free_port()
+    proc = demo("--port", str(port))
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("Serving."):
+            break
+    else:
+        pytest.fail("the demo ended before serving:\n" + "".join(seen))
+    assert not port_is_free(port)
+    proc.send_signal(sig)
+    out = finish(proc)
+    assert proc.returncode == 0, "".join(seen) + out
+    assert "Stopping the demo stack" in out
+    assert port_is_free(port), "the router still listens after the demo stopped"
