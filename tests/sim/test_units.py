@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from vllm_sim import model, transfer
 from vllm_sim.api import parse
 from vllm_sim.blocks import BlockPool, Cleared, NoFreeBlocks, Removed, Stored
+from vllm_sim.clock import SimClock
+from vllm_sim.config import parse_settings
 from vllm_sim.errors import ApiError
 from vllm_sim.faults import Faults
 from vllm_sim.output import OutputText
@@ -319,3 +321,44 @@ def test_faults_take_and_validate() -> None:
     f.update({"fail_next": 3})
     f.clear()
     assert f.state()["fail_next"] == 0 and f.state()["status"] == 503
+
+
+# -- settings and clock ---------------------------------------------------------------------
+
+
+def test_settings_defaults_and_derived_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    s = parse_settings([])
+    assert (s.role, s.port, s.block_size, s.num_blocks, s.max_model_len) == (
+        "prefill",
+        8000,
+        16,
+        4096,
+        8192,
+    )
+    assert s.kv_recompute_threshold == 0 and s.kv_load_failure_policy == "fail"
+    assert s.api_key is None and len(s.engine_id) == 36
+    s = parse_settings(["--bidirectional", "--host", "0.0.0.0", "--engine-id", "e1"])
+    assert s.kv_recompute_threshold == 64 and s.side_channel_host == "127.0.0.1"
+    assert s.engine_id == "e1"
+    assert (
+        parse_settings(["--bidirectional", "--kv-recompute-threshold", "0"]).kv_recompute_threshold
+        == 0
+    )
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    assert parse_settings([]).api_key == "k"
+    with pytest.raises(SystemExit):
+        parse_settings(["--num-blocks", "8"])
+    with pytest.raises(SystemExit):
+        parse_settings(["--role", "router"])
+
+
+def test_clock_and_error_types() -> None:
+    t = [5.0]
+    clock = SimClock(lambda: t[0])
+    clock.advance(2.5)
+    assert clock() == 7.5
+    with pytest.raises(ValueError):
+        clock.advance(-1)
+    assert ApiError("x", status=401).err_type == "Unauthorized"
+    assert ApiError("x", status=503).body()["error"]["type"] == "InternalServerError"
