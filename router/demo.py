@@ -25,9 +25,15 @@ import aiohttp
 HOST = "127.0.0.1"
 MODEL = "sim-model"  # the simulator's default served model name
 MAX_TOKENS = 48
-# The demo cost model, so the KV reuse shows as time: a computed prompt token costs 0.5 ms
-# on P, a KV block pulled from D 0.05 ms, a generated token 2 ms on D. Prefix-cache hits are free.
+# The demo cost model, so KV reuse shows as time (prefix-cache hits are free).
 COST_MODEL = "--prefill-ms-per-token 0.5 --transfer-ms-per-block 0.05 --decode-ms-per-token 2"
+LEGEND = f"""
+  latency  the whole request: prefill on P, then up to {MAX_TOKENS} tokens decoded on D
+           (simulated costs: 0.5 ms per computed prompt token, 0.05 ms per KV block pulled,
+           2 ms per generated token)
+  cached   prompt tokens P did not compute: its own prefix cache plus the KV pulled from D
+  hit      the router gave P the previous turn's KV handle from D (the baton)
+"""
 # Bidirectional KV transfer; pull from D however few tokens it adds (vLLM's default is 64).
 BIDIR = "--bidirectional --kv-recompute-threshold 0"
 
@@ -216,12 +222,7 @@ async def converse(url: str, conv_id: str) -> None:
                 f"  {turn:>4}  {ms:>5.0f} ms  {reuse:<34} {usage.get('prompt_tokens', '?'):>6} "
                 f"{'-' if cached is None else cached:>6}  {first_words(answer)}"
             )
-    print(
-        "\n  latency: the whole request (prefill on P, then decode of up to "
-        f"{MAX_TOKENS} tokens on D).\n  cached: prompt tokens P did not compute "
-        "(its prefix cache plus KV pulled from D).\n"
-        "  hit: the router handed D's KV handle of the previous turn to P."
-    )
+    print(LEGEND)
 
 
 def print_usage(url: str, conv_id: str, store: list[str]) -> None:
