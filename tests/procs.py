@@ -68,11 +68,11 @@ def spawn(args: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
     """Start a Python module of this project (args after `python -m`), logging to a temp file."""
     log_dir = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
     log_dir.mkdir(exist_ok=True)
-    log = open(log_dir / f"{log_name}.log", "wb")  # noqa: SIM115 - closed with the process
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
-    )
+    with open(log_dir / f"{log_name}.log", "wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
 
 
 @contextlib.contextmanager

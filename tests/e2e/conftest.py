@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -67,3 +68,11 @@ def stack_reasoning(redis_url_session: str) -> Iterator[Stack]:
         router([p.url], [d.url], redis_url=redis_url_session) as r,
     ):
         yield Stack(p, d, ref, r, redis_url_session)
+
+
+def post_json(url: str, body: dict[str, object]) -> int:
+    """A plain JSON POST (fault injection, admin calls); returns the status."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return int(resp.status)

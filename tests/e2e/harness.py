@@ -30,8 +30,18 @@ def router(
     name: str = "router",
 ) -> Iterator[RouterProc]:
     port = free_port()
-    argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--prefill", *prefill, "--decode", *decode]
+    argv = [
+        "router",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill",
+        *prefill,
+        "--decode",
+        *decode,
+    ]
     if redis_url is None:
         argv += ["--session-store", "memory"]
     else:

@@ -18,7 +18,8 @@ SYSTEM = "You are a terse assistant that answers in short words about the weathe
 
 
 def client(url: str, **kw: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url, api_key="test-key", max_retries=0, **kw)
+    kw.setdefault("api_key", "test-key")
+    return openai.OpenAI(base_url=url, max_retries=0, **kw)
 
 
 def reference_chat(stack: Stack, messages: list[dict[str, str]], max_tokens: int) -> str:
@@ -28,25 +29,33 @@ def reference_chat(stack: Stack, messages: list[dict[str, str]], max_tokens: int
 
 
 def chat_turn(
-    api: openai.OpenAI, messages: list[dict[str, str]], *, stream: bool, cid: str | None,
+    api: openai.OpenAI,
+    messages: list[dict[str, str]],
+    *,
+    stream: bool,
+    cid: str | None,
     max_tokens: int = 24,
 ) -> tuple[str, str]:
     """One turn; returns (answer, X-KV-Reuse)."""
     extra = {"conversation_id": cid} if cid else None
     if stream:
         with api.chat.completions.with_streaming_response.create(
-            model="sim-model", messages=messages, max_tokens=max_tokens, stream=True,  # type: ignore[arg-type]
+            model="sim-model",
+            messages=messages,
+            max_tokens=max_tokens,
+            stream=True,  # type: ignore[arg-type]
             extra_body=extra,
         ) as resp:
             reuse = resp.headers["x-kv-reuse"]
             text = "".join(
-                chunk.choices[0].delta.content or ""
-                for chunk in resp.parse()
-                if chunk.choices
+                chunk.choices[0].delta.content or "" for chunk in resp.parse() if chunk.choices
             )
         return text, reuse
     raw = api.chat.completions.with_raw_response.create(
-        model="sim-model", messages=messages, max_tokens=max_tokens, extra_body=extra,  # type: ignore[arg-type]
+        model="sim-model",
+        messages=messages,
+        max_tokens=max_tokens,
+        extra_body=extra,  # type: ignore[arg-type]
     )
     return raw.parse().choices[0].message.content or "", raw.headers["x-kv-reuse"]
 
@@ -55,7 +64,7 @@ def chat_turn(
 def test_five_turn_chat_hits_and_answers_exactly(stack: Stack, stream: bool) -> None:
     api = client(stack.router.base_url)
     cid = f"conv-{uuid.uuid4().hex[:8]}"
-    messages = [{"role": "system", "content": SYSTEM}]
+    messages = [{"role": "system", "content": f"{SYSTEM} Mode {stream}."}]
     for turn in range(1, 6):
         messages.append({"role": "user", "content": f"Question {turn}: is it going to rain today?"})
         before = pulled(stack.p.url)
@@ -95,8 +104,12 @@ def test_completions_conversation(stack: Stack, stream: bool) -> None:
     cid = f"cmpl-{uuid.uuid4().hex[:8]}"
     prompt = "The weather report for the coming week says"
     for turn in range(1, 6):
-        kwargs: dict[str, Any] = {"model": "sim-model", "prompt": prompt, "max_tokens": 24,
-                                  "extra_body": {"conversation_id": cid}}
+        kwargs: dict[str, Any] = {
+            "model": "sim-model",
+            "prompt": prompt,
+            "max_tokens": 24,
+            "extra_body": {"conversation_id": cid},
+        }
         if stream:
             with api.completions.with_streaming_response.create(stream=True, **kwargs) as resp:
                 reuse = resp.headers["x-kv-reuse"]

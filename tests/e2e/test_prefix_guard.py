@@ -39,8 +39,9 @@ def test_edited_history_is_a_prefix_mismatch(stack: Stack, edit: str) -> None:
     else:
         messages = history[:2]  # regenerate: the same prompt again
     before = pulled(stack.p.url)
-    answer, reuse = chat_turn(client(stack.router.base_url), messages, stream=False, cid=cid,
-                              max_tokens=40)
+    answer, reuse = chat_turn(
+        client(stack.router.base_url), messages, stream=False, cid=cid, max_tokens=40
+    )
     assert reuse == "miss;reason=prefix-mismatch"
     assert answer == reference_chat(stack, messages, 40)
     assert pulled(stack.p.url) == before
@@ -50,16 +51,21 @@ def test_late_divergence_reuses_only_the_verified_prefix(stack: Stack) -> None:
     cid = f"late-{uuid.uuid4().hex[:8]}"
     history = two_turns(stack, cid)
     words = history[2]["content"].split(" ")
-    edited = " ".join(words[: len(words) - 3] + ["tea", "tea", "tea"])
-    messages = [*history[:2], {"role": "assistant", "content": edited},
-                {"role": "user", "content": "Thanks. And in the evening?"}]
-    answer, reuse = chat_turn(client(stack.router.base_url), messages, stream=False, cid=cid,
-                              max_tokens=40)
+    edited = " ".join([*words[: len(words) - 3], "tea", "tea", "tea"])
+    messages = [
+        *history[:2],
+        {"role": "assistant", "content": edited},
+        {"role": "user", "content": "Thanks. And in the evening?"},
+    ]
+    answer, reuse = chat_turn(
+        client(stack.router.base_url), messages, stream=False, cid=cid, max_tokens=40
+    )
     assert reuse == "hit"
     assert answer == reference_chat(stack, messages, 40)
     # The same prompt again, without any handle: P's prefix cache must not be poisoned.
-    again, reuse2 = chat_turn(client(stack.router.base_url), messages, stream=False, cid=None,
-                              max_tokens=40)
+    again, reuse2 = chat_turn(
+        client(stack.router.base_url), messages, stream=False, cid=None, max_tokens=40
+    )
     assert reuse2 == "skip;reason=no-conversation-id"
     assert again == answer
 
@@ -70,12 +76,16 @@ def test_reasoning_template_is_caught_by_tokens(stack_reasoning: Stack) -> None:
     stack = stack_reasoning
     api = client(stack.router.base_url)
     cid = f"think-{uuid.uuid4().hex[:8]}"
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "Will it rain on the tea fields tonight?"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Will it rain on the tea fields tonight?"},
+    ]
     for turn in range(1, 4):
         answer, reuse = chat_turn(api, messages, stream=False, cid=cid, max_tokens=40)
         assert answer == reference_chat(stack, messages, 40), f"turn {turn}"
         if turn > 1:
             assert reuse in ("hit", "miss;reason=prefix-mismatch")
-        messages += [{"role": "assistant", "content": answer},
-                     {"role": "user", "content": f"And after {turn} hours?"}]
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"And after {turn} hours?"},
+        ]

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from tests.e2e.conftest import Stack
+from sessions.model import conversation_digest
+from tests.e2e.conftest import Stack, post_json
 from tests.e2e.harness import router
 from tests.e2e.test_conversation import chat_turn, client, reference_chat
 
@@ -27,6 +28,8 @@ def test_concurrent_turns_use_the_handle_at_most_once(stack: Stack) -> None:
         text, reuse = chat_turn(client(stack.router.base_url), msgs, stream=False, cid=cid)
         return text, reuse, msgs
 
+    # D stalls before its first byte, so all four turns claim before any of them commits.
+    post_json(stack.d.url + "/sim/faults", {"stall_s": 0.5, "stall_next": 4})
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(turn, range(4)))
     reuses = [r for _, r, _ in results]
@@ -38,18 +41,28 @@ def test_concurrent_turns_use_the_handle_at_most_once(stack: Stack) -> None:
     (key,) = r.keys(f"kvbaton:conv:{{*:{cid}}}")
     assert r.hget(key, "turn") == "2"  # exactly one of the four turns committed on turn 1
     assert r.hget(key, "inflight") == ""
+    committed = r.hget(key, "prompt_digest")
+    digests = [conversation_digest("chat", msgs) for _, _, msgs in results]
+    assert committed in digests
     r.close()
 
 
 def test_two_routers_share_sessions(stack: Stack) -> None:
-    with router([stack.p.url], [stack.d.url], "--stream-kv-params",
-                redis_url=stack.redis_url, name="router-b") as second:
+    with router(
+        [stack.p.url],
+        [stack.d.url],
+        "--stream-kv-params",
+        redis_url=stack.redis_url,
+        name="router-b",
+    ) as second:
         cid = f"pair-{uuid.uuid4().hex[:8]}"
         messages = [{"role": "user", "content": "What about the weather at sea?"}]
         answer, reuse = chat_turn(client(stack.router.base_url), messages, stream=False, cid=cid)
         assert reuse == "miss;reason=no-session"
-        messages += [{"role": "assistant", "content": answer},
-                     {"role": "user", "content": "And on land?"}]
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And on land?"},
+        ]
         answer2, reuse2 = chat_turn(client(second.base_url), messages, stream=False, cid=cid)
         assert reuse2 == "hit"
         assert answer2 == reference_chat(stack, messages, 24)
