@@ -246,17 +246,19 @@ class Engine:
                 self.counters.nixl_failed_notifications += 1
             return 0
         try:
-            hs = await ch.handshake(src.host, src.port, src.engine_id)
-            if hs.block_size != self.block_size:
-                raise TransferError(f"block size {hs.block_size} != {self.block_size}")
-            if transfer.is_expired(src.expiry, hs.remote_now(self.now())):
-                self.counters.sim_reads_declined += 1
-                raise TransferError(f"Declining expired remote read for {src.request_id}")
+            if src.expiry is not None:
+                # Only a forwarded deadline needs the producer's clock (vllm#47021).
+                hs = await ch.handshake(src.host, src.port, src.engine_id)
+                if transfer.is_expired(src.expiry, hs.remote_now(self.now())):
+                    self.counters.sim_reads_declined += 1
+                    raise TransferError(f"Declining expired remote read for {src.request_id}")
             try:
                 remote = transfer.remote_blocks(src.block_ids, start, count, self.block_size)
             except ValueError as exc:
                 raise TransferError(str(exc)) from exc
-            blocks = await ch.read(src.host, src.port, src.engine_id, remote, src.request_id)
+            blocks = await ch.read(
+                src.host, src.port, src.engine_id, self.block_size, remote, src.request_id
+            )
         except TransferError as exc:
             self.counters.nixl_failed_transfers += 1
             if self.settings.kv_load_failure_policy == "fail":

@@ -70,6 +70,8 @@ def side_channel_app(source: KVSource) -> web.Application:
         body = await _unpack(request)
         if body.get("engine_id") != source.engine_id:
             return _pack({"error": "engine id mismatch"}, status=409)
+        if body.get("block_size") != source.block_size:
+            return _pack({"error": "block size mismatch"}, status=409)
         ids = body.get("block_ids")
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             return _pack({"error": "block_ids must be a list of ints"}, status=400)
@@ -145,9 +147,22 @@ class KVChannelClient:
         return Handshake(engine_id, block_size, float(remote_now) - (t0 + t1) / 2)
 
     async def read(
-        self, host: str, port: int, engine_id: str, block_ids: list[int], notify: str | None
+        self,
+        host: str,
+        port: int,
+        engine_id: str,
+        block_size: int,
+        block_ids: list[int],
+        notify: str | None,
     ) -> list[list[int]]:
-        body = {"engine_id": engine_id, "block_ids": block_ids, "notify": notify}
+        """The blocks' contents; the producer checks engine id and block size (the
+        compatibility check of vLLM's handshake), then frees `notify`'s pin."""
+        body = {
+            "engine_id": engine_id,
+            "block_size": block_size,
+            "block_ids": block_ids,
+            "notify": notify,
+        }
         out = await self._call("POST", f"http://{host}:{port}/read", body)
         blocks = out.get("blocks")
         if not isinstance(blocks, list) or len(blocks) != len(block_ids):
