@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from router.demo import demo_main
 from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,14 +21,13 @@ TURN_ROW = re.compile(r"^\s+(\d)\s+\d+ ms\s+(\S+)\s+(\d+)\s+(\d+)\s", re.MULTILI
 pytestmark = pytest.mark.e2e
 
 
-def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def demo(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "router", "demo", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env,
     )
 
 
@@ -55,12 +54,11 @@ def finish(proc: subprocess.Popen[str]) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_demo_runs_four_turns_with_reuse_from_turn_two() -> None:
+def test_demo_runs_four_turns_with_reuse_from_turn_two(capsys: pytest.CaptureFixture[str]) -> None:
     assert shutil.which("redis-server"), "redis-server is required (make install installs it)"
     port = free_port()
-    proc = demo("--no-serve", "--port", str(port))
-    out = finish(proc)
-    assert proc.returncode == 0, out
+    assert demo_main(["--no-serve", "--port", str(port)]) == 0
+    out = capsys.readouterr().out
     assert "private redis-server" in out
     reuse = reuse_by_turn(out)
     assert list(reuse) == [1, 2, 3, 4], out
@@ -73,13 +71,27 @@ def test_demo_runs_four_turns_with_reuse_from_turn_two() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_demo_without_redis_server_uses_the_memory_store() -> None:
-    env = dict(os.environ, PATH=str(ROOT / "no-such-dir"))
-    proc = demo("--no-serve", "--port", str(free_port()), env=env)
-    out = finish(proc)
-    assert proc.returncode == 0, out
+def test_demo_without_redis_server_uses_the_memory_store(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(ROOT / "no-such-dir"))  # children run sys.executable
+    assert demo_main(["--no-serve", "--port", str(free_port())]) == 0
+    out = capsys.readouterr().out
     assert "--session-store memory" in out
     assert [reuse_by_turn(out)[turn] for turn in (2, 3, 4)] == ["hit", "hit", "hit"], out
+
+
+def test_demo_reports_a_child_that_cannot_start(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert demo_main(["--no-serve", "--port", str(port), "--redis-url", "redis://x"]) == 1
+    out, err = capsys.readouterr()
+    assert "kvbaton demo: router exited with status" in err, err
+    logs = re.search(r"logs in (\S+)\)", out)
+    assert logs is not None and Path(logs[1], "router.log").exists(), "kept for the post-mortem"
+    shutil.rmtree(logs[1])
 
 
 @pytest.mark.timeout(120)
