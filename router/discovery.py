@@ -8,9 +8,11 @@ import re
 
 import msgspec
 
-from router.backends import Instance
-from router.services import Services
-from router.upstream import UpstreamFailure
+from router.backends import Instance, Pool
+from router.config import Settings
+from router.services import Services, StoreGuard
+from router.upstream import Upstream, UpstreamFailure
+from sessions.memory_store import MemorySessionStore
 
 log = logging.getLogger("kvbaton.discovery")
 
@@ -70,3 +72,16 @@ async def discover(svc: Services) -> None:
         len(svc.settings.prefill),
         len(svc.settings.decode),
     )
+
+
+async def preflight(settings: Settings) -> None:
+    """The start-up check alone, before the server binds, so a bad deployment fails with one
+    clear line instead of a lifespan traceback."""
+    upstream = Upstream(settings)
+    await upstream.open()
+    try:
+        pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
+        svc = Services(settings, upstream, pool, MemorySessionStore(), StoreGuard(0.0))
+        await discover(svc)
+    finally:
+        await upstream.close()

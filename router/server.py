@@ -13,7 +13,7 @@ from hypercorn.config import Config
 
 from router.app import create_app
 from router.config import ConfigError, Settings, load_settings
-from router.discovery import StartupError
+from router.discovery import StartupError, preflight
 
 
 def hypercorn_config(settings: Settings) -> Config:
@@ -32,6 +32,7 @@ async def run(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    await preflight(settings)
     app = create_app(settings)
     await serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
 

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 
 from router import handoff
 from router.backends import Instance
-from router.errors import UpstreamError, sse_error_event
+from router.errors import Unavailable, UpstreamError, sse_error_event
 from router.incoming import Incoming
 from router.legs import PATHS, EngineReply, Prefilled, prefill
 from router.reuse import Claim, claim, verify
@@ -77,30 +77,36 @@ async def _route(turn: Turn) -> Response:
     turn.want_token_ids = svc.settings.verify_prefix == "tokens" and (
         not inc.stream or svc.settings.stream_kv_params
     )
-    tried_decode: list[str] = []
-    for attempt in range(2):
+    tried: list[str] = []
+    while True:
         prefilled = await prefill(turn, p_inst)
         turn.prefill = prefilled.instance
         if prefilled.rejected_handle:
             turn.claim = turn.claim.miss("handle-rejected")
-        d_inst = svc.pool.pick("decode", prefer=state.decode if state else "", exclude=tried_decode)
+        d_inst = _pick_decode(svc, state.decode if state else "", tried)
         try:
             return await _decode(turn, d_inst, prefilled)
         except UpstreamFailure as exc:
-            # D failed before its first byte: redo the whole turn with a new P leg (P's
-            # params are single use: never send them to a second D).
+            # D failed before its first byte: redo the whole turn with a new P leg, since
+            # P's params are single use (never send them to a second D).
             svc.pool.record_failure(d_inst, str(exc))
-            tried_decode.append(d_inst.url)
-            log.warning(
-                "decode on %s failed before the first byte (%s); attempt %d",
-                d_inst.url,
-                exc,
-                attempt + 1,
-            )
-            turn.claim = turn.claim.miss("decode-retried") if turn.claim.params else turn.claim
-            turn.claim = replace(turn.claim, params=None)
-            p_inst = svc.pool.pick("prefill", prefer=p_inst.url)
-    raise UpstreamError("no decode instance could serve the request")
+            tried.append(d_inst.url)
+            log.warning("decode on %s failed before the first byte: %s", d_inst.url, exc)
+            if len(tried) >= 2:
+                raise UpstreamError(f"decode failed twice; last: {exc}") from None
+            if turn.claim.params is not None:
+                turn.claim = turn.claim.miss("decode-retried")
+            p_inst = svc.pool.pick("prefill", prefer=turn.prefill.url)
+
+
+def _pick_decode(svc: Services, prefer: str, tried: list[str]) -> Instance:
+    """Another D than the ones that failed this turn, or the same one again if it is alone."""
+    try:
+        return svc.pool.pick("decode", prefer=prefer, exclude=tried)
+    except Unavailable:
+        if not tried:
+            raise
+        return svc.pool.pick("decode", prefer=prefer)
 
 
 async def _decode(turn: Turn, d_inst: Instance, prefilled: Prefilled) -> Response:

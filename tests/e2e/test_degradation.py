@@ -1,0 +1,125 @@
+"""Degradation: never a failed request where a path exists (Redis down, P rejecting a handle,
+D failing before its first byte, stock vLLM streams without a handle)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.conftest import BIDIR, Stack, post_json, pulled
+from tests.e2e.harness import router
+from tests.e2e.test_conversation import chat_turn, client, reference_chat
+from tests.procs import ROOT, free_port, sim
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stock(redis_url_session: str) -> Iterator[Stack]:
+    """Engines as stock vLLM 0.32: no kv_transfer_params in streams (PR #40186 unmerged)."""
+    with (
+        sim("prefill", *BIDIR, name="stock-p") as p,
+        sim("decode", *BIDIR, name="stock-d") as d,
+        sim("decode", name="stock-ref") as ref,
+        router([p.url], [d.url], redis_url=redis_url_session, name="stock-router") as r,
+    ):
+        yield Stack(p, d, ref, r, redis_url_session)
+
+
+def test_streaming_on_stock_engines_keeps_affinity_and_says_why(stock: Stack) -> None:
+    api = client(stock.router.base_url)
+    cid = f"stock-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": "Stream me the weather for the tea gardens."}]
+    for turn in range(1, 4):
+        answer, reuse = chat_turn(api, messages, stream=True, cid=cid)
+        assert answer == reference_chat(stock, messages, 24)
+        assert reuse == (
+            "miss;reason=no-session" if turn == 1 else "miss;reason=stream-no-kv-params"
+        ), turn
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"and at hour {turn}?"},
+        ]
+    # A non-streaming turn captures D's handle; the turn after it hits.
+    answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+    assert reuse == "miss;reason=stream-no-kv-params"
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "ok?"}]
+    before = pulled(stock.p.url)
+    answer, reuse = chat_turn(api, messages, stream=True, cid=cid)
+    assert reuse == "hit"
+    assert pulled(stock.p.url) > before
+    assert answer == reference_chat(stock, messages, 24)
+
+
+def test_prefill_rejecting_the_handle_is_retried_as_a_miss(stock: Stack) -> None:
+    api = client(stock.router.base_url)
+    cid = f"reject-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": "What is the forecast for the valley?"}]
+    answer, _ = chat_turn(api, messages, stream=False, cid=cid)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Sure?"}]
+    # kv_load_failure_policy=fail answers 500 for a failed D->P read (vLLM #34896).
+    post_json(stock.p.url + "/sim/faults", {"fail_next": 1, "status": 500})
+    answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+    assert reuse == "miss;reason=handle-rejected"
+    assert answer == reference_chat(stock, messages, 24)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_decode_failing_before_first_byte_redoes_the_turn(stock: Stack, stream: bool) -> None:
+    api = client(stock.router.base_url)
+    messages = [{"role": "user", "content": f"Is the harbour calm? ({stream})"}]
+    post_json(stock.d.url + "/sim/faults", {"fail_next": 1, "status": 503})
+    answer, reuse = chat_turn(api, messages, stream=stream, cid=None)
+    assert answer == reference_chat(stock, messages, 24)
+    assert reuse == "skip;reason=no-conversation-id"
+
+
+def test_redis_down_routes_without_reuse(stock: Stack) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    with router([stock.p.url], [stock.d.url], redis_url=dead, name="router-noredis") as r:
+        api = client(r.base_url)
+        cid = f"noredis-{uuid.uuid4().hex[:8]}"
+        messages = [{"role": "user", "content": "Any storms tonight?"}]
+        for _ in range(3):
+            answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+            assert reuse == "miss;reason=store-unavailable"
+            assert answer == reference_chat(stock, messages, 24)
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "and then?"},
+            ]
+
+
+def test_model_mismatch_refuses_to_start() -> None:
+    with (
+        sim("prefill", "--model", "model-a", name="mm-p") as p,
+        sim("decode", "--model", "model-b", name="mm-d") as d,
+    ):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "router",
+                "serve",
+                "--prefill",
+                p.url,
+                "--decode",
+                d.url,
+                "--session-store",
+                "memory",
+                "--port",
+                str(free_port()),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    assert done.returncode == 1
+    assert "different models" in done.stderr
+    assert "Traceback" not in done.stderr
