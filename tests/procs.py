@@ -169,7 +169,7 @@ def sim(role: str, *args: str, name: str = "sim") -> Iterator[SimProc]:
 
     port = int(given("--port") or 0) or free_port()
     kv_port = int(given("--kv-port") or 0) or free_port()
-    while kv_port == port:  # two free_port() calls may return the same port
+    while kv_port == port and not given("--kv-port"):  # free_port() may repeat itself
         kv_port = free_port()
     engine_id = given("--engine-id") or f"{role}-{uuid.uuid4()}"
     extra = [] if given("--port") else ["--port", str(port)]
