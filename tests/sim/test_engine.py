@@ -7,6 +7,8 @@ import contextlib
 import time
 from typing import Any
 
+import aiohttp
+
 from tests.sim.client import NULL_HANDOFF, chat, words
 from tests.sim.conftest import FakeTime, running
 from vllm_sim.blocks import CacheEvent, Removed, Stored
@@ -150,3 +152,21 @@ async def test_events_for_stored_and_evicted_blocks() -> None:
     assert any(isinstance(x, Removed) for x in seen)
     e.reset_prefix_cache()
     assert e.pool.num_cached == 0
+
+
+async def test_client_disconnect_mid_stream_frees_the_request() -> None:
+    async with running(decode_ms_per_token=10.0) as s:
+        body = {"messages": MSGS, "max_tokens": 50, "stream": True}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(s.url + "/v1/chat/completions", json=body) as resp,
+        ):
+            await resp.content.readuntil(b"\n\n")
+            await resp.content.readuntil(b"\n\n")
+        e = s.sim.engine
+        for _ in range(100):
+            if e.running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert e.running == 0 and e.pool.usage == 0.0
+        assert e.counters.generation_tokens < 50
