@@ -16,10 +16,13 @@ from vllm_sim.server import Sim, build_app
 
 async def serve(settings: SimSettings) -> None:
     sim = Sim(settings)
-    runner = web.AppRunner(build_app(sim), access_log=None, handle_signals=False)
+    # A short shutdown timeout: open streams are cut rather than holding SIGTERM for a minute.
+    runner = web.AppRunner(
+        build_app(sim), access_log=None, handle_signals=False, shutdown_timeout=0.5
+    )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
         await site.start()
         port = int(runner.addresses[0][1])
         events = ""

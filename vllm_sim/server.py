@@ -64,9 +64,9 @@ class Sim:
     async def lifespan(self, _: web.Application) -> AsyncIterator[None]:
         s = self.settings
         await self.engine.channel.start()
-        side = web.AppRunner(side_channel_app(self.engine), access_log=None)
+        side = web.AppRunner(side_channel_app(self.engine), access_log=None, shutdown_timeout=0.5)
         await side.setup()
-        site = web.TCPSite(side, s.host, s.kv_port)
+        site = web.TCPSite(side, s.host, s.kv_port, backlog=1024)
         await site.start()
         self.engine.kv_port = int(side.addresses[0][1])
         self.publisher.start()
@@ -110,13 +110,15 @@ class Sim:
     async def tokenize(self, request: web.Request) -> web.Response:
         require_json(request)
         body = api.decode_body(await request.read())
-        ids = api.tokenize(self.engine.tok, body, self.settings.model)
+        tok = self.engine.tok
+        ids = api.tokenize(tok, body, self.settings.model)
+        strs = [tok.piece(t) for t in ids] if body.get("return_token_strs") is True else None
         return json_response(
             {
                 "count": len(ids),
                 "max_model_len": self.settings.max_model_len,
                 "tokens": ids,
-                "token_strs": None,
+                "token_strs": strs,
             }
         )
 
