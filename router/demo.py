@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+Proc = subprocess.Popen[bytes]
 HOST = "127.0.0.1"
 MODEL = "sim-model"  # the simulator's default served model name
 MAX_TOKENS = 48
@@ -36,6 +37,7 @@ LEGEND = f"""
 """
 # Bidirectional KV transfer; pull from D however few tokens it adds (vLLM's default is 64).
 BIDIR = "--bidirectional --kv-recompute-threshold 0"
+ROLES = ("prefill", "decode")
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a small company that rents bicycles to visitors of an old "
@@ -46,13 +48,11 @@ SYSTEM_PROMPT = (
     "twenty five euros for half a day and forty euros for a whole day. Children ride free on a "
     "seat behind a parent, and a helmet and a lock come with every bike at no extra cost. A "
     "customer who brings a bike back late pays five euros for every started hour. Groups of more "
-    "than six people should book a day ahead, because the shop keeps only thirty bikes. The "
-    "coast road to the lighthouse is flat and takes about forty minutes each way; the forest "
-    "path over the hill is steep, muddy after rain and best done on an electric bike. There is "
-    "a bakery at the lighthouse and a lake with a small beach halfway along the forest path. When "
-    "a customer asks for a route, name the road, the time it takes and one place to stop. When a "
-    "customer asks about damage, explain that small repairs are free and that the shop decides "
-    "about larger ones after looking at the bike together with the customer. Keep every answer "
+    "than six people should book a day ahead, because the shop keeps only thirty bikes. The coast "
+    "road to the lighthouse is flat and takes about forty minutes each way; the forest path over "
+    "the hill is steep, muddy after rain and best done on an electric bike. There is a bakery at "
+    "the lighthouse and a lake with a small beach halfway along the forest path. When a customer "
+    "asks for a route, name the road, the time it takes and one place to stop. Keep every answer "
     "under five sentences, and end by asking whether the customer needs anything else."
 )
 QUESTIONS = (
@@ -72,9 +72,9 @@ class Stack:
     """The child processes, started in order and stopped in reverse; logs under one folder."""
 
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvbaton-demo-")))
-    children: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    children: list[tuple[str, Proc]] = field(default_factory=list)
 
-    def start(self, name: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: Sequence[str]) -> Proc:
         with open(self.logs / f"{name}.log", "wb") as log:
             # A session of its own: Ctrl-C reaches the demo, which stops children in order.
             proc = subprocess.Popen(
@@ -83,7 +83,7 @@ class Stack:
         self.children.append((name, proc))
         return proc
 
-    def check(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+    def check(self, name: str, proc: Proc) -> None:
         if proc.poll() is not None:
             tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
             raise DemoError(f"{name} exited with status {proc.returncode}:\n{tail}")
@@ -101,19 +101,21 @@ class Stack:
         self.children.clear()
 
 
-def free_port(preferred: int = 0) -> int:
-    """`preferred` if it is free on the loopback address, else any free port."""
-    for port in (preferred, 0) if preferred else (0,):
-        with socket.socket() as sock:
+def free_ports(count: int, preferred: int = 0) -> list[int]:
+    """Distinct free loopback ports (held together while chosen); `preferred` first if free."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket())
             try:
-                sock.bind((HOST, port))
+                sock.bind((HOST, 0 if ports else preferred))
             except OSError:
-                continue
-            return int(sock.getsockname()[1])
-    raise DemoError("no free TCP port on the loopback address")
+                sock.bind((HOST, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
-async def wait_ready(stack: Stack, name: str, proc: subprocess.Popen[bytes], url: str) -> None:
+async def wait_ready(stack: Stack, name: str, proc: Proc, url: str) -> None:
     deadline = time.monotonic() + 60
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
         while time.monotonic() < deadline:
@@ -126,12 +128,11 @@ async def wait_ready(stack: Stack, name: str, proc: subprocess.Popen[bytes], url
     raise DemoError(f"{name} was not ready at {url} after 60 s (log: {stack.logs}/{name}.log)")
 
 
-async def wait_redis(stack: Stack, proc: subprocess.Popen[bytes], port: int) -> None:
+async def wait_redis(stack: Stack, proc: Proc, port: int) -> None:
     for _ in range(200):
         stack.check("redis", proc)
         with contextlib.suppress(OSError):
-            _reader, writer = await asyncio.open_connection(HOST, port)
-            writer.close()
+            (await asyncio.open_connection(HOST, port))[1].close()
             return
         await asyncio.sleep(0.05)
     raise DemoError(f"redis-server did not listen on {HOST}:{port}")
@@ -145,7 +146,7 @@ async def start_redis(stack: Stack, redis_url: str | None) -> list[str]:
     if exe is None:
         print("  redis-server is not on PATH: sessions live in the router (--session-store memory)")
         return ["--session-store", "memory"]
-    port = free_port()
+    [port] = free_ports(1)
     no_persistence = ["--save", "", "--appendonly", "no", "--dir", str(stack.logs)]
     argv = [exe, "--bind", HOST, "--port", str(port), *no_persistence]
     await wait_redis(stack, stack.start("redis", argv), port)
@@ -154,8 +155,7 @@ async def start_redis(stack: Stack, redis_url: str | None) -> list[str]:
     return ["--redis-url", url]
 
 
-def launch_sim(stack: Stack, role: str) -> tuple[str, subprocess.Popen[bytes]]:
-    port, kv_port = free_port(), free_port()
+def launch_sim(stack: Stack, role: str, port: int, kv_port: int) -> tuple[str, Proc]:
     flags = f"--role {role} --host {HOST} --port {port} --kv-port {kv_port} --engine-id demo-{role}"
     argv = [sys.executable, "-m", "vllm_sim", *f"{flags} {BIDIR} {COST_MODEL}".split()]
     return f"http://{HOST}:{port}", stack.start(role, argv)
@@ -163,7 +163,8 @@ def launch_sim(stack: Stack, role: str) -> tuple[str, subprocess.Popen[bytes]]:
 
 async def start_sims(stack: Stack) -> tuple[str, str]:
     """P and D start together; each is ready when its /health answers."""
-    launched = {role: launch_sim(stack, role) for role in ("prefill", "decode")}
+    ports = iter(free_ports(4))  # HTTP and side channel of P, then of D
+    launched = {role: launch_sim(stack, role, next(ports), next(ports)) for role in ROLES}
     for role, (url, proc) in launched.items():
         await wait_ready(stack, role, proc, url + "/health")
         print(f"  {role:<10} {url}  (vllm_sim, bidirectional KV transfer)")
@@ -190,12 +191,7 @@ def first_words(text: str, count: int = 9) -> str:
 async def one_turn(
     http: aiohttp.ClientSession, url: str, conv_id: str, messages: list[dict[str, str]]
 ) -> tuple[float, str, dict[str, Any]]:
-    body = {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": MAX_TOKENS,
-        "conversation_id": conv_id,
-    }
+    body = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, conversation_id=conv_id)
     started = time.perf_counter()
     async with http.post(url + "/v1/chat/completions", json=body) as resp:
         data: dict[str, Any] = await resp.json(content_type=None)
@@ -260,7 +256,7 @@ async def run(args: argparse.Namespace, stack: Stack) -> None:
     print(f"Starting the demo stack (logs in {stack.logs}):")
     store = await start_redis(stack, args.redis_url)
     p_url, d_url = await start_sims(stack)
-    url = await start_router(stack, args.port or free_port(8000), store, p_url, d_url)
+    url = await start_router(stack, args.port or free_ports(1, 8000)[0], store, p_url, d_url)
     conv_id = f"demo-{uuid.uuid4().hex[:8]}"
     await converse(url, conv_id)
     print_usage(url, conv_id, store)
