@@ -28,6 +28,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     session_store: Literal["redis", "memory"] = "redis"
     handle_ttl: float = 450.0
     session_ttl: float = 3600.0
+    reuse: bool = True
     verify_prefix: Literal["tokens", "digest"] = "tokens"
     block_size: int = 0
     min_reuse_tokens: int = 0
@@ -79,6 +80,7 @@ FLAGS: tuple[Flag, ...] = (
         float,
     ),
     Flag("session_ttl", "seconds a conversation's affinity and digests are kept", float),
+    Flag("reuse", "send the previous D's handle to P (--no-reuse keeps affinity only)", bool),
     Flag(
         "verify_prefix",
         "how a new prompt is checked against the KV D holds before a read",

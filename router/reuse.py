@@ -66,6 +66,13 @@ async def claim(svc: Services, inc: Incoming, request_id: str) -> Claim:
     if inc.conversation_id is None:
         return Claim(None, None, Reuse("skip", "no-conversation-id"))
     key = conversation_key(inc.tenant, inc.conversation_id)
+    if not svc.settings.reuse:
+        # Affinity only: read the state for placement, never take or send a handle.
+        try:
+            state = await svc.guard.call(lambda: svc.store.get(key))
+        except StoreError:
+            return Claim(key, None, Reuse("miss", "store-unavailable"))
+        return Claim(key, state, Reuse("skip", "reuse-disabled"))
     try:
         state = await svc.guard.call(lambda: svc.store.claim(key, request_id))
     except StoreError:

@@ -215,7 +215,9 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     svc, inc = turn.svc, turn.inc
     params = captured.kv_transfer_params if handoff.is_handle(captured.kv_transfer_params) else None
     reason = ""
-    if captured.tool_calls:
+    if not svc.settings.reuse:
+        params, reason = None, "reuse-disabled"
+    elif captured.tool_calls:
         params, reason = None, "tool-calls"
     elif params is None:
         reason = "stream-no-kv-params" if inc.stream else "no-kv-params"

@@ -123,3 +123,22 @@ def test_model_mismatch_refuses_to_start() -> None:
     assert done.returncode == 1
     assert "different models" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_no_reuse_keeps_affinity_without_handles(stock: Stack) -> None:
+    with router(
+        [stock.p.url], [stock.d.url], "--no-reuse", redis_url=stock.redis_url, name="router-noreuse"
+    ) as r:
+        api = client(r.base_url)
+        cid = f"aff-{uuid.uuid4().hex[:8]}"
+        messages = [{"role": "user", "content": "Only affinity, please."}]
+        before = pulled(stock.p.url)
+        for _ in range(3):
+            answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+            assert reuse == "skip;reason=reuse-disabled"
+            assert answer == reference_chat(stock, messages, 24)
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "and?"},
+            ]
+        assert pulled(stock.p.url) == before
