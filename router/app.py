@@ -20,6 +20,7 @@ from router.config import Settings
 from router.discovery import discover
 from router.errors import RouterError, Unavailable, error_body, error_bytes
 from router.incoming import Api, read_incoming
+from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
 from router.turn import new_request_id, run_turn
 from router.upstream import Upstream, UpstreamFailure
@@ -46,27 +47,43 @@ def services(request: Request) -> Services:
 
 
 def error_response(exc: RouterError, request_id: str = "") -> Response:
-    headers = {"X-Request-Id": request_id} if request_id else None
+    headers = {"X-Request-Id": request_id or new_request_id(), "X-KV-Reuse": "skip;reason=error"}
     return Response(error_bytes(exc), exc.status, headers=headers, media_type="application/json")
 
 
 def turn_endpoint(api: Api) -> Callable[[Request], Any]:
+    route = request_route(api)
+
     async def endpoint(request: Request) -> Response:
         svc = services(request)
-        if svc.stopping:
-            raise Unavailable("the router is shutting down")
-        raw = await request.body()
-        inc = read_incoming(
-            raw,
-            request.headers,
-            api=api,
-            model=svc.model,
-            max_bytes=svc.settings.max_body_bytes,
-            tenant_header=svc.settings.tenant_header,
-        )
-        return await run_turn(svc, inc)
+        try:
+            if svc.stopping:
+                raise Unavailable("the router is shutting down")
+            raw = await request.body()
+            inc = read_incoming(
+                raw,
+                request.headers,
+                api=api,
+                model=svc.model,
+                max_bytes=svc.settings.max_body_bytes,
+                tenant_header=svc.settings.tenant_header,
+            )
+            response = await run_turn(svc, inc)
+        except RouterError as exc:
+            svc.metrics.requests.labels(route, str(exc.status)).inc()
+            return error_response(exc, new_request_id())
+        svc.metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
 
     return endpoint
+
+
+def request_route(api: Api) -> str:
+    return {"chat": "/v1/chat/completions", "completions": "/v1/completions"}[api]
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(services(request).metrics.render(), 200, media_type=CONTENT_TYPE)
 
 
 async def models(request: Request) -> Response:
@@ -139,9 +156,10 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
         await upstream.open()
         session_store = store or make_store(settings)
         pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
-        svc = Services(
-            settings, upstream, pool, session_store, StoreGuard(settings.store_retry_after)
-        )
+        guard = StoreGuard(settings.store_retry_after)
+        metrics = Metrics(pool, lambda: guard.is_open)
+        guard.on_failure = metrics.store_errors.inc
+        svc = Services(settings, upstream, pool, session_store, guard, metrics)
         prober: asyncio.Task[None] | None = None
         try:
             await discover(svc)
@@ -163,6 +181,7 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
     ]
     return Starlette(
         routes=routes,

@@ -10,6 +10,7 @@ import msgspec
 
 from router.backends import Instance, Pool
 from router.config import Settings
+from router.metrics import Metrics
 from router.services import Services, StoreGuard
 from router.upstream import Upstream, UpstreamFailure
 from sessions.memory_store import MemorySessionStore
@@ -81,7 +82,10 @@ async def preflight(settings: Settings) -> None:
     await upstream.open()
     try:
         pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
-        svc = Services(settings, upstream, pool, MemorySessionStore(), StoreGuard(0.0))
+        guard = StoreGuard(0.0)
+        svc = Services(
+            settings, upstream, pool, MemorySessionStore(), guard, Metrics(pool, lambda: False)
+        )
         await discover(svc)
     finally:
         await upstream.close()

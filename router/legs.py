@@ -4,6 +4,7 @@ send one P's params twice."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
     tried: list[str] = []
     while True:
         body = prefill_body(inc.body, params or handoff.miss_params(), api=inc.api)
+        started = time.monotonic()
         with svc.pool.busy(inst):
             try:
                 status, raw = await svc.upstream.post_json(
@@ -68,6 +70,10 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
             except UpstreamFailure as exc:
                 status, raw, failure = 0, b"", str(exc)
         parsed = _parse(raw) if status else None
+        outcome = "ok" if status == 200 else "error" if status == 0 or status >= 500 else "rejected"
+        svc.metrics.upstream.labels("prefill", inst.url, outcome).observe(
+            time.monotonic() - started
+        )
         if status == 200 and parsed is not None and not handoff.prefill_failed(status, parsed):
             svc.pool.record_success(inst)
             p_params = parsed.get("kv_transfer_params")

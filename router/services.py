@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from router.backends import Pool
 from router.config import Settings
+from router.metrics import Metrics
 from router.upstream import Upstream
 from sessions.store import SessionStore, StoreError
 
@@ -27,6 +28,7 @@ class StoreGuard:
     clock: Callable[[], float] = time.monotonic
     open_until: float = 0.0
     failures: int = 0
+    on_failure: Callable[[], None] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -40,6 +42,8 @@ class StoreGuard:
             result = await operation()
         except StoreError as exc:
             self.failures += 1
+            if self.on_failure is not None:
+                self.on_failure()
             if not self.is_open:
                 log.warning(
                     "session store failed (%s); routing without reuse for %.1fs",
@@ -58,6 +62,7 @@ class Services:
     pool: Pool
     store: SessionStore
     guard: StoreGuard
+    metrics: Metrics
     model: str = ""
     block_size: int = 0
     clock: Callable[[], float] = time.time

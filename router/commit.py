@@ -1,0 +1,156 @@
+"""The end of a turn: commit the conversation's next state after a normal finish, or give the
+claim back; then one log line and the turn's metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from router import handoff
+from router.incoming import Incoming
+from router.sse import Captured
+from sessions import model as sm
+from sessions.store import StoreError
+
+if TYPE_CHECKING:
+    from router.turn import Turn
+
+log = logging.getLogger("kvbaton.turn")
+
+NORMAL_FINISH = ("stop", "length")
+
+
+async def finish(turn: Turn, captured: Captured) -> None:
+    """Commit after a normal finish (stop/length, no error event); otherwise release."""
+    if captured.error is not None:
+        await abort(turn, "decode-error-event", captured)
+        return
+    if captured.finish_reason not in NORMAL_FINISH:
+        await abort(turn, f"finish-{captured.finish_reason or 'missing'}", captured)
+        return
+    result = await _commit(turn, captured)
+    report(turn, result, captured)
+
+
+async def abort(turn: Turn, reason: str, captured: Captured | None = None) -> None:
+    """A failed or cancelled turn commits nothing; it only gives back its claim."""
+    await release(turn)
+    turn.svc.metrics.aborts.labels(reason).inc()
+    report(turn, f"aborted:{reason}", captured)
+
+
+async def release(turn: Turn) -> None:
+    svc, key = turn.svc, turn.claim.key
+    if key is None or not turn.claim.claimed:
+        return
+    with contextlib.suppress(StoreError):
+        await svc.guard.call(lambda: svc.store.release(key, turn.request_id))
+
+
+async def _commit(turn: Turn, captured: Captured) -> str:
+    key = turn.claim.key
+    if key is None or turn.prefill is None or turn.decode is None:
+        return "no-conversation-id"
+    state = next_state(turn, captured)
+    expected = turn.claim.state.turn if turn.claim.state else 0
+    svc = turn.svc
+    try:
+        ok = await svc.guard.call(
+            lambda: svc.store.commit(key, state, expected, svc.settings.session_ttl)
+        )
+    except StoreError:
+        result = "store-unavailable"
+    else:
+        # A lost race: another turn of this conversation committed first (compare-and-set).
+        result = "committed" if ok else "lost-race"
+    svc.metrics.commits.labels(result).inc()
+    return result
+
+
+def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
+    svc, inc = turn.svc, turn.inc
+    params = captured.kv_transfer_params if handoff.is_handle(captured.kv_transfer_params) else None
+    reason = ""
+    if not svc.settings.reuse:
+        params, reason = None, "reuse-disabled"
+    elif captured.tool_calls:
+        params, reason = None, "tool-calls"
+    elif params is None:
+        reason = "stream-no-kv-params" if inc.stream else "no-kv-params"
+    prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
+    token_ids: list[int] | None = None
+    if turn.want_token_ids and captured.prompt_token_ids is not None:
+        token_ids = [*captured.prompt_token_ids, *captured.output_token_ids]
+    elif params is not None and svc.settings.verify_prefix == "tokens":
+        params, reason = None, "no-token-ids"
+    assert turn.prefill is not None and turn.decode is not None
+    return sm.next_state(
+        turn.claim.state,
+        api=inc.api,
+        prefill=turn.prefill.url,
+        decode=turn.decode.url,
+        kv_transfer_params=params,
+        no_handle_reason=reason,
+        prefix_digest=prefix_digest,
+        prefix_len=prefix_len,
+        prompt_digest=prompt_digest,
+        prompt_len=prompt_len,
+        token_ids=token_ids,
+        block_size=svc.block_size or turn.decode.block_size,
+        now=svc.clock(),
+        handle_ttl=svc.settings.handle_ttl,
+    )
+
+
+def _digests(inc: Incoming, captured: Captured) -> tuple[str, int, str, int]:
+    """Digests of the conversation as sent (prompt) and as D holds it (prompt + answer)."""
+    if inc.api == "chat":
+        answer: dict[str, Any] = {"role": "assistant", "content": captured.output_text}
+        items = [*inc.messages, answer]
+        return (
+            sm.conversation_digest(inc.api, inc.messages),
+            len(inc.messages),
+            sm.conversation_digest(inc.api, items),
+            len(items),
+        )
+    prompt = inc.prompt
+    if not isinstance(prompt, str):
+        return "", 0, "", 0
+    text = prompt + captured.output_text
+    return (sm.text_digest(inc.api, prompt), len(prompt), sm.text_digest(inc.api, text), len(text))
+
+
+def conversation_hash(key: str | None) -> str:
+    """A short stable name for a conversation in logs (never the id or the tenant)."""
+    if key is None:
+        return "-"
+    return hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
+
+
+def report(turn: Turn, result: str, captured: Captured | None) -> None:
+    """One INFO line per turn, without prompt content, handles or engine addresses' params."""
+    now = time.monotonic()
+    route = turn.inc.api
+    turn.svc.metrics.e2e.labels(route).observe(now - turn.started)
+    usage = (captured.usage if captured else None) or {}
+    ttft = f"{(turn.first_byte - turn.started) * 1000:.1f}" if turn.first_byte else "-"
+    log.info(
+        "turn request_id=%s conv=%s api=%s stream=%s p=%s d=%s reuse=%s reused_tokens=%d "
+        "ttft_ms=%s e2e_ms=%.1f prompt_tokens=%s completion_tokens=%s result=%s",
+        turn.request_id,
+        conversation_hash(turn.claim.key),
+        route,
+        turn.inc.stream,
+        turn.prefill.url if turn.prefill else "-",
+        turn.decode.url if turn.decode else "-",
+        turn.claim.reuse.header(),
+        turn.claim.reuse.tokens if turn.claim.reuse.outcome == "hit" else 0,
+        ttft,
+        (now - turn.started) * 1000,
+        usage.get("prompt_tokens", "-"),
+        usage.get("completion_tokens", "-"),
+        result,
+    )
