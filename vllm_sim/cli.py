@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+import zmq
 from aiohttp import web
 
 from vllm_sim.config import SimSettings, parse_settings
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     try:
         asyncio.run(serve(settings))
-    except OSError as exc:
+    except (OSError, zmq.ZMQError) as exc:  # a port already in use
         print(f"vllm_sim: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -63,23 +63,21 @@ class Sim:
 
     async def lifespan(self, _: web.Application) -> AsyncIterator[None]:
         s = self.settings
-        await self.engine.channel.start()
-        side = web.AppRunner(side_channel_app(self.engine), access_log=None, shutdown_timeout=0.5)
-        await side.setup()
-        site = web.TCPSite(side, s.host, s.kv_port, backlog=1024)
-        await site.start()
-        self.engine.kv_port = int(side.addresses[0][1])
-        self.publisher.start()
-        sweeper = asyncio.create_task(self._sweep_forever())
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            await self.engine.channel.start()
+            stack.push_async_callback(self.engine.channel.close)
+            side = web.AppRunner(
+                side_channel_app(self.engine), access_log=None, shutdown_timeout=0.5
+            )
+            await side.setup()
+            stack.push_async_callback(side.cleanup)
+            await web.TCPSite(side, s.host, s.kv_port, backlog=1024).start()
+            self.engine.kv_port = int(side.addresses[0][1])
+            self.publisher.start()
+            stack.callback(self.publisher.close)
+            sweeper = asyncio.create_task(self._sweep_forever())
+            stack.push_async_callback(_cancel, sweeper)
             yield
-        finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-            await side.cleanup()
-            await self.engine.channel.close()
-            self.publisher.close()
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -172,6 +170,12 @@ class Sim:
             "settings": {k: getattr(s, k) for k in s.__struct_fields__ if k != "api_key"},
         }
         return json_response(body)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _middlewares(sim: Sim) -> list[Any]:

@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tests.procs import SimProc, free_port, sim
+from tests.procs import SimProc, sim
 from tests.sim.client import NULL_HANDOFF, chat, get, parse_sse, post, stream, tokenize, words
 from vllm_sim import model
 from vllm_sim.events import decode_batch
@@ -26,7 +26,6 @@ MSGS = [{"role": "user", "content": words(200, 40)}]
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[dict[str, SimProc]]:
-    events_port = free_port()
     with contextlib.ExitStack() as stack:
         yield {
             "P": stack.enter_context(sim("prefill", name="feat-p")),
@@ -36,7 +35,7 @@ def procs() -> Iterator[dict[str, SimProc]]:
             "R": stack.enter_context(sim("decode", "--reasoning-tokens", "3", name="feat-r")),
             "A": stack.enter_context(sim("decode", "--api-key", "sekret", name="feat-a")),
             "E": stack.enter_context(
-                sim("prefill", "--kv-events-port", str(events_port), name="feat-e")
+                sim("prefill", "--kv-events-port", "0", name="feat-e")  # bound by the sim
             ),
         }
 
