@@ -151,38 +151,56 @@ class SimProc:
     proc: subprocess.Popen[bytes]
 
 
-@contextlib.contextmanager
-def sim(role: str, *args: str, name: str = "sim") -> Iterator[SimProc]:
-    """Start `python -m vllm_sim --role ROLE` on free ports (extra flags in args); stop it after.
+def _flag(flags: Sequence[str], flag: str) -> str | None:
+    for i, a in enumerate(flags):
+        if a == flag and i + 1 < len(flags):
+            return flags[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
 
-    `--engine-id`, `--port` and `--kv-port` may be given in args; otherwise they are chosen here.
-    """
-    flags = list(args)
 
-    def given(flag: str) -> str | None:
-        for i, a in enumerate(flags):
-            if a == flag and i + 1 < len(flags):
-                return flags[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-        return None
-
-    port = int(given("--port") or 0) or free_port()
-    kv_port = int(given("--kv-port") or 0) or free_port()
-    while kv_port == port and not given("--kv-port"):  # free_port() may repeat itself
+def _start_sim(role: str, flags: Sequence[str], name: str, engine_id: str) -> SimProc:
+    port = int(_flag(flags, "--port") or 0) or free_port()
+    kv_port = int(_flag(flags, "--kv-port") or 0) or free_port()
+    while kv_port == port and not _flag(flags, "--kv-port"):  # free_port() may repeat itself
         kv_port = free_port()
-    engine_id = given("--engine-id") or f"{role}-{uuid.uuid4()}"
-    extra = [] if given("--port") else ["--port", str(port)]
-    extra += [] if given("--kv-port") else ["--kv-port", str(kv_port)]
-    extra += [] if given("--engine-id") else ["--engine-id", engine_id]
+    extra = [] if _flag(flags, "--port") else ["--port", str(port)]
+    extra += [] if _flag(flags, "--kv-port") else ["--kv-port", str(kv_port)]
+    extra += [] if _flag(flags, "--engine-id") else ["--engine-id", engine_id]
     with warnings.catch_warnings():
         # spawn() lets its log file object go once Popen has the descriptor; the child keeps
         # writing to it, so the parent's ResourceWarning is noise here.
         warnings.simplefilter("ignore", ResourceWarning)
         proc = spawn(["vllm_sim", "--role", role, *extra, *flags], f"{name}-{port}")
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", proc=proc)
-        yield SimProc(url=url, port=port, kv_port=kv_port, engine_id=engine_id, proc=proc)
-    finally:
+    except BaseException:
         stop(proc)
+        raise
+    return SimProc(url=url, port=port, kv_port=kv_port, engine_id=engine_id, proc=proc)
+
+
+@contextlib.contextmanager
+def sim(role: str, *args: str, name: str = "sim") -> Iterator[SimProc]:
+    """Start `python -m vllm_sim --role ROLE` on free ports (extra flags in args); stop it after.
+
+    `--engine-id`, `--port` and `--kv-port` may be given in args; otherwise they are chosen
+    here (engine id `<role>-<uuid4>`), and a start that loses a port race is retried.
+    """
+    flags = list(args)
+    engine_id = _flag(flags, "--engine-id") or f"{role}-{uuid.uuid4()}"
+    ours = not (_flag(flags, "--port") or _flag(flags, "--kv-port"))
+    attempts = 3 if ours else 1
+    for attempt in range(attempts):
+        try:
+            proc = _start_sim(role, flags, name, engine_id)
+            break
+        except RuntimeError:  # exited before ready (e.g. a port taken meanwhile)
+            if attempt + 1 == attempts:
+                raise
+    try:
+        yield proc
+    finally:
+        stop(proc.proc)
