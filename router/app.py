@@ -13,8 +13,10 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
+from router import registry
+from router.admin import admin_app, open_operations
 from router.backends import Pool, health_loop
 from router.config import Settings
 from router.discovery import discover
@@ -22,6 +24,7 @@ from router.errors import RouterError, Unavailable, error_body, error_bytes
 from router.incoming import Api, read_incoming
 from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
+from router.status import status
 from router.turn import new_request_id, run_turn
 from router.upstream import Upstream, UpstreamFailure
 from sessions.memory_store import MemorySessionStore
@@ -161,9 +164,13 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
         guard.on_failure = metrics.store_errors.inc
         svc = Services(settings, upstream, pool, session_store, guard, metrics)
         prober: asyncio.Task[None] | None = None
+        ops = open_operations(svc)
+        syncing: asyncio.Task[None] | None = None
         try:
             await discover(svc)
             app.state.services = svc
+            app.state.operations = ops
+            syncing = await registry.start(ops.syncer, settings.health_interval)
             prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
             yield
         finally:
@@ -172,6 +179,9 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
                 prober.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await prober
+            if syncing is not None:
+                await registry.stop(syncing)
+            await ops.close()
             await session_store.close()
             await upstream.close()
 
@@ -182,6 +192,8 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/status", status, methods=["GET"]),
+        Mount("/admin", app=admin_app(settings.admin_key)),
     ]
     return Starlette(
         routes=routes,

@@ -49,6 +49,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     shutdown_grace: float = 30.0
     check_models: bool = True
     log_level: str = "info"
+    log_format: Literal["text", "json"] = "text"
+    otel_endpoint: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,21 @@ FLAGS: tuple[Flag, ...] = (
     Flag("store_retry_after", "seconds to route without the store after it failed", float),
     Flag("max_body_bytes", "largest accepted request body", int),
     Flag("unhealthy_after", "consecutive failures that eject an instance", int),
-    Flag("health_interval", "seconds between health probes of ejected instances", float),
+    Flag(
+        "health_interval",
+        "seconds between health probes of ejected instances and re-reads of the admin API's "
+        "instance registry",
+        float,
+    ),
     Flag("shutdown_grace", "seconds in-flight requests get to finish on shutdown", float),
     Flag("check_models", "check every instance's /v1/models at start", bool),
     Flag("log_level", "log level", choices=("debug", "info", "warning", "error")),
+    Flag("log_format", "log lines as plain text or one JSON object each", choices=("text", "json")),
+    Flag(
+        "otel_endpoint",
+        "OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces (empty: no tracing; "
+        "needs the 'otel' extra)",
+    ),
 )
 
 

@@ -14,6 +14,8 @@ from hypercorn.config import Config
 from router.app import create_app
 from router.config import ConfigError, Settings, load_settings
 from router.discovery import StartupError, preflight
+from router.logs import setup_logging
+from router.tracing import setup_tracing
 
 
 def hypercorn_config(settings: Settings) -> Config:
@@ -22,7 +24,8 @@ def hypercorn_config(settings: Settings) -> Config:
     config.graceful_timeout = settings.shutdown_grace
     config.keep_alive_timeout = 75.0
     config.accesslog = None
-    config.errorlog = "-"
+    # Hypercorn's messages go through the root handler, in the chosen --log-format.
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.loglevel = settings.log_level.upper()
     return config
 
@@ -34,7 +37,11 @@ async def run(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     await preflight(settings)
     app = create_app(settings)
-    await serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    stop_tracing = setup_tracing(settings.otel_endpoint)
+    try:
+        await serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    finally:
+        stop_tracing()
 
 
 def serve_main(argv: Sequence[str]) -> int:
@@ -43,10 +50,7 @@ def serve_main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"kvbaton serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    setup_logging(settings.log_level, settings.log_format)
     try:
         asyncio.run(run(settings))
     except StartupError as exc:

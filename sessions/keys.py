@@ -4,6 +4,13 @@ from __future__ import annotations
 
 CONVERSATION_PREFIX = "kvbaton:conv:"
 
+# SCAN pattern matching every conversation HASH (and nothing else kvbaton writes).
+CONVERSATION_PATTERN = CONVERSATION_PREFIX + "*"
+
+# One HASH: instance base URL -> JSON {"role", "state", "updated_at"}, written by the admin
+# API and read by every replica (docs/operations.md).
+INSTANCES_KEY = "kvbaton:instances"
+
 
 def conversation_key(tenant: str, conversation_id: str) -> str:
     """`kvbaton:conv:{<tenant>:<conversation_id>}`; the braces are a Redis Cluster hash tag."""
@@ -11,3 +18,16 @@ def conversation_key(tenant: str, conversation_id: str) -> str:
         # A brace inside would move the hash tag and split one conversation across slots.
         raise ValueError("tenant and conversation id must not contain braces")
     return f"{CONVERSATION_PREFIX}{{{tenant}:{conversation_id}}}"
+
+
+def split_conversation_key(key: str) -> tuple[str, str] | None:
+    """(tenant, conversation_id) of a conversation key; None for any other key.
+
+    Tenants never contain ':' (a hex hash or "default"); conversation ids may.
+    """
+    if not (key.startswith(CONVERSATION_PREFIX + "{") and key.endswith("}")):
+        return None
+    tenant, sep, conversation_id = key[len(CONVERSATION_PREFIX) + 1 : -1].partition(":")
+    if not sep or not tenant or not conversation_id:
+        return None
+    return tenant, conversation_id

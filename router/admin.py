@@ -1,0 +1,325 @@
+"""The admin API under `/admin/`: add, drain, remove and list instances; look up, delete and
+list conversations. Enabled by `--admin-key`; `Authorization: Bearer <key>` on every call."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import msgspec
+import redis.asyncio as aioredis
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, Router
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router import registry as reg
+from router.backends import Instance, Role
+from router.errors import BadRequest, NotFound, RouterError, Unauthorized, Unavailable
+from router.identity import DEFAULT_TENANT, validate_conversation_id
+from router.services import Services
+from router.status import instance_view, instances_by_role
+from sessions.admin_ops import ConversationIndex, MemoryConversationIndex, RedisConversationIndex
+from sessions.keys import conversation_key
+from sessions.memory_store import MemorySessionStore
+from sessions.model import SessionState
+from sessions.store import SessionStore, StoreError
+
+MAX_PAGE = 1000
+# Admin calls may SCAN a page of keys: give them more time than a turn's store calls.
+ADMIN_STORE_TIMEOUT = 2.0
+
+
+class Unprocessable(RouterError):
+    """A well-formed request the router refuses (an instance that does not fit)."""
+
+    status = 422
+    type = "invalid_request_error"
+
+
+class Conflict(RouterError):
+    status = 409
+    type = "invalid_request_error"
+
+
+class InstanceBody(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    role: Role | None = None
+
+
+@dataclass
+class Operations:
+    """What the admin API works on, opened and closed by the app's lifespan."""
+
+    syncer: reg.Syncer
+    conversations: ConversationIndex | None
+    client: aioredis.Redis | None = None
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+
+def open_operations(svc: Services) -> Operations:
+    """The registry and conversation index beside the session store: in Redis when sessions
+    are, else in this process (one replica: admin changes are lost on restart)."""
+    store: SessionStore = svc.store
+    if isinstance(store, MemorySessionStore):
+        return Operations(reg.Syncer(svc, reg.MemoryRegistry()), MemoryConversationIndex(store))
+    if svc.settings.session_store != "redis":
+        return Operations(reg.Syncer(svc, reg.MemoryRegistry()), None)
+    timeout = max(svc.settings.store_timeout, ADMIN_STORE_TIMEOUT)
+    client = aioredis.Redis.from_url(
+        svc.settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    syncer = reg.Syncer(svc, reg.RedisRegistry(client))
+    return Operations(syncer, RedisConversationIndex(client), client)
+
+
+def authorize(key: str, header: str | None) -> None:
+    """404 while the admin API is disabled; 401 unless the Bearer key matches (constant time)."""
+    if not key:
+        raise NotFound(
+            "the admin API is disabled: start the router with --admin-key (KVBATON_ADMIN_KEY)",
+            code="admin_disabled",
+        )
+    scheme, _, token = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise Unauthorized(
+            "missing or wrong admin key: send Authorization: Bearer <KVBATON_ADMIN_KEY>",
+            code="invalid_admin_key",
+        )
+
+
+class AdminGate:
+    """Wraps the admin routes: nothing under /admin/ runs before `authorize` passes."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            authorize(self.key, Headers(scope=scope).get("authorization"))
+        await self.app(scope, receive, send)
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+def _context(request: Request) -> tuple[Services, Operations]:
+    return request.app.state.services, request.app.state.operations
+
+
+def _url(raw: str) -> str:
+    url = raw.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
+        raise BadRequest(f"url must be an http:// or https:// base URL, not {raw!r}", param="url")
+    return url
+
+
+async def _instance_body(request: Request, *, query: bool = False) -> InstanceBody:
+    raw = await request.body()
+    if not raw and query and "url" in request.query_params:
+        try:
+            return msgspec.convert(dict(request.query_params), InstanceBody)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"query: {exc}") from None
+    try:
+        return msgspec.json.decode(raw, type=InstanceBody)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f'expected {{"url": "http://...", "role": ...}}: {exc}') from None
+
+
+def _find(svc: Services, url: str, role: Role | None) -> Instance:
+    roles: tuple[Role, ...] = (role,) if role else ("prefill", "decode")
+    found = [i for r in roles if (i := svc.pool.find(r, url)) is not None]
+    if not found:
+        raise NotFound(f"no instance {url} in the pool", code="instance_not_found")
+    if len(found) > 1:
+        raise BadRequest(f"{url} is both a prefill and a decode instance: give a role")
+    return found[0]
+
+
+async def _record(ops: Operations, url: str, entry: reg.Entry) -> None:
+    try:
+        await ops.syncer.registry.put(url, entry)
+    except StoreError as exc:
+        raise Unavailable(f"the instance registry is unavailable, nothing changed: {exc}") from None
+
+
+async def list_instances(request: Request) -> Response:
+    svc, ops = _context(request)
+    try:
+        entries = {u: msgspec.to_builtins(e) for u, e in (await ops.syncer.registry.load()).items()}
+        error = ""
+    except StoreError as exc:
+        entries, error = {}, str(exc)
+    return _json(
+        {"instances": instances_by_role(svc), "registry": entries, "registry_error": error}
+    )
+
+
+async def add_instance(request: Request) -> Response:
+    """Validated against the instance's /v1/models (as vLLM's XpYd proxy does) before it joins."""
+    svc, ops = _context(request)
+    body = await _instance_body(request)
+    url = _url(body.url)
+    if body.role is None:
+        raise BadRequest("role is required: 'prefill' or 'decode'", param="role")
+    role: Role = body.role
+    async with ops.syncer.lock:
+        other = svc.pool.find("decode" if role == "prefill" else "prefill", url)
+        if other is not None:
+            raise Conflict(f"{url} is already a {other.role} instance: remove it first")
+        inst = svc.pool.find(role, url)
+        if inst is not None:
+            await _record(ops, url, reg.entry(role, "active"))
+            inst.draining = False
+            return _json({"status": "active", "instance": instance_view(inst, False)})
+        inst = Instance(url, role)
+        reason = await reg.admit(svc, inst)
+        if reason:
+            raise Unprocessable(reason, param="url", code="instance_refused")
+        await _record(ops, url, reg.entry(role, "active"))
+        reg.pool_add(svc.pool, inst)
+    return _json({"status": "added", "instance": instance_view(inst, False)}, 201)
+
+
+async def drain_instance(request: Request) -> Response:
+    """No new turns go to it; turns in flight finish. POST /admin/instances again to undo."""
+    svc, ops = _context(request)
+    body = await _instance_body(request)
+    async with ops.syncer.lock:
+        inst = _find(svc, _url(body.url), body.role)
+        await _record(ops, inst.url, reg.entry(inst.role, "draining"))
+        inst.draining = True
+    return _json({"status": "draining", "instance": instance_view(inst, False)})
+
+
+async def remove_instance(request: Request) -> Response:
+    """Out of the pool at once; turns already on it finish (they hold their instance)."""
+    svc, ops = _context(request)
+    body = await _instance_body(request, query=True)
+    async with ops.syncer.lock:
+        inst = _find(svc, _url(body.url), body.role)
+        await _record(ops, inst.url, reg.entry(inst.role, "removed"))
+        reg.pool_remove(svc.pool, inst)
+    return _json({"status": "removed", "instance": instance_view(inst, False)})
+
+
+def _key(request: Request) -> tuple[str, str, str]:
+    conversation_id = validate_conversation_id(request.path_params["conversation_id"])
+    tenant = request.query_params.get("tenant") or DEFAULT_TENANT
+    try:
+        return tenant, conversation_id, conversation_key(tenant, conversation_id)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="tenant") from None
+
+
+def conversation_view(state: SessionState, now: float) -> dict[str, Any]:
+    """The state without its handle: only whether one exists, for how many tokens, until when."""
+    has_handle = bool(state.kv_transfer_params)
+    return {
+        "turn": state.turn,
+        "api": state.api,
+        "prefill": state.prefill,
+        "decode": state.decode,
+        "decode_engine_id": state.decode_engine_id,
+        "handle": {
+            "present": has_handle,
+            "tokens": state.token_count,
+            "expires_at": state.handle_expires_at if has_handle else None,
+            "expires_in_s": round(state.handle_expires_at - now, 3) if has_handle else None,
+            "claimed_by": state.inflight,
+        },
+        "no_handle_reason": state.no_handle_reason,
+        "prefix_len": state.prefix_len,
+        "block_size": state.block_size,
+        "verified_blocks": len(state.block_digests),
+        "created_at": state.created_at,
+        "updated_at": state.updated_at,
+    }
+
+
+async def get_conversation(request: Request) -> Response:
+    svc, ops = _context(request)
+    tenant, conversation_id, key = _key(request)
+    try:
+        state = await svc.store.get(key)
+        ttl = await ops.conversations.ttl(key) if state and ops.conversations else None
+    except StoreError as exc:
+        raise Unavailable(f"the session store is unavailable: {exc}") from None
+    if state is None:
+        raise NotFound(f"no conversation {conversation_id!r} for tenant {tenant!r}")
+    view = conversation_view(state, svc.clock())
+    return _json(
+        {"conversation_id": conversation_id, "tenant": tenant, "key": key, "ttl_s": ttl} | view
+    )
+
+
+async def delete_conversation(request: Request) -> Response:
+    """Forget it: its next turn is a miss (no-session); D's blocks expire on D's own TTL."""
+    svc, _ = _context(request)
+    tenant, conversation_id, key = _key(request)
+    try:
+        deleted = await svc.store.delete(key)
+    except StoreError as exc:
+        raise Unavailable(f"the session store is unavailable: {exc}") from None
+    if not deleted:
+        raise NotFound(f"no conversation {conversation_id!r} for tenant {tenant!r}")
+    return _json(
+        {"deleted": True, "conversation_id": conversation_id, "tenant": tenant, "key": key}
+    )
+
+
+async def _page(request: Request, decode: str) -> Response:
+    _, ops = _context(request)
+    if ops.conversations is None:
+        raise Unavailable("this session store cannot list conversations")
+    params = request.query_params
+    try:
+        count = int(params.get("count", "100"))
+        cursor = str(int(params.get("cursor", "0")))
+    except ValueError:
+        raise BadRequest("cursor and count must be integers") from None
+    if not 1 <= count <= MAX_PAGE or cursor.startswith("-"):
+        raise BadRequest(f"count must be 1..{MAX_PAGE} and cursor >= 0", param="count")
+    try:
+        page = await ops.conversations.list(decode, cursor, count)
+    except StoreError as exc:
+        raise Unavailable(f"the session store is unavailable: {exc}") from None
+    return _json({"decode": decode, "complete": page.cursor == "0"} | msgspec.to_builtins(page))
+
+
+async def list_conversations(request: Request) -> Response:
+    """`?decode=URL` (optional), `cursor` (0 to start), `count`: one SCAN page per call."""
+    decode = request.query_params.get("decode", "")
+    return await _page(request, _url(decode) if decode else "")
+
+
+async def list_decode_conversations(request: Request) -> Response:
+    return await _page(request, _url(unquote(request.path_params["url"])))
+
+
+async def _not_found(scope: Scope, receive: Receive, send: Send) -> None:
+    raise NotFound(f"no admin endpoint {scope.get('method', '')} {scope.get('path', '')}")
+
+
+def admin_app(key: str) -> ASGIApp:
+    """The /admin/ sub-application (mounted by the app factory)."""
+    routes = [
+        Route("/instances", list_instances, methods=["GET"]),
+        Route("/instances", add_instance, methods=["POST"]),
+        Route("/instances", remove_instance, methods=["DELETE"]),
+        Route("/instances/drain", drain_instance, methods=["POST"]),
+        Route("/conversations", list_conversations, methods=["GET"]),
+        Route("/conversations/{conversation_id:path}", get_conversation, methods=["GET"]),
+        Route("/conversations/{conversation_id:path}", delete_conversation, methods=["DELETE"]),
+        Route("/decode/{url:path}/conversations", list_decode_conversations, methods=["GET"]),
+    ]
+    return AdminGate(Router(routes=routes, default=_not_found), key)

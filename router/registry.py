@@ -1,0 +1,218 @@
+"""The instance registry: admin changes to the pool (add, drain, remove), kept in Redis so they
+survive a restart and reach every replica. Command-line instances are the base; the registry's
+entries apply on top, and each replica re-reads them every `health_interval`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, cast
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.backends import Instance, Pool, Role
+from router.discovery import inspect
+from router.services import Services
+from sessions.keys import INSTANCES_KEY
+from sessions.store import StoreError
+
+log = logging.getLogger("kvbaton.registry")
+
+State = Literal["active", "draining", "removed"]
+
+
+class Entry(msgspec.Struct, frozen=True, kw_only=True):
+    """What the admin API decided about one instance URL (the HASH value, as JSON)."""
+
+    role: Role
+    state: State
+    updated_at: float = 0.0
+
+
+_decode_entry = msgspec.json.Decoder(Entry).decode
+_encode = msgspec.json.Encoder().encode
+
+
+class Registry(Protocol):
+    async def load(self) -> dict[str, Entry]:
+        """Every entry by URL; raises StoreError when the backend fails."""
+        ...
+
+    async def put(self, url: str, entry: Entry) -> None:
+        """Record an entry (replacing the URL's previous one); raises StoreError."""
+        ...
+
+
+class RedisRegistry:
+    """One HASH, `kvbaton:instances`: URL -> `{"role", "state", "updated_at"}`."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._client = client
+
+    async def load(self) -> dict[str, Entry]:
+        try:
+            raw = await cast(Awaitable[dict[bytes, bytes]], self._client.hgetall(INSTANCES_KEY))
+        except (RedisError, OSError) as exc:
+            raise StoreError(f"reading {INSTANCES_KEY} failed: {exc}") from exc
+        entries: dict[str, Entry] = {}
+        for url, value in raw.items():
+            try:
+                entries[url.decode()] = _decode_entry(value)
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                log.warning("ignoring a malformed %s entry %r: %s", INSTANCES_KEY, url, exc)
+        return entries
+
+    async def put(self, url: str, entry: Entry) -> None:
+        try:
+            await self._client.hset(INSTANCES_KEY, url, _encode(entry))
+        except (RedisError, OSError) as exc:
+            raise StoreError(f"writing {INSTANCES_KEY} failed: {exc}") from exc
+
+
+@dataclass
+class MemoryRegistry:
+    """The registry of a single replica without Redis: lost when the process stops."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    async def load(self) -> dict[str, Entry]:
+        return dict(self.entries)
+
+    async def put(self, url: str, entry: Entry) -> None:
+        self.entries[url] = entry
+
+
+def desired(
+    base: Mapping[Role, Iterable[str]], entries: Mapping[str, Entry]
+) -> dict[tuple[Role, str], bool]:
+    """(role, url) -> draining, for every instance the pool should hold (pure)."""
+    want = {(role, url): False for role, urls in base.items() for url in urls}
+    for url, entry in entries.items():
+        if entry.state == "removed":
+            want.pop((entry.role, url), None)
+        else:
+            want[(entry.role, url)] = entry.state == "draining"
+    return want
+
+
+def pool_add(pool: Pool, inst: Instance) -> None:
+    # Pool has no add/remove of its own (proposed for router/backends.py); placement never
+    # awaits, so changing its per-role lists here is atomic on the event loop.
+    pool._by_role[inst.role].append(inst)
+
+
+def pool_remove(pool: Pool, inst: Instance) -> None:
+    """Stop placing turns on inst; turns already holding it finish normally."""
+    pool._by_role[inst.role] = [i for i in pool._by_role[inst.role] if i is not inst]
+
+
+async def admit(svc: Services, inst: Instance) -> str:
+    """Check a new instance as vLLM's XpYd proxy does (its /v1/models): "" if it may join,
+    else why not. Also learns its model and KV block size."""
+    await inspect(svc, inst)
+    if not inst.healthy:
+        return f"{inst.url} did not answer /v1/models: {inst.last_error}"
+    if not inst.model:
+        return f"{inst.url}/v1/models lists no model"
+    if svc.model and inst.model != svc.model:
+        return f"{inst.url} serves model {inst.model!r}, the router serves {svc.model!r}"
+    if svc.block_size and inst.block_size and inst.block_size != svc.block_size:
+        return (
+            f"{inst.url} uses KV blocks of {inst.block_size} tokens, the router's instances "
+            f"use {svc.block_size}"
+        )
+    return ""
+
+
+def entry(role: Role, state: State, clock: Callable[[], float] = time.time) -> Entry:
+    return Entry(role=role, state=state, updated_at=round(clock(), 3))
+
+
+@dataclass
+class Syncer:
+    """Keeps one replica's pool equal to the command line plus the registry."""
+
+    svc: Services
+    registry: Registry
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _refused: dict[str, str] = field(default_factory=dict)
+
+    def base(self) -> dict[Role, tuple[str, ...]]:
+        settings = self.svc.settings
+        return {"prefill": settings.prefill, "decode": settings.decode}
+
+    async def sync(self) -> None:
+        """Re-read the registry and apply it; raises StoreError when it cannot be read."""
+        async with self.lock:
+            want = desired(self.base(), await self.registry.load())
+            pool = self.svc.pool
+            for inst in pool.instances():
+                key = (inst.role, inst.url)
+                if key not in want:
+                    pool_remove(pool, inst)
+                    log.info("removed %s instance %s (registry)", inst.role, inst.url)
+                elif inst.draining != want[key]:
+                    inst.draining = want[key]
+                    log.info(
+                        "%s instance %s %s (registry)",
+                        inst.role,
+                        inst.url,
+                        "draining" if inst.draining else "active again",
+                    )
+            for (role, url), draining in want.items():
+                if pool.find(role, url) is None:
+                    await self._join(Instance(url, role, draining=draining))
+
+    async def _join(self, inst: Instance) -> None:
+        """An instance another replica added (or this one before a restart)."""
+        reason = await admit(self.svc, inst)
+        if reason and inst.healthy:
+            # It answers but does not fit (model, block size): keep it out, say so once.
+            if self._refused.get(inst.url) != reason:
+                self._refused[inst.url] = reason
+                log.warning("not adding %s instance from the registry: %s", inst.role, reason)
+            return
+        # Unreachable ones join unhealthy; the health loop re-admits them when they answer.
+        self._refused.pop(inst.url, None)
+        pool_add(self.svc.pool, inst)
+        log.info(
+            "added %s instance %s (registry)%s",
+            inst.role,
+            inst.url,
+            f", unhealthy for now: {inst.last_error}" if reason else "",
+        )
+
+    async def loop(self, interval: float) -> None:
+        """Every `interval` seconds; a failing store is reported once, then retried quietly."""
+        failing = False
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.sync()
+            except StoreError as exc:
+                if not failing:
+                    log.warning("instance registry unavailable, keeping the pool as is: %s", exc)
+                failing = True
+            else:
+                failing = False
+
+
+async def start(syncer: Syncer, interval: float) -> asyncio.Task[None]:
+    """Merge the registry into the pool once (best effort), then keep re-reading it."""
+    try:
+        await syncer.sync()
+    except StoreError as exc:
+        log.warning("instance registry unavailable at start, using the command line: %s", exc)
+    return asyncio.create_task(syncer.loop(interval))
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,78 @@
+"""`GET /status`: the instances by role with health and load, the session store, the model.
+
+Public (no auth), so it shows nothing secret: no keys, no Redis URL, no conversation.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from router.backends import Instance, Role
+from router.services import Services
+from sessions.store import StoreError
+
+
+@functools.cache
+def version() -> str:
+    try:
+        return metadata.version("kvbaton")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
+    return {
+        "url": inst.url,
+        "role": inst.role,
+        "healthy": inst.healthy,
+        "draining": inst.draining,
+        "usable": inst.usable,
+        "outstanding": inst.outstanding,
+        "model": inst.model,
+        "block_size": inst.block_size,
+        "failures": inst.failures,
+        "last_error": inst.last_error,
+        "source": "command-line" if from_flags else "admin",
+    }
+
+
+def instances_by_role(svc: Services) -> dict[Role, list[dict[str, Any]]]:
+    settings = svc.settings
+    flags: dict[Role, tuple[str, ...]] = {"prefill": settings.prefill, "decode": settings.decode}
+    return {
+        role: [instance_view(i, i.url in flags[role]) for i in svc.pool.instances(role)]
+        for role in ("prefill", "decode")
+    }
+
+
+async def store_view(svc: Services) -> dict[str, Any]:
+    """Ping the store directly (not through the breaker), and say whether the breaker is open."""
+    view: dict[str, Any] = {"kind": svc.settings.session_store, "circuit_open": svc.guard.is_open}
+    try:
+        await svc.store.ping()
+    except StoreError as exc:
+        view.update(status="unavailable", error=str(exc))
+    else:
+        view.update(status="ok", error="")
+    view["failures"] = svc.guard.failures
+    return view
+
+
+async def status(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    body = {
+        "version": version(),
+        "model": svc.model,
+        "block_size": svc.block_size,
+        "reuse": svc.settings.reuse,
+        "stopping": svc.stopping,
+        "instances": instances_by_role(svc),
+        "store": await store_view(svc),
+    }
+    return Response(msgspec.json.encode(body), 200, media_type="application/json")
