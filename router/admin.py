@@ -4,6 +4,7 @@ list conversations. Enabled by `--admin-key`; `Authorization: Bearer <key>` on e
 from __future__ import annotations
 
 import hmac
+import logging
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -21,12 +22,14 @@ from router.backends import Instance, Role
 from router.errors import BadRequest, NotFound, RouterError, Unauthorized, Unavailable
 from router.identity import DEFAULT_TENANT, validate_conversation_id
 from router.services import Services
-from router.status import instance_view, instances_by_role
+from router.status import instances_by_role, view
 from sessions.admin_ops import ConversationIndex, MemoryConversationIndex, RedisConversationIndex
 from sessions.keys import conversation_key
 from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState
 from sessions.store import SessionStore, StoreError
+
+log = logging.getLogger("kvbaton.admin")
 
 MAX_PAGE = 1000
 # Admin calls may SCAN a page of keys: give them more time than a turn's store calls.
@@ -180,14 +183,15 @@ async def add_instance(request: Request) -> Response:
         if inst is not None:
             await _record(ops, url, reg.entry(role, "active"))
             inst.draining = False
-            return _json({"status": "active", "instance": instance_view(inst, False)})
+            return _json({"status": "active", "instance": view(svc, inst)})
         inst = Instance(url, role)
         reason = await reg.admit(svc, inst)
         if reason:
             raise Unprocessable(reason, param="url", code="instance_refused")
         await _record(ops, url, reg.entry(role, "active"))
         reg.pool_add(svc.pool, inst)
-    return _json({"status": "added", "instance": instance_view(inst, False)}, 201)
+    log.info("admin: added %s instance %s", role, url)
+    return _json({"status": "added", "instance": view(svc, inst)}, 201)
 
 
 async def drain_instance(request: Request) -> Response:
@@ -198,7 +202,8 @@ async def drain_instance(request: Request) -> Response:
         inst = _find(svc, _url(body.url), body.role)
         await _record(ops, inst.url, reg.entry(inst.role, "draining"))
         inst.draining = True
-    return _json({"status": "draining", "instance": instance_view(inst, False)})
+    log.info("admin: draining %s instance %s", inst.role, inst.url)
+    return _json({"status": "draining", "instance": view(svc, inst)})
 
 
 async def remove_instance(request: Request) -> Response:
@@ -209,7 +214,8 @@ async def remove_instance(request: Request) -> Response:
         inst = _find(svc, _url(body.url), body.role)
         await _record(ops, inst.url, reg.entry(inst.role, "removed"))
         reg.pool_remove(svc.pool, inst)
-    return _json({"status": "removed", "instance": instance_view(inst, False)})
+    log.info("admin: removed %s instance %s (%d in flight)", inst.role, inst.url, inst.outstanding)
+    return _json({"status": "removed", "instance": view(svc, inst)})
 
 
 def _key(request: Request) -> tuple[str, str, str]:

@@ -22,6 +22,7 @@ from router.config import Settings
 from router.discovery import discover
 from router.errors import RouterError, Unavailable, error_body, error_bytes
 from router.incoming import Api, read_incoming
+from router.legs import PATHS
 from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
 from router.status import status
@@ -82,7 +83,7 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
 
 
 def request_route(api: Api) -> str:
-    return {"chat": "/v1/chat/completions", "completions": "/v1/completions"}[api]
+    return PATHS[api]
 
 
 async def metrics_endpoint(request: Request) -> Response:
@@ -188,6 +189,7 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
     routes = [
         Route("/v1/chat/completions", turn_endpoint("chat"), methods=["POST"]),
         Route("/v1/completions", turn_endpoint("completions"), methods=["POST"]),
+        Route("/v1/responses", turn_endpoint("responses"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from router import handoff
-from router.incoming import Incoming
+from router.incoming import Incoming, canonical_items
 from router.sse import Captured
 from sessions import model as sm
 from sessions.store import StoreError
@@ -84,7 +84,7 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     token_ids: list[int] | None = None
     if turn.want_token_ids and captured.prompt_token_ids is not None:
         token_ids = [*captured.prompt_token_ids, *captured.output_token_ids]
-    elif params is not None and svc.settings.verify_prefix == "tokens":
+    elif params is not None and svc.settings.verify_prefix == "tokens" and inc.api != "responses":
         params, reason = None, "no-token-ids"
     assert turn.prefill is not None and turn.decode is not None
     return sm.next_state(
@@ -107,12 +107,13 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
 
 def _digests(inc: Incoming, captured: Captured) -> tuple[str, int, str, int]:
     """Digests of the conversation as sent (prompt) and as D holds it (prompt + answer)."""
-    if inc.api == "chat":
+    if inc.api in ("chat", "responses"):
         answer: dict[str, Any] = {"role": "assistant", "content": captured.output_text}
-        items = [*inc.messages, answer]
+        sent = canonical_items(inc)
+        items = [*sent, answer]
         return (
-            sm.conversation_digest(inc.api, inc.messages),
-            len(inc.messages),
+            sm.conversation_digest(inc.api, sent),
+            len(sent),
             sm.conversation_digest(inc.api, items),
             len(items),
         )

@@ -12,7 +12,7 @@ from router.errors import BadRequest, NotFound, PayloadTooLarge, UnsupportedMedi
 from router.identity import tenant_of, validate_conversation_id
 from router.rewrite import client_wants_token_ids, split_client_body
 
-Api = Literal["chat", "completions"]
+Api = Literal["chat", "completions", "responses"]
 
 _decoder = msgspec.json.Decoder()
 
@@ -33,6 +33,19 @@ class Incoming:
     def messages(self) -> list[Any]:
         messages: list[Any] = self.body["messages"]
         return messages
+
+    @property
+    def items(self) -> list[Any]:
+        """The conversation as items: chat messages, or a Responses request's input with its
+        instructions as a leading system item."""
+        if self.api == "chat":
+            return self.messages
+        raw = self.body["input"]
+        items = [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
+        instructions = self.body.get("instructions")
+        if instructions:
+            items.insert(0, {"role": "system", "content": instructions})
+        return items
 
     @property
     def prompt(self) -> str | list[int]:
@@ -92,6 +105,29 @@ def _check_prompt(body: Mapping[str, Any]) -> None:
     raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt")
 
 
+def _check_responses(body: Mapping[str, Any]) -> None:
+    raw = body.get("input")
+    if not (isinstance(raw, str) and raw) and not (isinstance(raw, list) and raw):
+        raise BadRequest("'input' must be a non-empty string or list of items", param="input")
+    if isinstance(raw, list) and not all(isinstance(item, dict) for item in raw):
+        raise BadRequest("every 'input' item must be an object", param="input")
+    # P/D routing sends the whole conversation to P and D on every turn: server-side history
+    # lives on one engine and cannot be handed over.
+    if body.get("previous_response_id") is not None:
+        raise BadRequest(
+            "previous_response_id is not supported: P/D routing needs the full conversation "
+            "in 'input' on every turn (send the earlier items, and a conversation_id for KV "
+            "reuse)",
+            param="previous_response_id",
+        )
+    if body.get("store") is True:
+        raise BadRequest(
+            "store=true is not supported: responses are not stored by a P/D router; send the "
+            "full conversation in 'input' on every turn",
+            param="store",
+        )
+
+
 def _check_common(body: Mapping[str, Any], model: str) -> bool:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -124,6 +160,8 @@ def read_incoming(
     body, conversation_id = split_client_body(decode_json(raw, max_bytes))
     if api == "chat":
         _check_messages(body)
+    elif api == "responses":
+        _check_responses(body)
     else:
         _check_prompt(body)
     stream = _check_common(body, model)
@@ -162,3 +200,29 @@ def _conversation_id(
 def _forwarded(headers: Mapping[str, str]) -> dict[str, str]:
     session = headers.get("x-session-id")
     return {"X-Session-ID": session} if session is not None else {}
+
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def canonical_items(inc: Incoming) -> list[Any]:
+    """The conversation items the prefix digest covers. A Responses output message sent back
+    verbatim (`type: message`, an id, one `output_text` part) and the plain
+    `{"role": "assistant", "content": text}` form render alike, so they digest alike."""
+    if inc.api == "chat":
+        return inc.messages
+    return [_responses_item(item) for item in inc.items]
+
+
+def _responses_item(item: Mapping[str, Any]) -> Any:
+    if "role" not in item or item.get("type", "message") != "message":
+        return {k: v for k, v in item.items() if k not in ("id", "status")}
+    content = item.get("content")
+    if (
+        isinstance(content, list)
+        and len(content) == 1
+        and isinstance(content[0], dict)
+        and content[0].get("type") in _TEXT_PARTS
+    ):
+        content = content[0].get("text")
+    return {"role": item["role"], "content": content}

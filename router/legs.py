@@ -21,7 +21,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvbaton.legs")
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+}
 
 
 class EngineReply(RouterError):
@@ -56,6 +60,8 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
     tried: list[str] = []
     while True:
         body = prefill_body(inc.body, params or handoff.miss_params(), api=inc.api)
+        if inc.api == "responses":
+            body["store"] = False  # P's one-token response is never worth keeping
         started = time.monotonic()
         with svc.pool.busy(inst):
             try:

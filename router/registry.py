@@ -117,7 +117,8 @@ async def admit(svc: Services, inst: Instance) -> str:
     else why not. Also learns its model and KV block size."""
     await inspect(svc, inst)
     if not inst.healthy:
-        return f"{inst.url} did not answer /v1/models: {inst.last_error}"
+        error = inst.last_error.removeprefix("start-up check failed: ")
+        return f"{inst.url} did not answer /v1/models: {error}"
     if not inst.model:
         return f"{inst.url}/v1/models lists no model"
     if svc.model and inst.model != svc.model:

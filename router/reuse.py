@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from router import handoff
-from router.incoming import Incoming
+from router.incoming import Incoming, canonical_items
 from router.services import Services
 from router.upstream import UpstreamFailure
 from sessions import model as sm
@@ -104,8 +104,8 @@ def _placement_reason(svc: Services, state: SessionState) -> str:
 
 def _prefix_verdict(inc: Incoming, state: SessionState) -> str:
     """'extends', 'diverges-late' (inside D's last answer: tokens decide), or 'mismatch'."""
-    if inc.api == "chat":
-        items = inc.messages
+    if inc.api in ("chat", "responses"):
+        items = canonical_items(inc)
         if sm.prefix_extends(state, inc.api, items=items):
             return "extends"
         late = (
@@ -183,7 +183,9 @@ async def verify(
     verdict = _prefix_verdict(inc, state)
     if verdict == "mismatch":
         return found.miss("prefix-mismatch")
-    if svc.settings.verify_prefix == "digest":
+    if svc.settings.verify_prefix == "digest" or inc.api == "responses":
+        # vLLM's /tokenize cannot render Responses input, so those turns are checked by
+        # their item digests alone.
         return found if verdict == "extends" else found.miss("prefix-mismatch")
     if not state.block_digests and not state.seq_digest:
         return found.miss("no-token-digests")

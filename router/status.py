@@ -42,12 +42,16 @@ def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
     }
 
 
-def instances_by_role(svc: Services) -> dict[Role, list[dict[str, Any]]]:
+def view(svc: Services, inst: Instance) -> dict[str, Any]:
+    """An instance as /status shows it; `source` says whether the command line named it."""
     settings = svc.settings
-    flags: dict[Role, tuple[str, ...]] = {"prefill": settings.prefill, "decode": settings.decode}
+    flags = settings.prefill if inst.role == "prefill" else settings.decode
+    return instance_view(inst, inst.url in flags)
+
+
+def instances_by_role(svc: Services) -> dict[Role, list[dict[str, Any]]]:
     return {
-        role: [instance_view(i, i.url in flags[role]) for i in svc.pool.instances(role)]
-        for role in ("prefill", "decode")
+        role: [view(svc, i) for i in svc.pool.instances(role)] for role in ("prefill", "decode")
     }
 
 

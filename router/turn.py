@@ -91,8 +91,10 @@ async def _route(turn: Turn) -> Response:
     state = turn.claim.state
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
     turn.claim = await verify(svc, inc, turn.claim, p_inst.url, turn.request_id)
-    turn.want_token_ids = svc.settings.verify_prefix == "tokens" and (
-        not inc.stream or svc.settings.stream_kv_params
+    turn.want_token_ids = (
+        svc.settings.verify_prefix == "tokens"
+        and inc.api != "responses"  # vLLM's /tokenize cannot render Responses input: digest
+        and (not inc.stream or svc.settings.stream_kv_params)
     )
     tried: list[str] = []
     while True:
