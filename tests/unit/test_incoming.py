@@ -103,3 +103,70 @@ def test_completions_batches_and_junk_are_refused(prompt: Any) -> None:
 def test_token_id_request_flag() -> None:
     assert read({**CHAT, "return_token_ids": True}).wants_token_ids
     assert not read(CHAT).wants_token_ids
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ["hi"]}, "input"),
+        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "hi", "store": True}, "store=true"),
+    ],
+)
+def test_responses_refusals(body: dict[str, Any], match: str) -> None:
+    with pytest.raises(BadRequest, match=match):
+        read(body, api="responses")
+
+
+def test_responses_items_and_canonical_form() -> None:
+    from router.incoming import canonical_items
+
+    inc = read({"input": "hello", "instructions": "be brief", "store": False}, api="responses")
+    assert inc.items == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
+    echoed = read(
+        {
+            "input": [
+                {"role": "user", "content": "hello"},
+                {
+                    "type": "message",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": " hi there", "annotations": []}],
+                },
+                {"type": "function_call_output", "id": "x", "call_id": "c", "output": "{}"},
+            ]
+        },
+        api="responses",
+    )
+    plain = read(
+        {
+            "input": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": " hi there"},
+                {"type": "function_call_output", "call_id": "c", "output": "{}"},
+            ]
+        },
+        api="responses",
+    )
+    assert canonical_items(echoed) == canonical_items(plain)
+    two_parts = read(
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "a"},
+                        {"type": "input_text", "text": "b"},
+                    ],
+                }
+            ]
+        },
+        api="responses",
+    )
+    assert canonical_items(two_parts)[0]["content"] != "ab"
