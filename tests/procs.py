@@ -160,7 +160,7 @@ def _flag(flags: Sequence[str], flag: str) -> str | None:
     return None
 
 
-def _start_sim(role: str, flags: Sequence[str], name: str, engine_id: str) -> SimProc:
+def _spawn_sim(role: str, flags: Sequence[str], name: str, engine_id: str) -> SimProc:
     port = int(_flag(flags, "--port") or 0) or free_port()
     kv_port = int(_flag(flags, "--kv-port") or 0) or free_port()
     while kv_port == port and not _flag(flags, "--kv-port"):  # free_port() may repeat itself
@@ -174,12 +174,29 @@ def _start_sim(role: str, flags: Sequence[str], name: str, engine_id: str) -> Si
         warnings.simplefilter("ignore", ResourceWarning)
         proc = spawn(["vllm_sim", "--role", role, *extra, *flags], f"{name}-{port}")
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", proc=proc)
-    except BaseException:
-        stop(proc)
-        raise
     return SimProc(url=url, port=port, kv_port=kv_port, engine_id=engine_id, proc=proc)
+
+
+def _start_sim(role: str, flags: Sequence[str], name: str, started: SimProc | None) -> SimProc:
+    """Wait for a spawned simulator (or spawn one); retry a start that lost a port race."""
+    engine_id = _flag(flags, "--engine-id") or f"{role}-{uuid.uuid4()}"
+    ours = not (_flag(flags, "--port") or _flag(flags, "--kv-port"))
+    attempts = 3 if ours else 1
+    for attempt in range(attempts):
+        sp = started or _spawn_sim(role, flags, name, engine_id)
+        started = None
+        try:
+            # Generous: on a loaded machine several simulators may be starting at once.
+            wait_http(sp.url + "/health", timeout=45.0, proc=sp.proc)
+            return sp
+        except RuntimeError:  # exited before ready (e.g. a port taken meanwhile)
+            stop(sp.proc)
+            if attempt + 1 == attempts:
+                raise
+        except BaseException:
+            stop(sp.proc)
+            raise
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
@@ -189,18 +206,28 @@ def sim(role: str, *args: str, name: str = "sim") -> Iterator[SimProc]:
     `--engine-id`, `--port` and `--kv-port` may be given in args; otherwise they are chosen
     here (engine id `<role>-<uuid4>`), and a start that loses a port race is retried.
     """
-    flags = list(args)
-    engine_id = _flag(flags, "--engine-id") or f"{role}-{uuid.uuid4()}"
-    ours = not (_flag(flags, "--port") or _flag(flags, "--kv-port"))
-    attempts = 3 if ours else 1
-    for attempt in range(attempts):
-        try:
-            proc = _start_sim(role, flags, name, engine_id)
-            break
-        except RuntimeError:  # exited before ready (e.g. a port taken meanwhile)
-            if attempt + 1 == attempts:
-                raise
+    proc = _start_sim(role, list(args), name, None)
     try:
         yield proc
     finally:
         stop(proc.proc)
+
+
+@contextlib.contextmanager
+def sims(*specs: Sequence[str], name: str = "sim") -> Iterator[list[SimProc]]:
+    """Several simulators started in parallel; each spec is (role, *flags). Same rules as sim()."""
+    started: list[SimProc] = []
+    ready: list[SimProc] = []
+    try:
+        for i, (role, *flags) in enumerate(specs):
+            engine_id = _flag(flags, "--engine-id") or f"{role}-{uuid.uuid4()}"
+            started.append(_spawn_sim(role, flags, f"{name}{i}", engine_id))
+        for i, ((role, *flags), sp) in enumerate(zip(specs, started, strict=True)):
+            ready.append(_start_sim(role, flags, f"{name}{i}", sp))
+        yield ready
+    finally:
+        for sp in (*started, *ready):
+            if sp.proc.poll() is None:
+                sp.proc.terminate()
+        for sp in (*started, *ready):
+            stop(sp.proc)

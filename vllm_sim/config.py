@@ -26,6 +26,8 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     decoder_kv_blocks_ttl: float = 480.0
     kv_lease_duration: float = 30.0
     kv_recompute_threshold: int = 0
+    # Set explicitly, the threshold also gates P->D pulls (newer base_scheduler).
+    threshold_gates_prefill_pulls: bool = False
     kv_load_failure_policy: str = "fail"
     stream_kv_params: bool = False
     reasoning_tokens: int = 0
@@ -101,6 +103,7 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         decoder_kv_blocks_ttl=ns.decoder_kv_blocks_ttl,
         kv_lease_duration=ns.kv_lease_duration,
         kv_recompute_threshold=threshold,
+        threshold_gates_prefill_pulls=ns.kv_recompute_threshold is not None,
         kv_load_failure_policy=ns.kv_load_failure_policy,
         stream_kv_params=ns.stream_kv_params,
         reasoning_tokens=ns.reasoning_tokens,

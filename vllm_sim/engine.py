@@ -201,7 +201,10 @@ class Engine:
         c = self.counters
         n = len(req.prompt)
         hit = seq.hit_tokens
-        count = transfer.tokens_to_pull(leg, n, hit, self.settings.kv_recompute_threshold)
+        s = self.settings
+        count = transfer.tokens_to_pull(
+            leg, n, hit, s.kv_recompute_threshold, s.threshold_gates_prefill_pulls
+        )
         if leg.source is not None:
             c.external_prefix_cache_queries += n - hit
         pulled = 0

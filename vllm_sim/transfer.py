@@ -92,18 +92,25 @@ def classify(params: Mapping[str, Any] | None, bidirectional: bool) -> Leg:
     return Leg("plain", is_producer)
 
 
-def tokens_to_pull(leg: Leg, prompt_len: int, local_hit: int, threshold: int) -> int:
-    """Tokens to read from the remote; 0 means read nothing (but still notify the producer)."""
+def tokens_to_pull(
+    leg: Leg, prompt_len: int, local_hit: int, threshold: int, gate_prompt_pulls: bool = False
+) -> int:
+    """Tokens to read from the remote; 0 means read nothing (but still notify the producer).
+
+    Under kv_recompute_threshold the request recomputes locally: always for D->P reads,
+    for P->D pulls only when the threshold was set explicitly (gate_prompt_pulls).
+    """
     if leg.source is None:
         return 0
     if leg.kind == "pull_prompt":
-        return max(0, prompt_len - local_hit)
+        count = max(0, prompt_len - local_hit)
+        return 0 if gate_prompt_pulls and count < threshold else count
     if leg.kind != "pull_bidir":
         return 0
     remote = leg.source.num_tokens if leg.source.num_tokens is not None else prompt_len
     count = min(remote, prompt_len) - local_hit
     if count <= 0 or count < threshold:
-        return 0  # below kv_recompute_threshold: recompute locally
+        return 0
     return count
 
 

@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tests.procs import SimProc, sim
+from tests.procs import SimProc, sims
 from tests.sim.client import NULL_HANDOFF, chat, get, parse_sse, post, stream, tokenize, words
 from vllm_sim import model
 from vllm_sim.events import decode_batch
@@ -26,18 +26,15 @@ MSGS = [{"role": "user", "content": words(200, 40)}]
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[dict[str, SimProc]]:
-    with contextlib.ExitStack() as stack:
-        yield {
-            "P": stack.enter_context(sim("prefill", name="feat-p")),
-            "Dk": stack.enter_context(
-                sim("decode", "--bidirectional", "--stream-kv-params", name="feat-dk")
-            ),
-            "R": stack.enter_context(sim("decode", "--reasoning-tokens", "3", name="feat-r")),
-            "A": stack.enter_context(sim("decode", "--api-key", "sekret", name="feat-a")),
-            "E": stack.enter_context(
-                sim("prefill", "--kv-events-port", "0", name="feat-e")  # bound by the sim
-            ),
-        }
+    specs = {
+        "P": ("prefill",),
+        "Dk": ("decode", "--bidirectional", "--stream-kv-params"),
+        "R": ("decode", "--reasoning-tokens", "3"),
+        "A": ("decode", "--api-key", "sekret"),
+        "E": ("prefill", "--kv-events-port", "0"),  # the port is bound by the simulator
+    }
+    with sims(*specs.values(), name="feat") as procs:
+        yield dict(zip(specs, procs, strict=True))
 
 
 async def test_stream_kv_params_in_final_chunk(procs: dict[str, SimProc]) -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.procs import SimProc, free_port, sim
+from tests.procs import SimProc, free_port, sims
 from tests.sim.client import (
     NULL_HANDOFF,
     chat,
@@ -30,37 +29,26 @@ BS = 16
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, SimProc]]:
     """P and D (bidirectional), a reference R computing from scratch, and special-purpose ones."""
-    with contextlib.ExitStack() as stack:
-        procs = {
-            "P": stack.enter_context(sim("prefill", "--bidirectional", name="pd-p")),
-            "D": stack.enter_context(sim("decode", "--bidirectional", name="pd-d")),
-            "R": stack.enter_context(sim("prefill", name="pd-ref")),
-            # D2's pins are always inside P's 5 s safety margin, and D2 is small enough
-            # that freed blocks are soon reused.
-            "D2": stack.enter_context(
-                sim(
-                    "decode",
-                    "--bidirectional",
-                    "--decoder-kv-blocks-ttl",
-                    "4",
-                    "--num-blocks",
-                    "34",
-                    "--max-model-len",
-                    "512",
-                    name="pd-d2",
-                )
-            ),
-            "Prec": stack.enter_context(
-                sim(
-                    "prefill",
-                    "--bidirectional",
-                    "--kv-load-failure-policy",
-                    "recompute",
-                    name="pd-prec",
-                )
-            ),
-        }
-        yield procs
+    specs = {
+        "P": ("prefill", "--bidirectional"),
+        "D": ("decode", "--bidirectional"),
+        "R": ("prefill",),
+        # D2's pins are always inside P's 5 s safety margin, and D2 is small enough that
+        # freed blocks are soon reused.
+        "D2": (
+            "decode",
+            "--bidirectional",
+            "--decoder-kv-blocks-ttl",
+            "4",
+            "--num-blocks",
+            "34",
+            "--max-model-len",
+            "512",
+        ),
+        "Prec": ("prefill", "--bidirectional", "--kv-load-failure-policy", "recompute"),
+    }
+    with sims(*specs.values(), name="pd") as procs:
+        yield dict(zip(specs, procs, strict=True))
 
 
 async def prefill(p: SimProc, messages: list[dict[str, Any]], params: dict[str, Any]) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_sim import model, transfer
@@ -46,6 +46,7 @@ def test_encode_counts(text: str, count: int) -> None:
     assert TOK.decode(TOK.encode(text)) == text
 
 
+@settings(max_examples=50, deadline=None)
 @given(st.text())
 def test_any_text_round_trips(text: str) -> None:
     assert TOK.decode(TOK.encode(text)) == text.encode("utf-8", "surrogatepass").decode(
@@ -53,6 +54,7 @@ def test_any_text_round_trips(text: str) -> None:
     )
 
 
+@settings(max_examples=50, deadline=None)
 @given(st.lists(st.sampled_from(TOK.emittable), min_size=1, max_size=50))
 def test_generated_text_retokenizes_to_the_same_ids(ids: list[int]) -> None:
     assert TOK.encode(TOK.decode(ids)) == ids
@@ -262,6 +264,15 @@ def test_tokens_to_pull(
     params |= {**SRC, "remote_num_tokens": remote_tokens} if kind != "plain" else {}
     leg = transfer.classify(params, bidirectional=True)
     assert transfer.tokens_to_pull(leg, prompt, hit, threshold) == count
+
+
+def test_explicit_threshold_gates_prompt_pulls() -> None:
+    leg = transfer.classify({"do_remote_prefill": True, **SRC}, bidirectional=False)
+    assert transfer.tokens_to_pull(leg, 40, 0, 64) == 40
+    assert transfer.tokens_to_pull(leg, 40, 0, 64, gate_prompt_pulls=True) == 0
+    assert transfer.tokens_to_pull(leg, 80, 0, 64, gate_prompt_pulls=True) == 80
+    assert not parse_settings(["--bidirectional"]).threshold_gates_prefill_pulls
+    assert parse_settings(["--kv-recompute-threshold", "8"]).threshold_gates_prefill_pulls
 
 
 def test_remote_blocks_suffix_trim() -> None:
