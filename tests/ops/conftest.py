@@ -1,0 +1,112 @@
+"""Ops fixtures: simulator P/D processes, routers with an admin key, a private Redis database."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.e2e.harness import RouterProc, router
+from tests.procs import SimProc, sim
+
+ADMIN_KEY = "ops-admin-key"
+BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
+# The ops tests keep their registry and conversations in their own Redis database, so that
+# the kvbaton:instances entries they write never reach the routers of other test modules.
+OPS_DB = 7
+
+
+def call(
+    method: str, url: str, body: Any = None, *, key: str | None = ADMIN_KEY, timeout: float = 10
+) -> tuple[int, Any]:
+    """One HTTP call; returns (status, decoded JSON body)."""
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data, headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return int(resp.status), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
+def chat(
+    router_url: str, cid: str, content: str, *, max_tokens: int = 8, bearer: str = ""
+) -> tuple[int, str]:
+    """One non-streaming chat turn of conversation cid; returns (status, X-KV-Reuse)."""
+    body = {
+        "model": "sim-model",
+        "conversation_id": cid,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": content}],
+    }
+    headers = {"Content-Type": "application/json"}
+    if bearer:
+        headers["Authorization"] = f"Bearer {bearer}"
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(router_url + "/v1/chat/completions", data, headers)
+    with urllib.request.urlopen(req, timeout=20) as resp:
+        resp.read()
+        return int(resp.status), resp.headers["X-KV-Reuse"]
+
+
+def log_path(tag: str) -> Path:
+    """The log file of the router ops_router(tag=tag) started (tests.procs.spawn writes it)."""
+    return Path(tempfile.gettempdir()) / "kvbaton-test-logs" / f"ops-{tag}.log"
+
+
+def decode_urls(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {i["url"]: i for i in status["instances"]["decode"]}
+
+
+@contextlib.contextmanager
+def ops_router(
+    p: SimProc, decodes: list[SimProc], *args: str, redis_url: str | None, tag: str
+) -> Iterator[RouterProc]:
+    """A router process with the admin API on and a fast registry re-read."""
+    name = f"ops-{tag}"
+    extra = ("--admin-key", ADMIN_KEY, "--health-interval", "0.3", *args)
+    with router([p.url], [d.url for d in decodes], *extra, redis_url=redis_url, name=name) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def p() -> Iterator[SimProc]:
+    with sim("prefill", *BIDIR, name="ops-p") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def d() -> Iterator[SimProc]:
+    with sim("decode", *BIDIR, name="ops-d") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def d2() -> Iterator[SimProc]:
+    with sim("decode", *BIDIR, name="ops-d2") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def ops_redis(redis_url_session: str) -> Iterator[str]:
+    """The session's redis-server, database OPS_DB, emptied before and after each module."""
+    url = redis_url_session.rsplit("/", 1)[0] + f"/{OPS_DB}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    try:
+        yield url
+    finally:
+        client.flushdb()
+        client.close()

@@ -1,0 +1,89 @@
+"""docs/configuration.md is generated from FLAGS and kept in sync; every flag works from the
+environment and from a TOML file (precedence itself: tests/unit/test_config.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router import config_docs
+from router.config import FLAGS, Flag, Settings, load_settings
+
+DEFAULTS = Settings(prefill=(), decode=())
+
+
+def test_configuration_md_is_generated_from_the_flags() -> None:
+    committed = config_docs.DOC_PATH.read_text()
+    assert committed == config_docs.render(), "run: python -m router.config_docs"
+    assert config_docs.main(["--check"]) == 0
+    for flag in FLAGS:
+        assert f"`KVBATON_{flag.name.upper()}`" in committed
+        assert f"`{flag.name}`" in committed
+
+
+def test_check_fails_when_out_of_date(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "configuration.md"
+    monkeypatch.setattr(config_docs, "DOC_PATH", target)
+    assert config_docs.main(["--check"]) == 1
+    assert config_docs.main([]) == 0
+    assert target.read_text() == config_docs.render()
+    assert config_docs.main(["--check"]) == 0
+    assert config_docs.main(["--bogus"]) == 2
+    assert "out of date" in capsys.readouterr().err
+
+
+def sample(flag: Flag) -> Any:
+    """A valid value different from the default."""
+    default = getattr(DEFAULTS, flag.name)
+    if flag.many:
+        return ("http://x:1", "http://y:2")
+    if flag.kind is bool:
+        return not default
+    if flag.choices:
+        return next(c for c in flag.choices if c != default)
+    if flag.kind is int:
+        return default + 7
+    if flag.kind is float:
+        return default + 1.5
+    return f"sample-{flag.name}"
+
+
+def base_argv(flag: Flag) -> list[str]:
+    argv = []
+    for role in ("prefill", "decode"):
+        if flag.name != role:
+            argv += [f"--{role}", f"http://{role}:1"]
+    return argv
+
+
+def env_text(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ", ".join(value)
+    if isinstance(value, bool):
+        return "yes" if value else "off"
+    return str(value)
+
+
+def toml_text(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(f'"{v}"' for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+@pytest.mark.parametrize("flag", FLAGS, ids=lambda f: f.name)
+def test_every_flag_works_from_env_and_from_a_toml_file(flag: Flag, tmp_path: Path) -> None:
+    value = sample(flag)
+    from_env = load_settings(base_argv(flag), env={f"KVBATON_{flag.name.upper()}": env_text(value)})
+    assert getattr(from_env, flag.name) == value
+    conf = tmp_path / "kvbaton.toml"
+    conf.write_text(f"{flag.name.replace('_', '-')} = {toml_text(value)}\n")
+    from_file = load_settings(base_argv(flag), env={"KVBATON_CONFIG": str(conf)})
+    assert getattr(from_file, flag.name) == value
