@@ -32,6 +32,7 @@ class Instance:
     model: str = ""
     draining: bool = False
     last_error: str = ""
+    engine_id: str = ""  # the KV engine id in this instance's latest handle (a restart changes it)
 
     @property
     def usable(self) -> bool:

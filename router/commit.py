@@ -87,6 +87,8 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     elif params is not None and svc.settings.verify_prefix == "tokens" and inc.api != "responses":
         params, reason = None, "no-token-ids"
     assert turn.prefill is not None and turn.decode is not None
+    if params is not None:
+        turn.decode.engine_id = handoff.engine_id(params) or turn.decode.engine_id
     return sm.next_state(
         turn.claim.state,
         api=inc.api,

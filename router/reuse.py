@@ -99,6 +99,10 @@ def _placement_reason(svc: Services, state: SessionState) -> str:
         return "decode-removed"
     if not inst.healthy:
         return "decode-unhealthy"
+    if inst.engine_id and state.decode_engine_id and inst.engine_id != state.decode_engine_id:
+        # D restarted since this handle was made: its blocks and engine id are gone, and a
+        # read would fail (kv_load_failure_policy=fail) or, worse, hang on a handshake.
+        return "decode-restarted"
     return ""
 
 

@@ -32,11 +32,20 @@ def hypercorn_config(settings: Settings) -> Config:
 
 async def run(settings: Settings) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await preflight(settings)
     app = create_app(settings)
+
+    def on_signal() -> None:
+        # Refuse new turns with 503 at once; Hypercorn lets in-flight streams finish within
+        # --shutdown-grace seconds, then closes.
+        svc = getattr(app.state, "services", None)
+        if svc is not None:
+            svc.stopping = True
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
     stop_tracing = setup_tracing(settings.otel_endpoint)
     try:
         await serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
