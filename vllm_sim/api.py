@@ -43,7 +43,7 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _typed(body: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], default: Any) -> Any:
+def typed(body: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], default: Any) -> Any:
     value = body.get(key)
     if value is None:
         return default
@@ -64,7 +64,7 @@ def check_model(body: Mapping[str, Any], served: str) -> None:
         raise ApiError(f"The model `{model}` does not exist.", status=404, param="model")
 
 
-def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+def stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
@@ -79,12 +79,12 @@ def chat_prompt(tok: Tokenizer, body: Mapping[str, Any]) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ApiError("'messages' must be a list of message objects", param="messages")
-    add_gen = _typed(body, "add_generation_prompt", bool, True)
+    add_gen = typed(body, "add_generation_prompt", bool, True)
     try:
         ids = render(tok, messages, add_generation_prompt=add_gen)
     except TemplateError as exc:
         raise ApiError(str(exc), param="messages") from exc
-    if _typed(body, "add_special_tokens", bool, False):
+    if typed(body, "add_special_tokens", bool, False):
         ids = [BOS_ID, *ids]
     return ids
 
@@ -98,7 +98,7 @@ def completion_prompt(tok: Tokenizer, body: Mapping[str, Any]) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         ids = tok.encode(prompt)
-        return [BOS_ID, *ids] if _typed(body, "add_special_tokens", bool, True) else ids
+        return [BOS_ID, *ids] if typed(body, "add_special_tokens", bool, True) else ids
     if isinstance(prompt, list) and prompt:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
             raise ApiError("token prompts must be non-negative integers", param="prompt")
@@ -115,7 +115,7 @@ def _max_tokens(
         "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else None
     )
     key = key or "max_tokens"
-    requested = _typed(body, key, int, None)
+    requested = typed(body, key, int, None)
     room = max_model_len - prompt_len
     if requested is None:
         cap = default_cap if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -142,13 +142,13 @@ def parse(
     default_max_tokens: int,
 ) -> Parsed:
     check_model(body, served_model)
-    stream = _typed(body, "stream", bool, False)
-    stream_options = _typed(body, "stream_options", dict, None)
+    stream = typed(body, "stream", bool, False)
+    stream_options = typed(body, "stream_options", dict, None)
     if stream_options is not None and not stream:
         raise ApiError(
             "Stream options can only be defined when `stream=True`.", param="stream_options"
         )
-    n = _typed(body, "n", int, 1)
+    n = typed(body, "n", int, 1)
     if n != 1:
         raise ApiError("The simulator supports n=1 only", param="n")
     prompt = chat_prompt(tok, body) if chat else completion_prompt(tok, body)
@@ -159,25 +159,25 @@ def parse(
             param="messages" if chat else "prompt",
         )
     max_tokens = _max_tokens(body, chat, len(prompt), max_model_len, default_max_tokens)
-    min_tokens = _typed(body, "min_tokens", int, 0)
+    min_tokens = typed(body, "min_tokens", int, 0)
     if min_tokens < 0 or min_tokens > max_tokens:
         raise ApiError(
             f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}.",
             param="min_tokens",
         )
-    _typed(body, "ignore_eos", bool, False)  # the toy model never emits EOS anyway
-    params = _typed(body, "kv_transfer_params", dict, None)
+    typed(body, "ignore_eos", bool, False)  # the toy model never emits EOS anyway
+    params = typed(body, "kv_transfer_params", dict, None)
     include_usage = bool(stream_options and stream_options.get("include_usage"))
     return Parsed(
         chat=chat,
         prompt=prompt,
         max_tokens=max_tokens,
         min_tokens=min_tokens,
-        stop=_stop(body),
-        include_stop_str_in_output=_typed(body, "include_stop_str_in_output", bool, False),
+        stop=stop_strings(body),
+        include_stop_str_in_output=typed(body, "include_stop_str_in_output", bool, False),
         stream=stream,
         include_usage=include_usage,
-        return_token_ids=_typed(body, "return_token_ids", bool, False),
+        return_token_ids=typed(body, "return_token_ids", bool, False),
         kv_transfer_params=params,
     )
 
@@ -191,4 +191,4 @@ def tokenize(tok: Tokenizer, body: Mapping[str, Any], served_model: str) -> list
     if not isinstance(prompt, str):
         raise ApiError("'prompt' (a string) or 'messages' is required", param="prompt")
     ids = tok.encode(prompt)
-    return [BOS_ID, *ids] if _typed(body, "add_special_tokens", bool, True) else ids
+    return [BOS_ID, *ids] if typed(body, "add_special_tokens", bool, True) else ids

@@ -23,6 +23,7 @@ from vllm_sim.errors import ApiError
 from vllm_sim.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from vllm_sim.faults import Faults
 from vllm_sim.kvchannel import side_channel_app
+from vllm_sim.responses import ResponsesRoute
 from vllm_sim.serving import GenerationRoutes, json_response, require_json
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Sim:
             settings, kv_port=settings.kv_port, clock=self.clock, on_events=self._publish
         )
         self.routes = GenerationRoutes(self.engine, self.faults)
+        self.responses = ResponsesRoute(self.engine, self.faults)
         self.created = int(time.time())
 
     def _publish(self, events: list[CacheEvent]) -> None:
@@ -203,6 +205,7 @@ def build_app(sim: Sim) -> web.Application:
     r = app.router
     r.add_post("/v1/chat/completions", sim.routes.chat)
     r.add_post("/v1/completions", sim.routes.completions)
+    r.add_post("/v1/responses", sim.responses.create)
     r.add_get("/v1/models", sim.models)
     r.add_get("/health", sim.health)
     r.add_get("/metrics", sim.metrics)

@@ -125,7 +125,7 @@ class GenerationRoutes:
             return json_response(INTERNAL_ERROR, status=500, headers=headers)
         if inj.drop_after_chunks is not None or inj.error_after_chunks is not None:
             # A non-streaming response has no chunks: drop/error faults cut it off entirely.
-            _abort(request)
+            abort_connection(request)
             return web.Response(status=500)
         usage = shapes.usage(len(p.prompt), len(res.output_ids), res.cached_tokens)
         common: dict[str, Any] = {
@@ -221,7 +221,7 @@ class _Sink:
             await self.raw(shapes.DONE)
             return False
         if self.inj.drop_after_chunks is not None and self.sent >= self.inj.drop_after_chunks:
-            _abort(self.request)
+            abort_connection(self.request)
             return False
         await self.raw(shapes.sse(chunk))
         self.sent += 1
@@ -231,7 +231,7 @@ class _Sink:
         await self.resp.write(data)
 
 
-def _abort(request: web.Request) -> None:
+def abort_connection(request: web.Request) -> None:
     """Close the connection without finishing the response (a crashed or dropped engine)."""
     transport = request.transport
     if transport is not None:
