@@ -101,3 +101,27 @@ async def tokenize(base: str, messages: list[dict[str, Any]]) -> list[int]:
     )
     assert status == 200, body
     return list(body["tokens"])
+
+
+def parse_events(raw: bytes) -> list[dict[str, Any]]:
+    """Named SSE events (`event: T` + `data: {...}`, the Responses API); checks T == data.type."""
+    events: list[dict[str, Any]] = []
+    for block in raw.decode().split("\n\n"):
+        if not block:
+            continue
+        head, data = block.split("\n", 1)
+        assert head.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data[len("data: ") :])
+        assert event["type"] == head[len("event: ") :], block
+        events.append(event)
+    return events
+
+
+def output_text(response: dict[str, Any]) -> str:
+    """The text of a Responses API object's message items."""
+    return "".join(
+        part["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    )
