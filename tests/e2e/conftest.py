@@ -76,3 +76,15 @@ def post_json(url: str, body: dict[str, object]) -> int:
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(req, timeout=5) as resp:
         return int(resp.status)
+
+
+@pytest.fixture(scope="module")
+def stock_responses(redis_url_session: str) -> Iterator[Stack]:
+    """Stock-vLLM-like engines (no kv_transfer_params in chat streams)."""
+    with (
+        sim("prefill", *BIDIR, name="resp-p") as p,
+        sim("decode", *BIDIR, name="resp-d") as d,
+        sim("decode", name="resp-ref") as ref,
+        router([p.url], [d.url], redis_url=redis_url_session, name="resp-router") as r,
+    ):
+        yield Stack(p, d, ref, r, redis_url_session)

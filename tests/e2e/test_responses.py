@@ -1,0 +1,104 @@
+"""The Responses API through kvbaton: streaming multi-turn reuse on stock engines (D's handle
+rides in `response.completed`), never mixed with chat within a conversation."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import openai
+import pytest
+
+from tests.e2e.conftest import Stack, pulled
+from tests.e2e.test_conversation import chat_turn, client
+
+pytestmark = pytest.mark.e2e
+
+INSTRUCTIONS = "Answer like a weather station: short words only."
+
+
+def reference(stack: Stack, items: list[dict[str, Any]]) -> str:
+    ref = client(stack.ref.url + "/v1")
+    out = ref.responses.create(
+        model="sim-model",
+        instructions=INSTRUCTIONS,
+        input=items,  # type: ignore[arg-type]
+        max_output_tokens=24,
+    )
+    return out.output_text
+
+
+def responses_turn(
+    api: openai.OpenAI, items: list[dict[str, Any]], *, stream: bool, cid: str
+) -> tuple[str, str, dict[str, Any]]:
+    """One turn: (answer, X-KV-Reuse, the completed response as a dict)."""
+    kwargs: dict[str, Any] = {
+        "model": "sim-model",
+        "instructions": INSTRUCTIONS,
+        "input": items,
+        "max_output_tokens": 24,
+        "extra_body": {"conversation_id": cid},
+    }
+    if not stream:
+        raw = api.responses.with_raw_response.create(**kwargs)
+        resp = raw.parse()
+        return resp.output_text, raw.headers["x-kv-reuse"], resp.model_dump()
+    with api.responses.with_streaming_response.create(stream=True, **kwargs) as r:
+        reuse = r.headers["x-kv-reuse"]
+        text, completed = "", {}
+        for event in r.parse():
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            elif event.type == "response.completed":
+                completed = event.response.model_dump()
+    return text, reuse, completed
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+def test_four_turn_responses_conversation_hits(stock_responses: Stack, stream: bool) -> None:
+    stack = stock_responses
+    api = client(stack.router.base_url)
+    cid = f"resp-{uuid.uuid4().hex[:8]}"
+    items: list[dict[str, Any]] = []
+    for turn in range(1, 5):
+        items.append({"role": "user", "content": f"Reading {turn} ({stream}): wind and rain?"})
+        before = pulled(stack.p.url)
+        answer, reuse, completed = responses_turn(api, items, stream=stream, cid=cid)
+        assert answer == reference(stack, items), f"turn {turn}"
+        assert "kv_transfer_params" not in completed
+        if turn == 1:
+            assert reuse == "miss;reason=no-session"
+        else:
+            assert reuse == "hit", f"turn {turn}: {reuse}"
+            assert pulled(stack.p.url) > before, f"turn {turn}: P pulled nothing from D"
+        # Send the answer back the way the SDK hands it out: the output message item.
+        items.append(
+            completed["output"][-1] if turn % 2 else {"role": "assistant", "content": answer}
+        )
+
+
+def test_chat_and_responses_never_share_a_handle(stock_responses: Stack) -> None:
+    stack = stock_responses
+    api = client(stack.router.base_url)
+    cid = f"mix-{uuid.uuid4().hex[:8]}"
+    messages = [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": "Any fog this morning?"},
+    ]
+    answer, _ = chat_turn(api, messages, stream=False, cid=cid)
+    items = [
+        {"role": "user", "content": "Any fog this morning?"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And tonight?"},
+    ]
+    before = pulled(stack.p.url)
+    text, reuse, _ = responses_turn(api, items, stream=True, cid=cid)
+    assert reuse == "miss;reason=api-mismatch"
+    assert text == reference(stack, items)
+    assert pulled(stack.p.url) == before
+
+
+def test_previous_response_id_is_a_clear_400(stock_responses: Stack) -> None:
+    api = client(stock_responses.router.base_url)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        api.responses.create(model="sim-model", input="hi", previous_response_id="resp_123")
