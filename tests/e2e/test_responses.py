@@ -102,3 +102,25 @@ def test_previous_response_id_is_a_clear_400(stock_responses: Stack) -> None:
     api = client(stock_responses.router.base_url)
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         api.responses.create(model="sim-model", input="hi", previous_response_id="resp_123")
+
+
+def test_sdk_stream_helper_as_in_the_readme(stock_responses: Stack) -> None:
+    stack = stock_responses
+    api = client(stack.router.base_url)
+    cid = f"readme-{uuid.uuid4().hex[:8]}"
+    items: list[dict[str, Any]] = [{"role": "user", "content": "Plan a day in Lisbon."}]
+    for _ in range(2):
+        with api.responses.stream(
+            model="sim-model",
+            input=items,
+            instructions=INSTRUCTIONS,  # type: ignore[arg-type]
+            max_output_tokens=24,
+            extra_body={"conversation_id": cid},
+        ) as stream:
+            deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+            answer = stream.get_final_response().output_text
+        assert deltas == answer == reference(stack, items)
+        items += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And the evening?"},
+        ]
