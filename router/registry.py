@@ -166,9 +166,12 @@ class Syncer:
                         inst.url,
                         "draining" if inst.draining else "active again",
                     )
-            for (role, url), draining in want.items():
-                if pool.find(role, url) is None:
-                    await self._join(Instance(url, role, draining=draining))
+            joining = [
+                Instance(url, role, draining=draining)
+                for (role, url), draining in want.items()
+                if pool.find(role, url) is None
+            ]
+            await asyncio.gather(*(self._join(inst) for inst in joining))
 
     async def _join(self, inst: Instance) -> None:
         """An instance another replica added (or this one before a restart)."""
