@@ -9,12 +9,13 @@ import math
 from collections.abc import Awaitable, Sequence
 from typing import Any, Self, TypeVar, cast
 
-import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
+from sessions import connect
+from sessions.connect import RedisClient
 from sessions.model import SessionState, StateDecodeError, from_fields, to_fields
 from sessions.store import StoreError
 
@@ -70,7 +71,10 @@ def _decode_pairs(reply: Sequence[bytes] | None) -> SessionState | None:
 
 
 class RedisSessionStore:
-    """SessionStore on Redis (or anything speaking its protocol with Lua scripting)."""
+    """SessionStore on Redis (or anything speaking its protocol with Lua scripting).
+
+    `url` may name one server, a Redis Cluster or a Sentinel-managed master (sessions.connect).
+    """
 
     def __init__(
         self,
@@ -78,18 +82,15 @@ class RedisSessionStore:
         *,
         socket_timeout: float = 0.25,
         connect_timeout: float = 0.25,
-        client: aioredis.Redis | None = None,
+        client: RedisClient | None = None,
     ) -> None:
         self._owns_client = client is None
         if client is None:
             # One immediate retry on a broken pooled connection; none on a timeout: a slow
             # Redis must not hold up the turn, which proceeds without reuse.
             retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
-            client = aioredis.Redis.from_url(
-                url,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=connect_timeout,
-                retry=retry,
+            client = connect.connect(
+                url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, retry=retry
             )
         self._client = client
         self._claim = client.register_script(_CLAIM)
@@ -140,4 +141,4 @@ class RedisSessionStore:
     async def close(self) -> None:
         """Close the connection pool, unless the client was passed in (its owner closes it)."""
         if self._owns_client:
-            await self._client.aclose()
+            await connect.close(self._client)

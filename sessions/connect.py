@@ -1,0 +1,153 @@
+"""The redis.asyncio client a Redis URL names: one server, a Redis Cluster, or a Sentinel master.
+
+    redis://[user:pass@]host:port[/db]      one server (also rediss:// and unix://)
+    redis+cluster://[user:pass@]host:port[,host:port...]        Redis Cluster (rediss+cluster://)
+    redis+sentinel://[user:pass@]host:port[,host:port...]/service[/db]   (rediss+sentinel://)
+
+Cluster and Sentinel URLs list seed nodes (a port defaults to 6379, or 26379 for a sentinel);
+the client finds the rest. Every key kvbaton writes carries a `{...}` hash tag and every script
+touches one key, so the same scripts run on a cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+RedisClient = aioredis.Redis | RedisCluster
+
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+_DEFAULT_PORT = {"cluster": 6379, "sentinel": 26379}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed cluster or sentinel URL."""
+
+    kind: str  # "cluster" | "sentinel"
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    service: str = ""  # sentinel: the monitored master's name
+    db: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _node(text: str, default_port: int, url: str) -> tuple[str, int]:
+    if text.startswith("["):  # [ipv6]:port
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = text.rpartition(":") if ":" in text else (text, "", "")
+    if not host:
+        raise ValueError(f"{url}: empty host in {text!r}")
+    try:
+        port = int(port_text) if port_text else default_port
+    except ValueError:
+        raise ValueError(f"{url}: bad port in {text!r}") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"{url}: port out of range in {text!r}")
+    return host, port
+
+
+def _db(text: str, url: str) -> int:
+    try:
+        return int(text) if text else 0
+    except ValueError:
+        raise ValueError(f"{url}: the database must be a number, not {text!r}") from None
+
+
+def parse(url: str) -> Target | None:
+    """A cluster or sentinel URL parsed; None for a plain redis://, rediss:// or unix:// URL."""
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
+        return None
+    kind = "cluster" if scheme in CLUSTER_SCHEMES else "sentinel"
+    rest = rest.split("?", 1)[0].split("#", 1)[0]
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    nodes = tuple(_node(h, _DEFAULT_PORT[kind], url) for h in hosts.split(",") if h)
+    if not nodes:
+        raise ValueError(f"{url}: no {kind} node given")
+    parts = [p for p in path.split("/") if p]
+    service, db = "", 0
+    if kind == "sentinel":
+        if not parts or len(parts) > 2:
+            raise ValueError(f"{url}: expected /<service_name>[/<db>] after the sentinels")
+        service = unquote(parts[0])
+        db = _db(parts[1] if len(parts) == 2 else "", url)
+    else:
+        if len(parts) > 1:
+            raise ValueError(f"{url}: a cluster URL takes no path but an optional /0")
+        db = _db(parts[0] if parts else "", url)
+        if db != 0:
+            raise ValueError(f"{url}: Redis Cluster has database 0 only")
+    tls = scheme.startswith("rediss")
+    return Target(kind, nodes, tls, username, password, service, db)
+
+
+def connect(
+    url: str,
+    *,
+    socket_timeout: float | None = None,
+    connect_timeout: float | None = None,
+    retry: Retry | None = None,
+) -> RedisClient:
+    """A client for url (nothing is connected until the first command)."""
+    target = parse(url)
+    if target is None:
+        return aioredis.Redis.from_url(
+            url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout, retry=retry
+        )
+    if target.kind == "cluster":
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
+            ssl=target.tls,
+            username=target.username,
+            password=target.password,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            retry=retry,
+        )
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(target.nodes),
+        # The credentials in the URL are the master's; sentinels are asked without them.
+        sentinel_kwargs={
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": connect_timeout,
+        },
+    )
+    master: aioredis.Redis = sentinel.master_for(
+        target.service,
+        db=target.db,
+        ssl=target.tls,
+        username=target.username,
+        password=target.password,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        retry=retry,
+    )
+    return master
+
+
+async def close(client: RedisClient) -> None:
+    """Close the client's connections, and a Sentinel master's connections to its sentinels."""
+    pool = client.connection_pool if isinstance(client, aioredis.Redis) else None
+    await client.aclose()
+    if isinstance(pool, SentinelConnectionPool):
+        for sentinel in pool.sentinel_manager.sentinels:
+            await sentinel.aclose()

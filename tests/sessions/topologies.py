@@ -1,0 +1,174 @@
+"""Private Redis topologies for tests: a 3-master Redis Cluster and a Sentinel-managed master.
+
+Loopback only, no persistence, free ports; each yields the URL sessions.connect understands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.procs import free_port, stop, wait_tcp
+
+SENTINEL_SERVICE = "kvbaton"
+
+
+@dataclass
+class Topology:
+    url: str
+    ports: list[int]  # data nodes (cluster masters, or the sentinel's master and replicas)
+    procs: list[subprocess.Popen[bytes]]
+    sentinel_port: int = 0
+
+
+def _exe(name: str) -> str:
+    exe = shutil.which(name)
+    if exe is None:
+        raise RuntimeError(f"{name} is not installed (make install installs redis-server)")
+    return exe
+
+
+def _server(port: int, workdir: Path, *extra: str) -> subprocess.Popen[bytes]:
+    argv = [_exe("redis-server"), "--bind", "127.0.0.1", "--port", str(port), "--save", ""]
+    argv += ["--appendonly", "no", "--dir", str(workdir), "--loglevel", "warning", *extra]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _cli(port: int, *args: str) -> str:
+    done = subprocess.run(
+        [_exe("redis-cli"), "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if done.returncode:
+        raise subprocess.SubprocessError(f"redis-cli {' '.join(args)}: {done.stdout}{done.stderr}")
+    return done.stdout
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cluster_port(taken: Sequence[int]) -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    for _ in range(200):
+        port = random.randrange(20000, 55000)
+        if port not in taken and _port_free(port) and _port_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll predicate (a failing redis-cli counts as False) until it holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            if predicate():
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} after {timeout}s")
+
+
+@contextlib.contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[Topology]:
+    """`masters` redis-servers in cluster mode, joined with redis-cli --cluster create."""
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="kvbaton-cluster-") as tmp:
+        ports = []
+        try:
+            for i in range(masters):
+                port = cluster_port(ports)
+                ports.append(port)
+                workdir = Path(tmp) / str(i)
+                workdir.mkdir()
+                procs.append(
+                    _server(
+                        port,
+                        workdir,
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(workdir / "nodes.conf"),
+                        # Long: on a loaded machine a slow node must not be voted down.
+                        "--cluster-node-timeout",
+                        "15000",
+                    )
+                )
+            for port in ports:
+                wait_tcp(port)
+            nodes = [f"127.0.0.1:{p}" for p in ports]
+            create = ("--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes")
+            _cli(ports[0], *create)
+            wait_until(
+                lambda: all("cluster_state:ok" in _cli(p, "cluster", "info") for p in ports),
+                "the cluster is not ok",
+            )
+            seeds = ",".join(nodes)
+            yield Topology(f"redis+cluster://{seeds}", ports, procs)
+        finally:
+            for proc in procs:
+                stop(proc)
+
+
+@contextlib.contextmanager
+def redis_sentinel(replicas: int = 0) -> Iterator[Topology]:
+    """A master (and replicas) watched by one `redis-server --sentinel` (quorum 1)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="kvbaton-sentinel-") as tmp:
+        try:
+            master = free_port()
+            procs.append(_server(master, Path(tmp)))
+            ports = [master]
+            for i in range(replicas):
+                port = free_port()
+                workdir = Path(tmp) / f"replica{i}"
+                workdir.mkdir()
+                procs.append(_server(port, workdir, "--replicaof", "127.0.0.1", str(master)))
+                ports.append(port)
+            for port in ports:
+                wait_tcp(port)
+            sentinel = free_port()
+            conf = Path(tmp) / "sentinel.conf"
+            conf.write_text(
+                f"port {sentinel}\n"
+                "bind 127.0.0.1\n"
+                f"dir {tmp}\n"
+                f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {master} 1\n"
+                f"sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n"
+                f"sentinel failover-timeout {SENTINEL_SERVICE} 3000\n"
+            )
+            procs.append(
+                subprocess.Popen(
+                    [_exe("redis-server"), str(conf), "--sentinel", "--loglevel", "warning"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            wait_tcp(sentinel)
+            wait_until(
+                lambda: (
+                    str(master)
+                    in _cli(sentinel, "sentinel", "get-master-addr-by-name", SENTINEL_SERVICE)
+                ),
+                "the sentinel does not know the master",
+            )
+            url = f"redis+sentinel://127.0.0.1:{sentinel}/{SENTINEL_SERVICE}/0"
+            yield Topology(url, ports, procs, sentinel)
+        finally:
+            for proc in reversed(procs):
+                stop(proc)
