@@ -1,0 +1,233 @@
+"""`python -m tests.bench [--quick] [--out DIR]`: run the benchmarks, write the report and plots.
+
+The full run writes docs/benchmarks.md and docs/bench-*.png; --quick (under 2 minutes)
+writes to a fresh temporary directory unless --out is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tests.bench import overhead, plots, profile, report, reuse, throughput
+from tests.bench.plan import FULL, QUICK, Plan
+from tests.bench.stack import LoadGen
+from tests.procs import ROOT
+
+PARTS = ("overhead", "throughput", "reuse", "profile")
+PNGS = {
+    "overhead": "bench-overhead.png",
+    "ttft": "bench-ttft.png",
+    "throughput": "bench-throughput.png",
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a small run (under 2 minutes)")
+    p.add_argument("--out", type=Path, help="report directory (default: docs/, or a temp dir)")
+    p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts")
+    p.add_argument("--raw", type=Path, help="also write the raw results as JSON here")
+    p.add_argument("--from-raw", type=Path, help="only render the report from a raw JSON file")
+    return p.parse_args(argv)
+
+
+def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
+    """How many progress ticks the run will make (the bar's total)."""
+    n = 0
+    if "overhead" in parts:
+        n += len(plan.overhead_counts) * 2 * 2 + 2 + 2 + 1
+    if "throughput" in parts:
+        n += 2 * plan.sweep_steps
+    if "reuse" in parts:
+        n += len(reuse.CACHES) * len(reuse.ARMS)
+    if "profile" in parts and plan.profile_s > 0:
+        n += 2
+    return n
+
+
+def router_has_no_reuse() -> bool:
+    """Whether `kvbaton serve` has the --no-reuse flag (affinity only, never a handle)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "router", "serve", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return "--no-reuse" in out.stdout
+
+
+def _versions() -> str:
+    names = ("aiohttp", "hypercorn", "starlette", "msgspec", "redis")
+    parts = [f"Python {platform.python_version()}"]
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            parts.append(f"{name} {importlib.metadata.version(name)}")
+    exe = shutil.which("redis-server")
+    if exe:
+        text = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False)
+        parts.append("redis-server " + text.stdout.split("v=")[-1].split()[0])
+    return ", ".join(parts)
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _commit() -> str:
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return out.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "router", "sessions", "vllm_sim")
+    return head + (" (router/sessions/vllm_sim with uncommitted changes)" if dirty else "")
+
+
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def meta(argv: list[str]) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(["python -m tests.bench", *argv]),
+        "nproc": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "load_before": _load(),
+        "versions": _versions(),
+        "commit": _commit(),
+    }
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Progress:
+    """A tqdm bar over the run's steps; a step counts as done when the next one starts."""
+
+    def __init__(self, total: int) -> None:
+        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.label = ""
+        self.since = time.monotonic()
+        self.seconds: dict[str, float] = {}  # each step's wall time, for the record
+
+    def _done(self) -> None:
+        if self.label:
+            self.seconds[self.label] = round(time.monotonic() - self.since, 2)
+            self.bar.update(1)
+
+    def tick(self, label: str) -> None:
+        self._done()
+        self.label, self.since = label, time.monotonic()
+        self.bar.set_description(label)
+
+    def close(self) -> None:
+        self._done()
+        self.label = ""
+        self.bar.close()
+
+
+def run_parts(
+    plan: Plan, parts: tuple[str, ...], no_reuse: bool, tick: Callable[[str], None]
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with LoadGen() as lg:
+        if "overhead" in parts:
+            results["overhead"] = overhead.run(plan, lg, tick, no_reuse)
+        if "throughput" in parts:
+            results["throughput"] = throughput.run(plan, lg, tick)
+        if "reuse" in parts:
+            results["reuse"] = reuse.run(plan, lg, tick, no_reuse)
+        if "profile" in parts and plan.profile_s > 0 and profile.available():
+            results["profile"] = profile.run(plan, lg, tick)
+    return results
+
+
+def write(results: dict[str, Any], plan: Plan, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    pngs: dict[str, str] = {}
+    if "overhead" in results:
+        plots.overhead(results["overhead"], out / PNGS["overhead"])
+        pngs["overhead"] = PNGS["overhead"]
+    if "reuse" in results:
+        plots.ttft(results["reuse"], plan.conv_turns, out / PNGS["ttft"])
+        pngs["ttft"] = PNGS["ttft"]
+    if "throughput" in results:
+        plots.throughput(results["throughput"], out / PNGS["throughput"])
+        pngs["throughput"] = PNGS["throughput"]
+    path = out / "benchmarks.md"
+    path.write_text(report.render(results, plan, pngs))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.from_raw is not None:
+        results = json.loads(args.from_raw.read_text())
+        print(f"report: {write(results, plan, args.out or args.from_raw.parent)}")
+        return 0
+    parts = tuple(args.only) if args.only else PARTS
+    out = args.out or (
+        Path(tempfile.mkdtemp(prefix="kvbaton-bench-")) if args.quick else ROOT / "docs"
+    )
+    started = time.monotonic()
+    info = meta(argv)
+    no_reuse = router_has_no_reuse()
+    progress = Progress(planned_steps(plan, parts, no_reuse))
+    try:
+        with sigterm_as_interrupt():
+            results = run_parts(plan, parts, no_reuse, progress.tick)
+    except KeyboardInterrupt:
+        progress.close()
+        print("interrupted: every started process was stopped", file=sys.stderr)
+        return 130
+    progress.close()
+    info.update(load_after=_load(), duration_s=time.monotonic() - started)
+    info["step_seconds"] = progress.seconds
+    results["meta"] = info
+    results["flags"] = {"no_reuse": no_reuse}
+    raw = args.raw
+    if raw is None and out.resolve() != (ROOT / "docs").resolve():
+        raw = out / "bench-results.json"  # docs/ holds only the report and its plots
+    if raw is not None:
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        raw.write_text(json.dumps(results, indent=1, default=str))
+    path = write(results, plan, out)
+    print(f"report: {path}")
+    return 0

@@ -1,0 +1,128 @@
+"""What a benchmark run does: the full and quick plans, and the simulated GPU cost profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """vllm_sim cost model for Llama-3-8B on one H100 (sources in SOURCES and the report)."""
+
+    prefill_ms_per_token: float = 0.046
+    decode_ms_per_token: float = 7.5
+    transfer_ms_per_block: float = 0.05
+    block_size: int = 16
+
+    def sim_args(self) -> list[str]:
+        return [
+            "--prefill-ms-per-token",
+            str(self.prefill_ms_per_token),
+            "--decode-ms-per-token",
+            str(self.decode_ms_per_token),
+            "--transfer-ms-per-block",
+            str(self.transfer_ms_per_block),
+            "--block-size",
+            str(self.block_size),
+        ]
+
+
+LAMBDA_H100 = (
+    "https://github.com/LambdaLabsML/vllm-benchmark/blob/main/results/prompt_10/"
+    "1xH100-80GB-SXM/Meta-Llama-3-8B-Instruct_tp1_len4096.json"
+)
+VLLM_CI = "https://buildkite.com/vllm/performance-benchmark/builds/9515"
+
+SOURCES = {
+    "prefill": (
+        f"[LambdaLabsML/vllm-benchmark]({LAMBDA_H100}): vLLM, Llama-3-8B-Instruct, 1x H100 SXM: "
+        "10 prompts with 1369 input tokens in all, sent at once, median TTFT 62.8 ms, i.e. "
+        "about 21.8k prompt tokens/s or 0.046 ms per token. A 1.4k-token step is not "
+        "compute-bound, so this over-states the per-token cost of long prompts; "
+        "arithmetic (16 GFLOP/token at 30-50% of 989 TFLOP/s) gives 0.03-0.05 ms."
+    ),
+    "decode": (
+        f"the same run: median TPOT 7.46 ms (batch of up to 10). Cross-check, vLLM's own "
+        f"[performance CI]({VLLM_CI}): latency_llama8B_tp1, batch 8, 32 in / 128 out, median "
+        "833.5 ms on an H200, 6.5 ms per step."
+    ),
+    "transfer": (
+        "assumption (no published NIXL figure found for this model): Llama-3-8B KV is "
+        "32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 128 KiB per token, 2 MiB per "
+        "16-token block; over a 400 Gb/s RDMA NIC at ~40 GB/s that is 0.05 ms per block."
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    # 1. overhead: requests per concurrency level (after warmup)
+    overhead_counts: tuple[tuple[int, int], ...]
+    overhead_warmup: int
+    chunk_runs: int  # requests per run of the per-chunk CPU slope
+    # 2. throughput: open-loop rate sweep
+    sweep_start: float
+    sweep_factor: float
+    sweep_steps: int
+    sweep_step_s: float
+    # 3. reuse: multi-turn conversations
+    conv_n: int
+    conv_turns: int
+    conv_concurrency: int
+    system_words: tuple[int, int]
+    user_words: tuple[int, int]
+    output_tokens: tuple[int, int]
+    ample_blocks: int
+    small_prefill_blocks: int
+    max_model_len: int
+    # 5. profile (0: skipped)
+    profile_s: float
+    gpu: GpuProfile = GpuProfile()
+
+    @property
+    def quick(self) -> bool:
+        return self.name == "quick"
+
+
+FULL = Plan(
+    name="full",
+    overhead_counts=((1, 400), (16, 2000), (128, 3000)),
+    overhead_warmup=50,
+    chunk_runs=600,
+    sweep_start=100.0,
+    sweep_factor=1.35,
+    sweep_steps=12,
+    sweep_step_s=4.0,
+    conv_n=64,
+    conv_turns=8,
+    conv_concurrency=32,
+    system_words=(1000, 4000),
+    user_words=(100, 300),
+    output_tokens=(100, 500),
+    ample_blocks=65536,
+    small_prefill_blocks=1536,
+    max_model_len=16384,
+    profile_s=12.0,
+)
+
+QUICK = Plan(
+    name="quick",
+    overhead_counts=((1, 40), (16, 160), (128, 256)),
+    overhead_warmup=10,
+    chunk_runs=96,
+    sweep_start=100.0,
+    sweep_factor=2.0,
+    sweep_steps=3,
+    sweep_step_s=1.0,
+    conv_n=8,
+    conv_turns=4,
+    conv_concurrency=8,
+    system_words=(800, 1200),
+    user_words=(30, 60),
+    output_tokens=(70, 90),
+    ample_blocks=8192,
+    small_prefill_blocks=257,
+    max_model_len=4096,
+    profile_s=0.0,
+)

@@ -1,0 +1,93 @@
+"""The report's PNG plots (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+ARM_STYLE = {"a": ("tab:green", "reuse + affinity"), "b": ("tab:orange", "affinity only")}
+ARM_STYLE["c"] = ("tab:red", "round robin, no reuse")
+
+
+def _finite(values: list[float]) -> bool:
+    return any(not math.isnan(v) for v in values)
+
+
+def overhead(results: dict[str, Any], path: Path) -> None:
+    """Added latency (kvbaton minus direct) vs concurrency, p50 and p99, JSON and streaming."""
+    cells = results["cells"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for ax, q in zip(axes, ("p50", "p99"), strict=True):
+        for stream, style in ((False, "o-"), (True, "s--")):
+            rows = [c for c in cells if c["stream"] == stream]
+            xs = [c["concurrency"] for c in rows]
+            ys = [c["kvbaton"]["latency"][q] - c["direct"]["latency"][q] for c in rows]
+            ax.plot(xs, ys, style, label="streaming (whole response)" if stream else "JSON")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([c["concurrency"] for c in cells if not c["stream"]])
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(f"added latency per request, {q} (ms)")
+        ax.set_title(f"kvbaton minus direct P/D client, {q}")
+        ax.grid(alpha=0.3)
+    axes[0].plot([1, 16], [1, 20], "k*", ms=10, label="target (c=1: 1 ms, c=16: 20 ms)")
+    axes[0].legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def ttft(results: dict[str, Any], turns: int, path: Path) -> None:
+    """TTFT per turn index, p50 (solid) and p90 (dashed), per arm, per prefill cache size."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True, sharey=True)
+    xs = list(range(1, turns + 1))
+    for ax, cache in zip(axes, ("ample", "small"), strict=True):
+        for arm, (color, label) in ARM_STYLE.items():
+            run = results["runs"].get(f"{cache}/{arm}", {})
+            by_turn = run.get("ttft_by_turn")
+            if not by_turn:
+                continue
+            p50 = [by_turn[str(t)]["p50"] for t in xs]
+            p90 = [by_turn[str(t)]["p90"] for t in xs]
+            if _finite(p50):
+                ax.plot(xs, p50, "o-", color=color, label=f"{label} p50")
+                ax.plot(xs, p90, ":", color=color, label=f"{label} p90")
+        ax.set_yscale("log")
+        ax.set_xticks(xs)
+        ax.set_xlabel("turn")
+        ax.set_title(f"{cache} prefill cache")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("time to first token (ms, log)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("TTFT per turn, Llama-3-8B/H100 cost model, 2 P + 2 D simulators")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def throughput(results: dict[str, Any], path: Path) -> None:
+    """p99 latency and achieved rate vs offered rate, per sweep."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for name, sweep in results["sweeps"].items():
+        steps = sweep["steps"]
+        offered = [s["offered"] for s in steps]
+        axes[0].plot(offered, [s["achieved"] for s in steps], "o-", label=name)
+        axes[1].plot(offered, [s["p99_ms"] for s in steps], "o-", label=name)
+    lim = max((s["offered"] for sw in results["sweeps"].values() for s in sw["steps"]), default=1)
+    axes[0].plot([0, lim], [0, lim], color="grey", lw=0.8, label="achieved = offered")
+    axes[0].set_xlabel("offered turns/s")
+    axes[0].set_ylabel("completed turns/s")
+    axes[1].set_xlabel("offered turns/s")
+    axes[1].set_ylabel("p99 latency (ms, log)")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("one router process pinned to one core")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,141 @@
+"""5. Where the router's CPU goes: py-spy samples of the router process under load.
+
+py-spy (a pip package) attaches to the running router; idle samples (the event loop waiting)
+are dropped, so the shares are of the router's busy time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.bench import overhead
+from tests.bench.plan import Plan
+from tests.bench.stack import LoadGen, Stack, start_stack
+
+Tick = Callable[[str], None]
+
+# Each sample is charged to the innermost frame of a known group (stdlib frames such as
+# asyncio's socket writes are charged to their caller); the shares add up to 100%.
+GROUPS = (
+    ("SSE relay and capture (router/sse.py)", ("/router/sse.py",)),
+    ("session store client (redis-py)", ("/redis/",)),
+    ("session model, digests (sessions/)", ("/sessions/",)),
+    ("router turn logic (other router/ modules)", ("/router/",)),
+    ("upstream HTTP client (aiohttp)", ("/aiohttp/",)),
+    ("HTTP server (hypercorn, h11)", ("/hypercorn/", "/h11/")),
+    ("Starlette", ("/starlette/",)),
+    ("logging", ("/logging/",)),
+)
+IDLE_GROUP = "event loop and stdlib only"
+
+
+def group_of(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for group, needles in GROUPS:
+            if any(needle in frame for needle in needles):
+                return group
+    return IDLE_GROUP
+
+
+def py_spy() -> str | None:
+    local = Path(sys.executable).parent / "py-spy"
+    return str(local) if local.exists() else shutil.which("py-spy")
+
+
+def available() -> bool:
+    return py_spy() is not None
+
+
+def record(pid: int, seconds: float, path: Path) -> subprocess.Popen[bytes]:
+    exe = py_spy()
+    assert exe is not None
+    argv = [exe, "record", "-p", str(pid), "--duration", str(int(seconds))]
+    argv += ["--rate", "200", "--format", "raw", "--nonblocking", "-o", str(path)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def parse(text: str) -> dict[str, Any]:
+    """Self (leaf) shares of functions, exclusive group shares, inclusive router functions."""
+    leaf: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    groups: Counter[str] = Counter()
+    total = 0
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        leaf[_short(frames[-1])] += n
+        groups[group_of(frames)] += n
+        for name in {_short(f) for f in frames if "/router/" in f or "/sessions/" in f}:
+            incl[name] += n
+    if not total:
+        return {"samples": 0, "self": {}, "groups": {}, "inclusive_router": {}}
+    return {
+        "samples": total,
+        "self": {k: v / total for k, v in leaf.most_common(25)},
+        "groups": {k: v / total for k, v in groups.most_common()},
+        # the entry points are on every stack: leave them out
+        "inclusive_router": {k: v / total for k, v in incl.most_common(30) if v / total < 0.9},
+    }
+
+
+def _short(frame: str) -> str:
+    """'func (path/to/pkg/mod.py:12)' -> 'func (pkg/mod.py)'."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    parts = path.split("/")
+    return f"{name} ({'/'.join(parts[-2:])})"
+
+
+def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with start_stack(
+        prefill_args=[overhead.P_ARGS],
+        decode_args=[overhead.D_ARGS],
+        router_args=[[]],
+        name="profile",
+    ) as st:
+        for label, stream, tokens in (("stream", True, 128), ("json", False, 16)):
+            tick(f"profile {label}")
+            out[label] = profile_load(plan, st, lg, stream, tokens)
+    return out
+
+
+def profile_load(plan: Plan, st: Stack, lg: LoadGen, stream: bool, tokens: int) -> dict[str, Any]:
+    """py-spy on the router while 16 clients keep it busy for plan.profile_s seconds."""
+    spec = overhead.closed_job(
+        overhead.via_router(st),
+        stream=stream,
+        concurrency=16,
+        count=int(plan.profile_s * 5000),
+        warmup=0,
+        seed=3,
+    )
+    spec.update(max_tokens=tokens, deadline_s=plan.profile_s + 1.5)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.txt"
+        overhead.reset_caches(st)
+        spy = record(st.routers[0].proc.pid, plan.profile_s, path)
+        try:
+            time.sleep(0.5)
+            r = lg.run(spec, timeout=plan.profile_s + 60.0)
+            spy.wait(timeout=30)
+        finally:
+            if spy.poll() is None:
+                spy.kill()
+                spy.wait(5)
+        text = path.read_text() if path.exists() else ""
+    result = parse(text)
+    result.update(turns=r["ok"], max_tokens=tokens, seconds=plan.profile_s)
+    return result

@@ -1,0 +1,140 @@
+"""4. What the session store costs per turn: round trips (a short MONITOR sample, outside the
+timed runs), server time (INFO commandstats deltas of the timed runs), loopback RTT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import redis.asyncio as aioredis
+
+from tests.bench.stack import LoadGen, Stack
+from tests.bench.stats import pct
+
+_LINE = re.compile(r'^\d+\.\d+ \[\d+ ([^\]]+)\] "([^"]+)"')
+SCRIPT_COMMANDS = ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro")
+
+
+@contextlib.contextmanager
+def monitor(redis_url: str, path: Path) -> Iterator[None]:
+    """`redis-cli MONITOR` into a file while the block runs (only for untimed samples)."""
+    exe = shutil.which("redis-cli")
+    if exe is None:
+        raise RuntimeError("redis-cli is not installed")
+    port = str(urlparse(redis_url).port)
+    with open(path, "wb") as fh:
+        proc = subprocess.Popen(
+            [exe, "-h", "127.0.0.1", "-p", port, "monitor"], stdout=fh, stderr=subprocess.STDOUT
+        )
+        try:
+            time.sleep(0.3)
+            yield
+            time.sleep(0.3)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def parse_monitor(text: str) -> tuple[Counter[str], Counter[str]]:
+    """(commands sent by clients, commands run inside scripts), lower-case names."""
+    top: Counter[str] = Counter()
+    inner: Counter[str] = Counter()
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        source, cmd = m.group(1), m.group(2).lower()
+        (inner if source == "lua" else top)[cmd] += 1
+    return top, inner
+
+
+def monitor_sample(st: Stack, lg: LoadGen, router_index: int) -> dict[str, Any]:
+    """Round trips per turn: 4 conversations x 3 non-streaming turns through one router."""
+    assert st.redis_url is not None
+    spec = {
+        "kind": "conversations",
+        "target": {"mode": "router", "urls": [st.routers[router_index].url]},
+        "n": 4,
+        "turns": 3,
+        "concurrency": 4,
+        "stream": False,
+        "system_words": (200, 200),
+        "user_words": (20, 20),
+        "output_tokens": (16, 16),
+        "jitter_s": 0.0,
+        "seed": 99,
+        "deadline_s": 60.0,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "monitor.txt"
+        with monitor(st.redis_url, path):
+            r = lg.run(spec, timeout=90.0)
+        top, inner = parse_monitor(path.read_text(errors="replace"))
+    turns = sum(1 for t in r["turns"] if t["ok"])
+    first = sum(1 for t in r["turns"] if t["ok"] and t["turn"] == 1)
+    hits = sum(1 for t in r["turns"] if t["ok"] and t["reuse"].startswith("hit"))
+    return {
+        "turns": turns,
+        "first_turns": first,
+        "hits": hits,
+        "top": dict(top),
+        "inner": dict(inner),
+        "round_trips_per_turn": sum(top.values()) / turns if turns else None,
+    }
+
+
+def per_turn(delta: dict[str, dict[str, float]], turns: int, top: set[str]) -> dict[str, Any]:
+    """Calls and server microseconds per turn; `top` names the commands clients send."""
+    if not turns:
+        return {}
+    calls = {cmd: v["calls"] / turns for cmd, v in delta.items()}
+    client_usec = sum(v["usec"] for cmd, v in delta.items() if cmd in top)
+    return {
+        "calls_per_turn": calls,
+        "round_trips_per_turn": sum(v["calls"] for c, v in delta.items() if c in top) / turns,
+        "server_usec_per_turn": client_usec / turns,
+    }
+
+
+async def _rtt(url: str, n: int) -> dict[str, float]:
+    client = aioredis.Redis.from_url(url)
+    script = client.register_script("return redis.call('HGETALL', KEYS[1])")
+    times: dict[str, list[float]] = {"ping": [], "script": []}
+    try:
+        await client.ping()
+        await script(keys=["kvbaton:bench:missing"])
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await client.ping()
+            t1 = time.perf_counter()
+            await script(keys=["kvbaton:bench:missing"])
+            t2 = time.perf_counter()
+            times["ping"].append(t1 - t0)
+            times["script"].append(t2 - t1)
+    finally:
+        await client.aclose()
+    return {f"{k}_{q}_us": pct(v, q) * 1e6 for k, v in times.items() for q in (50, 99) if v}
+
+
+def rtt(url: str, n: int = 500) -> dict[str, float]:
+    """Loopback round trip of a redis-py asyncio client: PING and a one-command EVALSHA."""
+    return asyncio.run(_rtt(url, n))
+
+
+def top_level(sample: dict[str, Any]) -> set[str]:
+    names = set(sample.get("top", {}))
+    return names | set(SCRIPT_COMMANDS)

@@ -1,0 +1,638 @@
+"""docs/benchmarks.md from one run's results: every figure side by side with its spread."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tests.bench import redis_cost, reuse, throughput
+from tests.bench.plan import SOURCES, Plan
+from tests.bench.stats import fmt
+
+SECTIONS = (
+    "## Run",
+    "## Targets",
+    "## 1. Router overhead",
+    "## 2. Throughput",
+    "## 3. What reuse buys",
+    "## 4. Redis cost per turn",
+    "## 5. Profile",
+    "## Configuration",
+)
+
+
+def _cell_text(text: str) -> str:
+    return text.replace("|", "\\|")  # e.g. Redis' "script|load"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table; a pipe inside a cell is escaped."""
+    out = ["| " + " | ".join(map(_cell_text, header)) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(map(_cell_text, row)) + " |" for row in rows]
+    return [*out, ""]
+
+
+def pair(d: dict[str, float], a: str = "p50", b: str = "p99", digits: int = 2) -> str:
+    return f"{fmt(d[a], digits)} / {fmt(d[b], digits)}"
+
+
+def diff(x: dict[str, float], y: dict[str, float], q: str, digits: int = 2) -> float:
+    return y[q] - x[q]
+
+
+def render(results: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> str:
+    lines = [
+        "# kvbaton benchmarks",
+        "",
+        "Written by `make bench` (`python -m tests.bench`, code in `tests/bench/`). Every number",
+        "below comes from the one run described under *Run*; rerun the command to refresh it.",
+        "Engines are `vllm_sim` processes (no GPU), so latencies are the router's and the",
+        "simulators' own CPU work plus the cost model's sleeps. Percentiles are nearest-rank.",
+        "",
+    ]
+    lines += run_info(results["meta"], plan)
+    lines += targets(results, plan)
+    if "overhead" in results:
+        lines += overhead_section(results["overhead"], pngs)
+    if "throughput" in results:
+        lines += throughput_section(results["throughput"], pngs)
+    if "reuse" in results:
+        lines += reuse_section(results["reuse"], plan, pngs)
+    lines += redis_section(results)
+    lines += profile_section(results.get("profile"))
+    lines += config_section(results)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def run_info(meta: dict[str, Any], plan: Plan) -> list[str]:
+    rows = [
+        ["date (UTC)", meta["date"]],
+        ["command", f"`{meta['command']}`"],
+        ["mode", plan.name],
+        ["machine", f"{meta['nproc']} CPUs (`nproc`), {meta['cpu_model']}"],
+        ["load average (1/5/15 min)", f"before {meta['load_before']}, after {meta['load_after']}"],
+        ["software", meta["versions"]],
+        ["commit", meta["commit"]],
+        ["duration", f"{meta['duration_s']:.0f} s"],
+    ]
+    notes = [
+        "The load generator, the router, redis-server and the simulators share these CPUs;",
+        "the load average shows what else was running.",
+        "",
+    ]
+    return ["## Run", "", *table(["", ""], rows), *notes]
+
+
+def _cell(results: dict[str, Any], stream: bool, conc: int) -> dict[str, Any] | None:
+    for c in results.get("overhead", {}).get("cells", []):
+        if c["stream"] == stream and c["concurrency"] == conc:
+            return c
+    return None
+
+
+def _met(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("yes" if ok else "**no**")
+
+
+def targets(results: dict[str, Any], plan: Plan) -> list[str]:
+    rows = []
+    for conc, limit in ((1, 1.0), (16, 20.0)):
+        cell = _cell(results, False, conc)
+        if cell is None:
+            continue
+        added = diff(cell["direct"]["latency"], cell["kvbaton"]["latency"], "p50")
+        stream = _cell(results, True, conc)
+        extra = ""
+        if stream is not None:
+            s_add = diff(stream["direct"]["latency"], stream["kvbaton"]["latency"], "p50")
+            extra = f" (streaming turn: {fmt(s_add)} ms)"
+        rows.append(
+            [
+                f"added p50 per turn < {limit:g} ms at concurrency {conc}",
+                f"{fmt(added)} ms{extra}",
+                _met(added < limit),
+            ]
+        )
+    chunk = results.get("overhead", {}).get("chunk_cpu", {})
+    for name, c in chunk.items():
+        us = c.get("us_per_chunk")
+        rows.append(
+            [
+                f"router CPU per relayed chunk < 20 us ({name})",
+                f"{fmt(us, 1)} us" if us is not None else "n/a",
+                _met(None if us is None else us < 20.0),
+            ]
+        )
+    rows += reuse_targets(results.get("reuse"), plan)
+    return ["## Targets", "", *table(["target", "measured", "met"], rows)]
+
+
+def _last_p50(run: dict[str, Any] | None, turn: int) -> float:
+    if not run or "ttft_by_turn" not in run:
+        return math.nan
+    return float(run["ttft_by_turn"][str(turn)]["p50"])
+
+
+def reuse_targets(res: dict[str, Any] | None, plan: Plan) -> list[list[str]]:
+    if res is None:
+        return []
+    t = plan.conv_turns
+    rows = []
+    for cache in reuse.CACHES:
+        a = _last_p50(res["runs"].get(f"{cache}/a"), t)
+        c = _last_p50(res["runs"].get(f"{cache}/c"), t)
+        ratio = c / a if a and not math.isnan(a) else math.nan
+        rows.append(
+            [
+                f"turn-{t} TTFT p50 with reuse >= 3x lower than round robin ({cache} cache)",
+                f"{fmt(a, 1)} vs {fmt(c, 1)} ms: {fmt(ratio, 1)}x",
+                _met(None if math.isnan(ratio) else ratio >= 3.0),
+            ]
+        )
+    b_run = res["runs"].get("small/b", {})
+    a = _last_p50(res["runs"].get("small/a"), t)
+    if "pending" in b_run:
+        rows.append([f"turn-{t} TTFT with reuse < affinity only (small cache)", "pending", "n/a"])
+    else:
+        b = _last_p50(b_run, t)
+        ok = None if math.isnan(a) or math.isnan(b) else a < b
+        rows.append(
+            [
+                f"turn-{t} TTFT p50 with reuse < affinity only (small prefill cache)",
+                f"{fmt(a, 1)} vs {fmt(b, 1)} ms",
+                _met(ok),
+            ]
+        )
+    return rows
+
+
+def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
+    from tests.bench import overhead as oh
+
+    lines = [
+        "## 1. Router overhead",
+        "",
+        "Zero-cost simulators (one P, one D, cost model 0). The same seeded requests (a system",
+        f"prompt of {oh.SYSTEM_WORDS} and a user message of {oh.USER_WORDS} one-token words) go",
+        "(a) straight to the engines by a minimal client that does the two legs itself (P with",
+        "`max_tokens=1` and the null handoff, then D with P's `kv_transfer_params`), and",
+        "(b) through kvbaton. Prefix caches are reset before every run, so both arms cost the",
+        "engines the same. Every kvbaton request is the first turn of a new conversation: the",
+        "router claims (a miss) and commits the session in Redis, captures D's handle, strips",
+        "token ids; it sends no `/tokenize` and P reads no KV (that happens on hits, section 3).",
+        "The load generator is its own process; *added* is kvbaton minus direct at the same",
+        "percentile. Router CPU per turn is `/proc/<pid>/stat` utime+stime over the run / turns.",
+        "",
+        f"### JSON responses (`max_tokens={oh.NONSTREAM_TOKENS}`), latency in ms",
+        "",
+    ]
+    rows = []
+    for c in (c for c in res["cells"] if not c["stream"]):
+        d, k = c["direct"]["latency"], c["kvbaton"]["latency"]
+        rows.append(
+            [
+                str(c["concurrency"]),
+                f"{c['kvbaton']['ok']} (+{c['kvbaton']['failed']} failed)",
+                pair(d),
+                pair(k),
+                f"{fmt(diff(d, k, 'p50'))} / {fmt(diff(d, k, 'p99'))}",
+                f"{fmt(c['direct']['per_s'], 0)} / {fmt(c['kvbaton']['per_s'], 0)}",
+                fmt(c["router_cpu_ms_per_turn"], 3),
+                store_misses(c),
+            ]
+        )
+    lines += table(
+        [
+            "clients",
+            "turns",
+            "direct p50 / p99",
+            "kvbaton p50 / p99",
+            "added p50 / p99",
+            "turns/s direct / kvbaton",
+            "router CPU ms/turn",
+            "turns without the store",
+        ],
+        rows,
+    )
+    lines += [
+        "*Turns without the store*: the router's Redis call took longer than its",
+        "`--store-timeout` (0.25 s), so it served the turn without the session store",
+        "(`X-KV-Reuse: miss;reason=store-unavailable`) and skipped the store for",
+        "`--store-retry-after` seconds: its event loop was too busy to read Redis' reply.",
+        "",
+    ]
+    lines += streaming_table(res)
+    lines += chunk_table(res)
+    if "overhead" in pngs:
+        lines += [f"![added latency vs concurrency]({pngs['overhead']})", ""]
+    return lines
+
+
+def store_misses(cell: dict[str, Any]) -> str:
+    """Share of kvbaton turns the router served without the store (Redis timed out)."""
+    reuse_counts = cell["kvbaton"].get("reuse", {})
+    total = sum(reuse_counts.values())
+    down = sum(v for k, v in reuse_counts.items() if "store-unavailable" in k)
+    return f"{down / total * 100:.0f}%" if total else "n/a"
+
+
+def us_pair(d: dict[str, float]) -> str:
+    return f"{fmt(d['p50'] * 1000, 0)} / {fmt(d['p99'] * 1000, 0)}"
+
+
+def streaming_table(res: dict[str, Any]) -> list[str]:
+    from tests.bench import overhead as oh
+
+    cells = [c for c in res["cells"] if c["stream"]]
+    events = cells[0]["kvbaton"]["events"] if cells else 0
+    lines = [
+        f"### Streaming responses (`max_tokens={oh.STREAM_TOKENS}`, {events:.0f} SSE events each)",
+        "",
+        "TTFT is the arrival of the first SSE event. *Per chunk* is, per request, (last event -",
+        "first event) / (events - 1): with zero-cost engines D streams as fast as it can, so",
+        "this is the pipeline's time per chunk; the router may coalesce chunks that arrive",
+        "together into one write, which can make it look faster than the direct stream.",
+        "",
+    ]
+    rows = []
+    for c in cells:
+        d, k = c["direct"], c["kvbaton"]
+        rows.append(
+            [
+                str(c["concurrency"]),
+                f"{pair(d['ttft'])} -> {pair(k['ttft'])}",
+                f"{fmt(diff(d['ttft'], k['ttft'], 'p50'))} / "
+                f"{fmt(diff(d['ttft'], k['ttft'], 'p99'))}",
+                f"{us_pair(d['per_chunk'])} -> {us_pair(k['per_chunk'])}",
+                f"{fmt(diff(d['per_chunk'], k['per_chunk'], 'p50') * 1000, 0)} / "
+                f"{fmt(diff(d['per_chunk'], k['per_chunk'], 'p99') * 1000, 0)}",
+                f"{fmt(diff(d['latency'], k['latency'], 'p50'))} / "
+                f"{fmt(diff(d['latency'], k['latency'], 'p99'))}",
+                fmt(c["router_cpu_ms_per_turn"], 3),
+                store_misses(c),
+            ]
+        )
+    lines += table(
+        [
+            "clients",
+            "TTFT ms p50 / p99, direct -> kvbaton",
+            "added TTFT ms p50 / p99",
+            "per chunk us p50 / p99, direct -> kvbaton",
+            "added per chunk us p50 / p99",
+            "added whole stream ms p50 / p99",
+            "router CPU ms/turn",
+            "turns without the store",
+        ],
+        rows,
+    )
+    return lines
+
+
+def chunk_table(res: dict[str, Any]) -> list[str]:
+    lines = [
+        "### Router CPU per relayed chunk",
+        "",
+        "Streaming turns at 16 clients with `max_tokens` 8 and 128; the slope of router CPU",
+        "per turn against SSE events per turn. *stock*: engines without PR #40186; the router",
+        "forwards the chunks' bytes untouched (it still parses each one to capture the answer).",
+        "*stream-kv-params*: D streams its handle (#40186) and",
+        "the router asks for token ids (to verify the next turn) and strips them from every",
+        "chunk, which re-encodes every chunk.",
+        "",
+    ]
+    rows = []
+    for name, c in res["chunk_cpu"].items():
+        runs = c["runs"]
+        rows.append(
+            [
+                name,
+                f"{fmt(runs['8']['cpu_ms_per_turn'], 3)} ({runs['8']['events']:.0f} events)",
+                f"{fmt(runs['128']['cpu_ms_per_turn'], 3)} ({runs['128']['events']:.0f} events)",
+                fmt(c["us_per_chunk"], 1),
+            ]
+        )
+    lines += table(
+        ["configuration", "CPU ms/turn, 8 tokens", "CPU ms/turn, 128 tokens", "us per chunk"],
+        rows,
+    )
+    return lines
+
+
+def throughput_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
+    pinned = (
+        f"The router is pinned to CPU {throughput.ROUTER_CPU} (`taskset -c "
+        f"{throughput.ROUTER_CPU}` semantics: `sched_setaffinity` on each of its threads); the "
+        f"engines, redis-server and the load generator share CPU {throughput.OTHERS_CPU}."
+        if res["pinned"]
+        else "**Not pinned** (fewer than 2 CPUs or no sched_setaffinity): every process shares "
+        "all CPUs."
+    )
+    lines = [
+        "## 2. Throughput",
+        "",
+        pinned,
+        "Open loop: requests arrive at a fixed rate for a fixed time, each the first turn of a",
+        "new conversation (JSON: `max_tokens=16`; streaming: "
+        f"`max_tokens={throughput.STREAM_TOKENS}`). A step holds when "
+        + next(iter(res["sweeps"].values()))["limit_note"]
+        + "; the sweep stops at the first step that does not.",
+        "",
+    ]
+    for name, sweep in res["sweeps"].items():
+        rows = [
+            [
+                fmt(s["offered"], 0),
+                fmt(s["achieved"], 0),
+                fmt(s["chunks_s"], 0),
+                f"{fmt(s['p50_ms'])} / {fmt(s['p99_ms'])}",
+                f"{s['router_cpu_util'] * 100:.0f}%",
+                fmt(s["router_cpu_ms_per_turn"], 3),
+                "yes" if s["holds"] else "no",
+            ]
+            for s in sweep["steps"]
+        ]
+        lines += [f"### {'Streaming' if name == 'stream' else 'JSON'} turns", ""]
+        lines += table(
+            [
+                "offered/s",
+                "completed/s",
+                "SSE events/s",
+                "p50 / p99 ms",
+                "router CPU",
+                "CPU ms/turn",
+                "holds",
+            ],
+            rows,
+        )
+        chunks = name == "stream"
+        lines += [
+            f"Sustained: **{fmt(sweep['sustained_turns_s'], 0)} turns/s**"
+            + (f", **{fmt(sweep['sustained_chunks_s'], 0)} SSE events/s**" if chunks else "")
+            + f". CPU ceiling of the router's core at {fmt(sweep['cpu_ms_per_turn'], 3)} ms of"
+            f" CPU per turn: {fmt(sweep['ceiling_turns_s'], 0)} turns/s"
+            + (f", {fmt(sweep['ceiling_chunks_s'], 0)} SSE events/s" if chunks else "")
+            + ". Where the router's CPU stays well under 100% at the last step, the engines and"
+            " the load generator on the other core were the limit, not the router.",
+            "",
+        ]
+    lines += [
+        "**Two Hypercorn workers: not supported.** `kvbaton serve` runs one Hypercorn server",
+        "in-process (`hypercorn.asyncio.serve` in `router/server.py`) and has no workers",
+        "setting, so this was not measured. Scaling out today means more router processes",
+        "(replicas) behind a load balancer, sharing Redis.",
+        "",
+    ]
+    if "throughput" in pngs:
+        lines += [f"![throughput sweep]({pngs['throughput']})", ""]
+    return lines
+
+
+def reuse_section(res: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> list[str]:
+    g = res["gpu"]
+    lines = [
+        "## 3. What reuse buys",
+        "",
+        "Two P and two D simulators with a cost model for Llama-3-8B on one H100 each:",
+        "",
+    ]
+    lines += table(
+        ["cost", "value", "source"],
+        [
+            ["prefill", f"{g['prefill_ms_per_token']} ms per computed token", SOURCES["prefill"]],
+            ["decode", f"{g['decode_ms_per_token']} ms per output token", SOURCES["decode"]],
+            [
+                "KV transfer",
+                f"{g['transfer_ms_per_block']} ms per {g['block_size']}-token block pulled",
+                SOURCES["transfer"],
+            ],
+        ],
+    )
+    lines += [
+        f"Workload: {plan.conv_n} conversations x {plan.conv_turns} turns, "
+        f"{plan.conv_concurrency} conversations at a time; each has its own system prompt of "
+        f"{plan.system_words[0]}-{plan.system_words[1]} tokens, user turns of "
+        f"{plan.user_words[0]}-{plan.user_words[1]} new tokens, answers of "
+        f"{plan.output_tokens[0]}-{plan.output_tokens[1]} tokens (uniform, seeded), sent back "
+        "as the next turn's history. Every turn streams (`include_usage`), so TTFT is the first",
+        "SSE event at the client.",
+        "",
+        "- (a) **kvbaton, reuse + affinity**: engines `--bidirectional` (P's",
+        "  `kv_recompute_threshold` is the default 64); D also `--stream-kv-params` and the router",
+        "  `--stream-kv-params`: stock vLLM streams carry no handle (PR #40186 is unmerged), and",
+        "  TTFT needs streaming. On stock engines a streaming turn gets arm (b)'s behaviour.",
+        "- (b) **kvbaton, affinity only**: `kvbaton serve --no-reuse` (same P and D as the",
+        "  previous turn, never a handle), engines without `--bidirectional`.",
+        "- (c) **round robin, no reuse**: vLLM's toy proxy logic (round robin over P and over D,",
+        "  null handoff, no session), run inside the load generator, so it pays no proxy hop.",
+        f"- Prefill cache: *ample* = {plan.ample_blocks} blocks per P; *small* = "
+        f"{plan.small_prefill_blocks} blocks per P "
+        f"({plan.small_prefill_blocks * g['block_size']} tokens, a few conversations, below "
+        "the working set). D always has the ample pool; `--max-model-len` "
+        f"{plan.max_model_len}.",
+        "",
+        "The simulator charges each request its own cost with no batching between requests, so",
+        "a long recompute here never slows other requests' decode, as it would on a GPU.",
+        "",
+    ]
+    for cache in reuse.CACHES:
+        lines += ttft_table(res, plan, cache)
+    lines += tokens_table(res, plan)
+    if "ttft" in pngs:
+        lines += [f"![TTFT per turn with and without reuse]({pngs['ttft']})", ""]
+    return lines
+
+
+def ttft_table(res: dict[str, Any], plan: Plan, cache: str) -> list[str]:
+    header = ["turn"]
+    cols = []
+    for arm, label in reuse.ARMS.items():
+        run = res["runs"].get(f"{cache}/{arm}", {})
+        header.append(f"({arm}) {label}")
+        cols.append(run)
+    rows = []
+    for t in range(1, plan.conv_turns + 1):
+        row = [str(t)]
+        for run in cols:
+            if "pending" in run:
+                row.append("pending flag")
+            elif "ttft_by_turn" in run:
+                row.append(pair(run["ttft_by_turn"][str(t)], "p50", "p90", 1))
+            else:
+                row.append("n/a")
+        rows.append(row)
+    return [
+        f"### TTFT p50 / p90 (ms) per turn, {cache} prefill cache",
+        "",
+        *table(header, rows),
+    ]
+
+
+def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
+    rows = []
+    for cache in reuse.CACHES:
+        for arm, label in reuse.ARMS.items():
+            run = res["runs"].get(f"{cache}/{arm}", {})
+            if "pending" in run or "tokens" not in run:
+                rows.append([cache, f"({arm}) {label}", *["pending"] * 7])
+                continue
+            p, d = run["tokens"]["P"], run["tokens"]["D"]
+            last = run["latency_by_turn"][str(plan.conv_turns)]
+            rows.append(
+                [
+                    cache,
+                    f"({arm}) {label}",
+                    f"{run['turns_ok']} (+{run['turns_failed']} failed)",
+                    f"{p.get('local_compute', 0):,.0f}",
+                    f"{p.get('local_cache_hit', 0):,.0f}",
+                    f"{p.get('external_kv_transfer', 0):,.0f}",
+                    f"{d.get('external_kv_transfer', 0):,.0f}",
+                    f"{run['wall_s']:.1f} s; last turn {pair(last, 'p50', 'p90', 0)} ms",
+                    ", ".join(f"{k} {v}" for k, v in sorted(run["reuse"].items())),
+                ]
+            )
+    return [
+        "### Prompt tokens and end-to-end time",
+        "",
+        "From the simulators' `vllm:prompt_tokens_by_source_total`, summed over the two P or",
+        "the two D: *computed on P* (`local_compute`), P's prefix-cache hits, *pulled by P*",
+        "from D (D->P reads, `external_kv_transfer` on P) and pulled by D from P (the usual P->D",
+        "handoff). End to end: the whole workload's wall time, and the last turn's whole-response",
+        "latency p50 / p90.",
+        "",
+        *table(
+            [
+                "cache",
+                "arm",
+                "turns",
+                "computed on P",
+                "P cache hits",
+                "pulled by P (D->P)",
+                "pulled by D (P->D)",
+                "end to end",
+                "X-KV-Reuse",
+            ],
+            rows,
+        ),
+    ]
+
+
+def redis_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Per configuration: round trips (MONITOR sample) and server time (commandstats)."""
+    oh = results.get("overhead", {})
+    monitor = oh.get("monitor", {})
+    rows = []
+    sets = {k: redis_cost.top_level(v) for k, v in monitor.items()}
+    runs: list[tuple[str, str, dict[str, Any], int]] = []
+    for c in oh.get("cells", []):
+        label = f"first turns, {'streaming' if c['stream'] else 'JSON'}, {c['concurrency']} clients"
+        runs.append((label, "reuse", c["redis_delta"], c["turns"]))
+    for key, run in results.get("reuse", {}).get("runs", {}).items():
+        if run.get("redis_delta"):
+            mode = "no-reuse" if key.endswith("/b") else "reuse"
+            runs.append((f"conversations, arm {key}", mode, run["redis_delta"], run["turns"]))
+    for label, mode, delta, turns in runs:
+        top = sets.get(mode, set(redis_cost.SCRIPT_COMMANDS))
+        pt = redis_cost.per_turn(delta, turns, top)
+        calls = ", ".join(f"{k} {v:.2f}" for k, v in sorted(pt["calls_per_turn"].items()))
+        rows.append(
+            [
+                label,
+                fmt(pt["round_trips_per_turn"]),
+                fmt(pt["server_usec_per_turn"], 1),
+                calls,
+            ]
+        )
+    return rows
+
+
+def redis_section(results: dict[str, Any]) -> list[str]:
+    oh = results.get("overhead", {})
+    lines = [
+        "## 4. Redis cost per turn",
+        "",
+        "Round trips are counted on a short untimed sample (4 conversations x 3 JSON turns per",
+        "router configuration) with `redis-cli MONITOR`, which tells commands sent by the",
+        "router from commands run inside its Lua scripts. Server time is `INFO commandstats`",
+        "(reset before each timed run): microseconds of the commands the router sends (a",
+        "script's time includes the commands it runs) per turn.",
+        "",
+    ]
+    rows = []
+    for mode, sample in oh.get("monitor", {}).items():
+        top = ", ".join(f"{k} {v}" for k, v in sorted(sample["top"].items()))
+        inner = ", ".join(f"{k} {v}" for k, v in sorted(sample["inner"].items()))
+        rows.append(
+            [
+                mode,
+                f"{sample['turns']} ({sample['hits']} hits)",
+                fmt(sample["round_trips_per_turn"]),
+                top,
+                inner,
+            ]
+        )
+    lines += table(
+        ["router", "turns", "round trips/turn", "sent by the router", "inside scripts"], rows
+    )
+    lines += table(
+        ["timed run", "round trips/turn", "server us/turn", "calls per turn"], redis_rows(results)
+    )
+    rtt = oh.get("redis_rtt")
+    if rtt:
+        lines += [
+            "Loopback round trip from a redis-py asyncio client on this machine: PING "
+            f"{fmt(rtt['ping_50_us'], 0)} us p50 ({fmt(rtt['ping_99_us'], 0)} p99), a "
+            f"one-command EVALSHA {fmt(rtt['script_50_us'], 0)} us p50 "
+            f"({fmt(rtt['script_99_us'], 0)} p99). With 2 round trips per turn the store "
+            f"costs a turn about {fmt(2 * rtt['script_50_us'] / 1000, 2)} ms of waiting at p50 "
+            "on an idle loop (more under load, when the reply waits for the event loop).",
+            "",
+        ]
+    return lines
+
+
+def profile_section(res: dict[str, Any] | None) -> list[str]:
+    lines = ["## 5. Profile", ""]
+    if not res:
+        return [*lines, "Not run in this mode (`--quick`), or py-spy is not installed.", ""]
+    lines += [
+        "py-spy (`record --nonblocking --rate 200`) on the router process while 16 clients keep",
+        "it busy; shares are of the router's non-idle samples. *Group* shares are inclusive (a",
+        "sample counts once in every group on its stack).",
+        "",
+    ]
+    for label, prof in res.items():
+        lines += [
+            f"### {'Streaming' if label == 'stream' else 'JSON'} turns "
+            f"(`max_tokens={prof['max_tokens']}`, {prof['turns']} turns in "
+            f"{prof['seconds']:.0f} s, {prof['samples']} samples)",
+            "",
+        ]
+        lines += table(
+            ["group (inclusive)", "share"],
+            [[k, f"{v * 100:.1f}%"] for k, v in prof["groups"].items()],
+        )
+        lines += table(
+            ["function (self)", "share"],
+            [[f"`{k}`", f"{v * 100:.1f}%"] for k, v in list(prof["self"].items())[:12]],
+        )
+        lines += table(
+            ["router/sessions function (inclusive)", "share"],
+            [[f"`{k}`", f"{v * 100:.1f}%"] for k, v in list(prof["inclusive_router"].items())[:12]],
+        )
+    return lines
+
+
+def config_section(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Configuration",
+        "",
+        "Exact command lines of the processes each part started (ports are free ones picked at",
+        "run time; everything binds 127.0.0.1):",
+        "",
+    ]
+    for part in ("overhead", "reuse"):
+        for name, commands in results.get(part, {}).get("commands", {}).items():
+            lines += [f"**{part} / {name}**", "", "```"]
+            lines += [f"{label}: {' '.join(argv)}" for label, argv in commands.items()]
+            lines += ["```", ""]
+    return lines

@@ -1,0 +1,105 @@
+"""`python -m tests.bench --quick` writes a well-formed report and plots (numbers not judged)."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.bench.cli import PNGS
+from tests.bench.report import SECTIONS
+from tests.procs import ROOT
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+NUMBER = re.compile(r"-?\d[\d,]*(\.\d+)?")
+_UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
+
+
+def tables(markdown: str) -> list[list[list[str]]]:
+    """Every Markdown table as rows of cells (header first, separator dropped)."""
+    found: list[list[list[str]]] = []
+    current: list[list[str]] = []
+    for line in [*markdown.splitlines(), ""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in _UNESCAPED_PIPE.split(line.strip())[1:-1]]
+            if not all(set(c) <= {"-"} for c in cells):
+                current.append(cells)
+        elif current:
+            found.append(current)
+            current = []
+    return found
+
+
+def section(markdown: str, heading: str) -> str:
+    start = markdown.index(heading)
+    end = markdown.find("\n## ", start + len(heading))
+    return markdown[start : end if end > 0 else None]
+
+
+def check_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE), f"{path.name} is not a PNG"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    width, height = struct.unpack(">II", data[16:24])
+    assert kind == b"IHDR" and length == 13 and width > 100 and height > 100
+    assert data.endswith(b"IEND\xaeB`\x82"), f"{path.name} is truncated"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.bench", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=230,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"report: {out / 'benchmarks.md'}" in proc.stdout
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
+    report = (quick_run / "benchmarks.md").read_text()
+    for heading in SECTIONS:
+        assert heading in report, heading
+    for name in PNGS.values():
+        check_png(quick_run / name)
+        assert f"]({name})" in report, f"the report does not show {name}"
+    raw = json.loads((quick_run / "bench-results.json").read_text())
+    assert {"meta", "overhead", "throughput", "reuse"} <= set(raw)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_tables_are_rectangular_and_numbers_parse(quick_run: Path) -> None:
+    report = (quick_run / "benchmarks.md").read_text()
+    all_tables = tables(report)
+    assert len(all_tables) >= 10
+    for rows in all_tables:
+        assert all(len(row) == len(rows[0]) for row in rows), rows[0]
+    # The targets' measured values and the overhead latencies are numbers.
+    targets = tables(section(report, "## Targets"))[0]
+    assert len(targets) >= 6
+    for _target, measured, met in targets[1:]:
+        assert measured == "pending" or NUMBER.search(measured), measured
+        assert met in ("yes", "**no**", "n/a")
+    overhead = tables(section(report, "## 1. Router overhead"))[0]
+    for row in overhead[1:]:
+        for cell in row[2:5]:
+            p50, p99 = (float(x) for x in cell.split(" / "))
+            assert p50 == p50 and p99 == p99  # not NaN
+    for ttft in tables(section(report, "## 3. What reuse buys"))[1:3]:
+        for row in ttft[1:]:
+            assert int(row[0]) >= 1
+            for cell in row[1:]:
+                assert cell == "pending flag" or all(float(x) >= 0 for x in cell.split(" / ")), cell
