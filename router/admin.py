@@ -189,7 +189,7 @@ async def add_instance(request: Request) -> Response:
         if reason:
             raise Unprocessable(reason, param="url", code="instance_refused")
         await _record(ops, url, reg.entry(role, "active"))
-        reg.pool_add(svc.pool, inst)
+        svc.pool.add(inst)
     log.info("admin: added %s instance %s", role, url)
     return _json({"status": "added", "instance": view(svc, inst)}, 201)
 
@@ -213,7 +213,7 @@ async def remove_instance(request: Request) -> Response:
     async with ops.syncer.lock:
         inst = _find(svc, _url(body.url), body.role)
         await _record(ops, inst.url, reg.entry(inst.role, "removed"))
-        reg.pool_remove(svc.pool, inst)
+        svc.pool.remove(inst)  # turns already on it finish
     log.info("admin: removed %s instance %s (%d in flight)", inst.role, inst.url, inst.outstanding)
     return _json({"status": "removed", "instance": view(svc, inst)})
 

@@ -26,6 +26,7 @@ from router.legs import PATHS
 from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
 from router.status import status
+from router.tracing import span
 from router.turn import new_request_id, run_turn
 from router.upstream import Upstream, UpstreamFailure
 from sessions.memory_store import MemorySessionStore
@@ -72,7 +73,8 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
                 max_bytes=svc.settings.max_body_bytes,
                 tenant_header=svc.settings.tenant_header,
             )
-            response = await run_turn(svc, inc)
+            with span("kvbaton.request", route=route):
+                response = await run_turn(svc, inc)
         except RouterError as exc:
             svc.metrics.requests.labels(route, str(exc.status)).inc()
             return error_response(exc, new_request_id())

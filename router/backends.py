@@ -61,6 +61,12 @@ class Pool:
             return self._by_role["prefill"] + self._by_role["decode"]
         return list(self._by_role[role])
 
+    def add(self, inst: Instance) -> None:
+        self._by_role[inst.role].append(inst)
+
+    def remove(self, inst: Instance) -> None:
+        self._by_role[inst.role] = [i for i in self._by_role[inst.role] if i is not inst]
+
     def find(self, role: Role, url: str) -> Instance | None:
         return next((i for i in self._by_role[role] if i.url == url), None)
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from router import handoff
 from router.incoming import Incoming, canonical_items
 from router.sse import Captured
+from router.tracing import span
 from sessions import model as sm
 from sessions.store import StoreError
 
@@ -58,9 +59,10 @@ async def _commit(turn: Turn, captured: Captured) -> str:
     expected = turn.claim.state.turn if turn.claim.state else 0
     svc = turn.svc
     try:
-        ok = await svc.guard.call(
-            lambda: svc.store.commit(key, state, expected, svc.settings.session_ttl)
-        )
+        with span("kvbaton.commit"):
+            ok = await svc.guard.call(
+                lambda: svc.store.commit(key, state, expected, svc.settings.session_ttl)
+            )
     except StoreError:
         result = "store-unavailable"
     else:
@@ -134,26 +136,26 @@ def conversation_hash(key: str | None) -> str:
 
 
 def report(turn: Turn, result: str, captured: Captured | None) -> None:
-    """One INFO line per turn, without prompt content, handles or engine addresses' params."""
+    """One INFO line per turn, without prompt content, handles or engine side channels."""
     now = time.monotonic()
     route = turn.inc.api
     turn.svc.metrics.e2e.labels(route).observe(now - turn.started)
     usage = (captured.usage if captured else None) or {}
-    ttft = f"{(turn.first_byte - turn.started) * 1000:.1f}" if turn.first_byte else "-"
-    log.info(
-        "turn request_id=%s conv=%s api=%s stream=%s p=%s d=%s reuse=%s reused_tokens=%d "
-        "ttft_ms=%s e2e_ms=%.1f prompt_tokens=%s completion_tokens=%s result=%s",
-        turn.request_id,
-        conversation_hash(turn.claim.key),
-        route,
-        turn.inc.stream,
-        turn.prefill.url if turn.prefill else "-",
-        turn.decode.url if turn.decode else "-",
-        turn.claim.reuse.header(),
-        turn.claim.reuse.tokens if turn.claim.reuse.outcome == "hit" else 0,
-        ttft,
-        (now - turn.started) * 1000,
-        usage.get("prompt_tokens", "-"),
-        usage.get("completion_tokens", "-"),
-        result,
-    )
+    reuse = turn.claim.reuse
+    fields: dict[str, Any] = {
+        "request_id": turn.request_id,
+        "conv": conversation_hash(turn.claim.key),
+        "api": route,
+        "stream": turn.inc.stream,
+        "p": turn.prefill.url if turn.prefill else "-",
+        "d": turn.decode.url if turn.decode else "-",
+        "reuse": reuse.header(),
+        "reused_tokens": reuse.tokens if reuse.outcome == "hit" else 0,
+        "ttft_ms": round((turn.first_byte - turn.started) * 1000, 1) if turn.first_byte else "-",
+        "e2e_ms": round((now - turn.started) * 1000, 1),
+        "prompt_tokens": usage.get("prompt_tokens", usage.get("input_tokens", "-")),
+        "completion_tokens": usage.get("completion_tokens", usage.get("output_tokens", "-")),
+        "result": result,
+    }
+    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    log.info("turn %s", text, extra={"turn": fields})

@@ -37,8 +37,8 @@ async def inspect(svc: Services, inst: Instance) -> None:
         status, metrics = await svc.upstream.get(inst.url + "/metrics", timeout=timeout)
     except (UpstreamFailure, msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
         inst.healthy = False
-        inst.last_error = f"start-up check failed: {exc}"
-        log.warning("%s instance %s is not answering at start: %s", inst.role, inst.url, exc)
+        inst.last_error = f"check failed: {exc}"
+        log.warning("%s instance %s is not answering: %s", inst.role, inst.url, exc)
         return
     match = _BLOCK_SIZE.search(metrics) if status == 200 else None
     inst.block_size = int(match.group(1)) if match else 0

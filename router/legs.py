@@ -14,6 +14,7 @@ from router import handoff
 from router.backends import Instance
 from router.errors import RouterError, UpstreamError
 from router.rewrite import prefill_body
+from router.tracing import span
 from router.upstream import UpstreamFailure
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
         if inc.api == "responses":
             body["store"] = False  # P's one-token response is never worth keeping
         started = time.monotonic()
-        with svc.pool.busy(inst):
+        with svc.pool.busy(inst), span("kvbaton.prefill", instance=inst.url, hit=bool(params)):
             try:
                 status, raw = await svc.upstream.post_json(
                     inst.url + PATHS[inc.api],

@@ -16,7 +16,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from router.backends import Instance, Pool, Role
+from router.backends import Instance, Role
 from router.discovery import inspect
 from router.services import Services
 from sessions.keys import INSTANCES_KEY
@@ -101,17 +101,6 @@ def desired(
     return want
 
 
-def pool_add(pool: Pool, inst: Instance) -> None:
-    # Pool has no add/remove of its own (proposed for router/backends.py); placement never
-    # awaits, so changing its per-role lists here is atomic on the event loop.
-    pool._by_role[inst.role].append(inst)
-
-
-def pool_remove(pool: Pool, inst: Instance) -> None:
-    """Stop placing turns on inst; turns already holding it finish normally."""
-    pool._by_role[inst.role] = [i for i in pool._by_role[inst.role] if i is not inst]
-
-
 async def admit(svc: Services, inst: Instance) -> str:
     """Check a new instance as vLLM's XpYd proxy does (its /v1/models): "" if it may join,
     else why not. Also learns its model and KV block size."""
@@ -156,7 +145,7 @@ class Syncer:
             for inst in pool.instances():
                 key = (inst.role, inst.url)
                 if key not in want:
-                    pool_remove(pool, inst)
+                    pool.remove(inst)
                     log.info("removed %s instance %s (registry)", inst.role, inst.url)
                 elif inst.draining != want[key]:
                     inst.draining = want[key]
@@ -184,7 +173,7 @@ class Syncer:
             return
         # Unreachable ones join unhealthy; the health loop re-admits them when they answer.
         self._refused.pop(inst.url, None)
-        pool_add(self.svc.pool, inst)
+        self.svc.pool.add(inst)
         log.info(
             "added %s instance %s (registry)%s",
             inst.role,

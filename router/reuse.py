@@ -15,6 +15,7 @@ import msgspec
 from router import handoff
 from router.incoming import Incoming, canonical_items
 from router.services import Services
+from router.tracing import span
 from router.upstream import UpstreamFailure
 from sessions import model as sm
 from sessions.keys import conversation_key
@@ -74,7 +75,8 @@ async def claim(svc: Services, inc: Incoming, request_id: str) -> Claim:
             return Claim(key, None, Reuse("miss", "store-unavailable"))
         return Claim(key, state, Reuse("skip", "reuse-disabled"))
     try:
-        state = await svc.guard.call(lambda: svc.store.claim(key, request_id))
+        with span("kvbaton.claim"):
+            state = await svc.guard.call(lambda: svc.store.claim(key, request_id))
     except StoreError:
         return Claim(key, None, Reuse("miss", "store-unavailable"))
     reason = sm.handle_unusable_reason(state, inc.api, svc.clock())
@@ -162,12 +164,13 @@ async def prompt_token_ids(
     if inc.api == "completions" and not isinstance(inc.prompt, str):
         return list(inc.prompt)
     try:
-        status, raw = await svc.upstream.post_json(
-            prefill_url + "/tokenize",
-            tokenize_body(inc, svc.model),
-            request_id=request_id,
-            timeout=svc.settings.prefill_timeout,
-        )
+        with span("kvbaton.verify", instance=prefill_url):
+            status, raw = await svc.upstream.post_json(
+                prefill_url + "/tokenize",
+                tokenize_body(inc, svc.model),
+                request_id=request_id,
+                timeout=svc.settings.prefill_timeout,
+            )
         tokens = msgspec.json.decode(raw).get("tokens") if status == 200 else None
     except (UpstreamFailure, msgspec.DecodeError, AttributeError) as exc:
         log.warning("tokenize on %s failed: %s", prefill_url, exc)

@@ -21,6 +21,7 @@ from router.reuse import Claim, claim, verify
 from router.rewrite import decode_body
 from router.services import Services
 from router.sse import SseRelay, capture_body
+from router.tracing import span
 from router.upstream import UpstreamFailure, iter_chunks
 
 log = logging.getLogger("kvbaton.turn")
@@ -138,9 +139,10 @@ async def _open_decode(
     started = time.monotonic()
     outcome = "error"
     try:
-        resp = await svc.upstream.open_stream(
-            url, body, request_id=turn.request_id, extra_headers=inc.forward_headers
-        )
+        with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream):
+            resp = await svc.upstream.open_stream(
+                url, body, request_id=turn.request_id, extra_headers=inc.forward_headers
+            )
         if resp.status >= 500:
             text = await _read_error(resp)
             raise UpstreamFailure(f"{url} answered {resp.status}: {text[:200]!r}")

@@ -10,6 +10,7 @@ import aiohttp
 import msgspec
 
 from router.config import Settings
+from router.tracing import trace_headers
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -49,9 +50,13 @@ class Upstream:
         return self._session
 
     def headers(self, request_id: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        if extra:
-            return {**extra, **self._base_headers, "X-Request-Id": request_id}
-        return {**self._base_headers, "X-Request-Id": request_id}
+        # traceparent (with OpenTelemetry on) lets vLLM's own spans join the turn's trace.
+        return {
+            **(extra or {}),
+            **trace_headers(),
+            **self._base_headers,
+            "X-Request-Id": request_id,
+        }
 
     async def post_json(
         self,

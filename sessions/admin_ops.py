@@ -147,9 +147,7 @@ class MemoryConversationIndex:
         self._store = store
 
     def _live(self) -> dict[str, tuple[SessionState, float]]:
-        # The store has no public iteration; it is in this package, so read its entries.
-        now = self._store._clock()
-        return {k: v for k, v in self._store._entries.items() if v[1] > now}
+        return self._store.live_entries()
 
     async def list(self, decode: str, cursor: str, count: int) -> Page:
         start = parse_cursor(cursor)
@@ -165,4 +163,4 @@ class MemoryConversationIndex:
 
     async def ttl(self, key: str) -> float | None:
         entry = self._live().get(key)
-        return None if entry is None else entry[1] - self._store._clock()
+        return None if entry is None else entry[1]

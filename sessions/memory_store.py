@@ -44,6 +44,11 @@ class MemorySessionStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def live_entries(self) -> dict[str, tuple[SessionState, float]]:
+        """Every unexpired entry: key -> (state, seconds left). For admin listings."""
+        now = self._clock()
+        return {k: (v[0], v[1] - now) for k, v in self._entries.items() if v[1] > now}
+
     def _live(self, key: str) -> SessionState | None:
         if self._closed:
             raise StoreError("session store is closed")
