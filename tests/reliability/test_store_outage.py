@@ -1,0 +1,104 @@
+"""Redis stopped, restarted or hung under load: every turn still answers correctly, without
+reuse while the store is away; a circuit breaker keeps the failures from costing every request
+a timeout; reuse resumes once Redis is back."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.e2e.conftest import metric
+from tests.reliability.conftest import STORE_RETRY_AFTER, Stack
+from tests.reliability.helpers import Conversation, new_cid
+
+pytestmark = pytest.mark.e2e
+
+UNAVAILABLE = "miss;reason=store-unavailable"
+
+
+def conversations(main: Stack, n: int, tag: str) -> list[Conversation]:
+    convs = [Conversation(main.url, main.ref, new_cid(tag)) for _ in range(n)]
+    for conv in convs:
+        assert conv.turn().reuse == "miss;reason=no-session"
+    return convs
+
+
+def store_errors(main: Stack) -> float:
+    return metric(main.url, "kvbaton_store_errors_total")
+
+
+def run_until_hits(convs: list[Conversation], timeout: float = 15.0) -> list[str]:
+    """Turns on every conversation until each has had a hit again; the reuse verdicts."""
+    seen: list[str] = []
+    pending = set(range(len(convs)))
+    deadline = time.monotonic() + timeout
+    while pending:
+        assert time.monotonic() < deadline, f"no hit again within {timeout}s: {seen[-8:]}"
+        for i in sorted(pending):
+            reuse = convs[i].turn().reuse
+            seen.append(reuse)
+            if reuse == "hit":
+                pending.discard(i)
+        time.sleep(0.1)
+    return seen
+
+
+@pytest.mark.timeout(90)
+def test_redis_stopped_mid_load_then_restarted(main: Stack) -> None:
+    convs = conversations(main, 4, "outage")
+    verdicts: list[tuple[float, str]] = []  # (when the turn started, X-KV-Reuse)
+    stop_load = threading.Event()
+    errors_before = store_errors(main)
+
+    def load(conv: Conversation) -> int:
+        sent = 0
+        while not stop_load.is_set():
+            started = time.monotonic()
+            verdicts.append((started, conv.turn().reuse))  # each one 200 and the right answer
+            sent += 1
+        return sent
+
+    with ThreadPoolExecutor(len(convs)) as pool:
+        futures = [pool.submit(load, conv) for conv in convs]
+        time.sleep(0.5)  # load running against a healthy store
+        main.stop_redis()
+        stopped = time.monotonic()
+        time.sleep(3 * STORE_RETRY_AFTER)
+        stop_load.set()
+        sent = sum(f.result() for f in futures)
+    assert sent == len(verdicts)
+    assert any(reuse == "hit" for started, reuse in verdicts if started < stopped)
+    during = [reuse for started, reuse in verdicts if started > stopped]
+    assert len(during) >= 8, "too few turns while Redis was down to judge"
+    assert set(during) == {UNAVAILABLE}, set(during)
+    # The breaker: one store failure per STORE_RETRY_AFTER window, not one per request.
+    failures = store_errors(main) - errors_before
+    assert 1 <= failures <= len(during) / 3, (failures, len(during))
+
+    main.start_redis()  # same port, empty: sessions start over, then hit again
+    seen = run_until_hits(convs)
+    assert set(seen) <= {UNAVAILABLE, "miss;reason=no-session", "hit"}, set(seen)
+
+
+@pytest.mark.timeout(60)
+def test_redis_hung_costs_one_timeout_per_window(main: Stack) -> None:
+    """SIGSTOP: Redis accepts but never answers. Without the breaker every request would wait
+    --store-timeout twice (claim and commit)."""
+    convs = conversations(main, 2, "hung")
+    errors_before = store_errors(main)
+    main.redis_proc.send_signal(signal.SIGSTOP)
+    try:
+        verdicts = [convs[i % 2].turn().reuse for i in range(12)]
+    finally:
+        main.redis_proc.send_signal(signal.SIGCONT)
+    assert set(verdicts) == {UNAVAILABLE}
+    failures = store_errors(main) - errors_before
+    assert 1 <= failures <= 4, failures
+    # A claim sent before the hang may run when Redis resumes ("busy" once): never a wrong
+    # answer, and hits come back.
+    seen = run_until_hits(convs)
+    assert set(seen) <= {UNAVAILABLE, "miss;reason=busy", "hit"}, set(seen)
