@@ -1,0 +1,90 @@
+"""Graceful shutdown: on SIGTERM a streaming turn in flight runs to its end (and commits),
+bounded by --shutdown-grace, while new requests are refused; the router exits 0."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import time
+
+import pytest
+
+from tests.e2e.harness import router
+from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
+from tests.reliability.helpers import (
+    JSON,
+    chat_body,
+    new_cid,
+    reference,
+    running,
+    session,
+    wait_until,
+)
+
+pytestmark = pytest.mark.e2e
+
+GRACE = 10.0
+TOKENS = 6  # 3 s of decoding on the slow D: it spans the SIGTERM
+
+
+def new_request_outcome(port: int) -> str:
+    """What a new client sees during the shutdown: "refused" or the HTTP status."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return str(conn.getresponse().status)
+    except ConnectionRefusedError:
+        return "refused"
+    except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+        return "closed"
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_lets_the_stream_in_flight_finish_and_refuses_new_requests(slow: Slow) -> None:
+    wait_until(lambda: running(slow.d) == 0, "the slow D is busy", timeout=20)
+    args = ("--stream-kv-params", "--shutdown-grace", str(GRACE))
+    cid = new_cid("shutdown")
+    messages = [{"role": "user", "content": f"Tell me a long story ({cid})."}]
+    with router(
+        [slow.p.url], [slow.d.url], *args, redis_url=slow.redis_url, name="rel-shutdown"
+    ) as r:
+        idle = http.client.HTTPConnection("127.0.0.1", r.port, timeout=10)
+        idle.request("GET", "/health")
+        idle.getresponse().read()  # a kept-alive connection, idle at the SIGTERM
+        conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+        body = chat_body(messages, cid=cid, stream=True, max_tokens=TOKENS)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), JSON)
+        resp = conn.getresponse()
+        assert resp.status == 200
+        head = resp.read1(65536)
+        while b"data: " not in head:
+            head += resp.read1(65536)
+        r.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.3)
+        outcome = new_request_outcome(r.port)
+        assert outcome in ("refused", "503"), outcome
+        try:
+            idle.request("GET", "/v1/models")
+            on_idle = str(idle.getresponse().status)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            on_idle = "closed"
+        assert on_idle in ("closed", "503"), on_idle
+        print(f"during the shutdown: new connection {outcome}, idle keep-alive {on_idle}")
+        rest = head + resp.read()  # the stream in flight runs to its end
+        conn.close()
+        idle.close()
+        assert r.proc.wait(GRACE + 10) == 0
+        assert time.monotonic() - signalled < GRACE + 10
+    text = ""
+    for line in rest.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text += choice["delta"].get("content") or ""
+    assert b'"finish_reason":"length"' in rest and rest.rstrip().endswith(b"data: [DONE]")
+    assert text == reference(slow.ref, messages, TOKENS)
+    assert session(slow.redis_url, cid)["turn"] == "1", "the finished turn was committed"
+    assert SLOW_TOKEN_MS * TOKENS / 1000 < GRACE
