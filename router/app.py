@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -19,6 +20,7 @@ from router import registry
 from router.admin import admin_app, open_operations
 from router.backends import Pool, health_loop
 from router.config import Settings
+from router.disconnect import until_disconnect
 from router.discovery import discover
 from router.errors import RouterError, Unavailable, error_body, error_bytes
 from router.incoming import Api, read_incoming
@@ -74,7 +76,7 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
                 tenant_header=svc.settings.tenant_header,
             )
             with span("kvbaton.request", route=route):
-                response = await run_turn(svc, inc)
+                response = await until_disconnect(request, run_turn(svc, inc))
         except RouterError as exc:
             svc.metrics.requests.labels(route, str(exc.status)).inc()
             return error_response(exc, new_request_id())
@@ -135,6 +137,14 @@ async def ready(request: Request) -> Response:
     )
     checks["status"] = "ready" if ok else "not ready"
     return Response(msgspec.json.encode(checks), 200 if ok else 503, media_type="application/json")
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 (unknown path, wrong method), in the OpenAI error format."""
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = error_body(f"{request.method} {request.url.path}: {exc.detail}", kind, exc.status_code)
+    return Response(body, exc.status_code, headers=exc.headers, media_type="application/json")
 
 
 async def on_router_error(request: Request, exc: Exception) -> Response:
@@ -202,5 +212,9 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
     return Starlette(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={RouterError: on_router_error, Exception: on_unexpected},
+        exception_handlers={
+            RouterError: on_router_error,
+            HTTPException: on_http_error,
+            Exception: on_unexpected,
+        },
     )

@@ -72,6 +72,8 @@ def decode_json(raw: bytes, max_bytes: int) -> dict[str, Any]:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body

@@ -64,6 +64,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
         if inc.api == "responses":
             body["store"] = False  # P's one-token response is never worth keeping
         started = time.monotonic()
+        reached = True
         with svc.pool.busy(inst), span("kvbaton.prefill", instance=inst.url, hit=bool(params)):
             try:
                 status, raw = await svc.upstream.post_json(
@@ -76,6 +77,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
                 failure = f"HTTP {status}"
             except UpstreamFailure as exc:
                 status, raw, failure = 0, b"", str(exc)
+                reached = exc.reached
         parsed = _parse(raw) if status else None
         outcome = "ok" if status == 200 else "error" if status == 0 or status >= 500 else "rejected"
         svc.metrics.upstream.labels("prefill", inst.url, outcome).observe(
@@ -89,14 +91,16 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
                 log.info("prefill %s returned no kv_transfer_params; D recomputes", inst.url)
                 p_params = None
             return Prefilled(inst, p_params, rejected)
-        if params is not None and status != 0:
+        if params is not None and (status != 0 or reached):
             # P refused the handle (a failed or declined D->P read answers 500 under
-            # kv_load_failure_policy=fail, vLLM #34896): drop it and redo as a miss.
+            # kv_load_failure_policy=fail, vLLM #34896), or may still be reading it (a
+            # timeout): drop it and redo as a miss. A handle is never sent to two P legs.
             log.warning(
                 "prefill %s rejected the handle (%s); retrying as a miss", inst.url, failure
             )
             params, rejected = None, True
-            continue
+            if status != 0:
+                continue  # P answered: redo there, as a miss
         if 400 <= status < 500:
             raise EngineReply(status, raw)
         svc.pool.record_failure(inst, failure)

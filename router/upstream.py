@@ -16,7 +16,15 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class UpstreamFailure(Exception):
-    """An engine could not be reached, timed out, or broke the connection."""
+    """An engine could not be reached, timed out, or broke the connection.
+
+    `reached` is False only when the request cannot have reached the engine (the connection
+    was never made): only then may a single-use handle be sent elsewhere.
+    """
+
+    def __init__(self, message: str, *, reached: bool = True) -> None:
+        super().__init__(message)
+        self.reached = reached
 
 
 class Upstream:
@@ -79,7 +87,7 @@ class Upstream:
             ) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise UpstreamFailure(f"{url}: {describe(exc)}") from exc
+            raise failure(url, exc) from exc
 
     async def get(self, url: str, *, timeout: float) -> tuple[int, bytes]:
         try:
@@ -126,6 +134,11 @@ async def iter_chunks(resp: aiohttp.ClientResponse, idle_timeout: float) -> Asyn
             yield chunk
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         raise UpstreamFailure(describe(exc)) from exc
+
+
+def failure(url: str, exc: BaseException) -> UpstreamFailure:
+    reached = not isinstance(exc, aiohttp.ClientConnectorError)
+    return UpstreamFailure(f"{url}: {describe(exc)}", reached=reached)
 
 
 def describe(exc: BaseException) -> str:
