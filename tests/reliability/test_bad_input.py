@@ -124,11 +124,6 @@ def test_router_survives_bad_input(stack: Stack) -> None:
     assert get_json(stack.url + "/health") == {"status": "ok"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router: a deeply nested JSON body makes msgspec raise RecursionError, which "
-    "read_incoming does not catch: HTTP 500 instead of 400",
-)
 def test_deeply_nested_json_is_a_400(stack: Stack) -> None:
     depth = 20000  # 40 KB, under --max-body-bytes
     raw = b'{"model": "sim-model", "x": ' + b"[" * depth + b"]" * depth + b"}"
@@ -136,11 +131,6 @@ def test_deeply_nested_json_is_a_400(stack: Stack) -> None:
     assert_openai_error(post(stack.url + CHAT, raw=raw, headers=JSON), 400)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router: an unknown path or a wrong method answers Starlette's plain-text "
-    "404/405, not an OpenAI-format JSON error",
-)
 @pytest.mark.parametrize(
     ("method", "path", "status"),
     [("GET", CHAT, 405), ("POST", "/v1/embeddings", 404)],

@@ -78,60 +78,25 @@ def test_client_disconnect_mid_stream_cancels_decode(
 
 
 @pytest.mark.timeout(60)
-def test_client_disconnect_while_waiting_for_decode_commits_nothing(
-    slow: Slow, slow_router: RouterProc, conv: Conversation
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_client_disconnect_while_waiting_for_decode(
+    slow: Slow, slow_router: RouterProc, conv: Conversation, stream: bool
 ) -> None:
+    """P is done, D holds back its first byte, the client hangs up: the router notices at once
+    (while D still stalls), cancels the turn and commits nothing."""
     before = disconnects(slow_router.url)
     commits = metric(slow_router.url, "kvbaton_session_commits_total")
     ended = turns_ended(slow_router.url)
-    faults(slow.d, stall_s=2.0)  # P is done; D holds back its first byte
-    send_and_hang_up(slow_router.port, PATH, next_question(conv, 8, stream=True), after=0.3)
-    wait_until(lambda: turns_ended(slow_router.url) > ended, "the turn never ended", 20)
-    assert disconnects(slow_router.url) == before + 1
-    wait_until(lambda: running(slow.d) == 0, "D still decodes for nobody")
-    assert metric(slow_router.url, "kvbaton_session_commits_total") == commits
-    assert conv.turn(max_tokens=2).reuse == "miss;reason=no-handle"
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="router: a client that hangs up while the turn waits for D's first byte is not "
-    "noticed until D answers (nothing watches for http.disconnect before the response "
-    "starts): D's request is not cancelled and, for a streaming turn, D starts decoding for "
-    "nobody",
-)
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_client_disconnect_while_waiting_for_decode_is_noticed_at_once(
-    slow: Slow, slow_router: RouterProc, conv: Conversation, stream: bool
-) -> None:
-    before = disconnects(slow_router.url)
-    ended = turns_ended(slow_router.url)
-    faults(slow.d, stall_s=3.0)
+    stall = 2.5
+    faults(slow.d, stall_s=stall)
     started = time.monotonic()
     send_and_hang_up(slow_router.port, PATH, next_question(conv, 2, stream), after=0.3)
     try:
-        # D is still stalling: the router must have given up on the turn already.
-        wait_until(lambda: disconnects(slow_router.url) == before + 1, "not noticed", 1.5)
-        assert time.monotonic() - started < 3.0
+        wait_until(lambda: disconnects(slow_router.url) == before + 1, "hang-up not noticed", 10)
+        assert time.monotonic() - started < stall, "noticed only when D answered"
     finally:
         wait_until(lambda: turns_ended(slow_router.url) > ended, "the turn never ended", 20)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="router: a non-streaming turn whose client hung up while D was working is "
-    "committed anyway (kvbaton_session_commits_total rises, no client-disconnected abort)",
-)
-def test_json_client_disconnect_commits_nothing(
-    slow: Slow, slow_router: RouterProc, conv: Conversation
-) -> None:
-    before = disconnects(slow_router.url)
-    commits = metric(slow_router.url, "kvbaton_session_commits_total")
-    ended = turns_ended(slow_router.url)
-    faults(slow.d, stall_s=1.0)
-    send_and_hang_up(slow_router.port, PATH, next_question(conv, 2, stream=False), after=0.3)
-    wait_until(lambda: turns_ended(slow_router.url) > ended, "the turn never ended", 20)
+    time.sleep(max(0.0, started + stall - time.monotonic()))
+    wait_until(lambda: running(slow.d) == 0, "D still decodes for nobody")
     assert metric(slow_router.url, "kvbaton_session_commits_total") == commits
-    assert disconnects(slow_router.url) == before + 1
+    assert conv.turn(max_tokens=2).reuse == "miss;reason=no-handle"

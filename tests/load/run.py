@@ -1,0 +1,341 @@
+"""The reliability load test: many concurrent multi-turn conversations through the router, with
+faults injected mid-run, every answer checked against a from-scratch reference instance.
+
+Loopback only, bounded in time and count. Counts: requests sent, succeeded, failed, hits,
+misses by reason, handles used twice (a side-channel read or free notification naming a
+request id that is no longer pinned: `vllm_sim:notify_unknown_total` on every engine) and wrong
+answers (the simulator's oracle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from tests.e2e.conftest import metric
+from tests.e2e.harness import RouterProc, router
+from tests.procs import SimProc, redis_server, restart_redis, sims, stop
+
+BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0", "--num-blocks", "32768")
+CHAT = "/v1/chat/completions"
+MODEL = "sim-model"
+ROUTER_FLAGS = (
+    "--stream-kv-params",
+    "--unhealthy-after",
+    "3",
+    "--health-interval",
+    "0.5",
+    "--store-retry-after",
+    "1",
+    # Long: a P leg that times out with a handle is retried elsewhere with the same handle
+    # (see docs/reliability.md); the load test measures faults, not that gap.
+    "--prefill-timeout",
+    "60",
+    "--decode-first-byte-timeout",
+    "60",
+    "--log-level",
+    "warning",
+)
+# Engine counters summed over every P and D, before and after the run.
+ENGINE_COUNTERS = {
+    "used_twice": "vllm_sim:notify_unknown_total",
+    "failed_transfers": "vllm:nixl_num_failed_transfers_total",
+    "failed_notifications": "vllm:nixl_num_failed_notifications_total",
+    "reads_declined": "vllm_sim:reads_declined_total",
+    "kv_pulled_tokens": "vllm:external_prefix_cache_hits_total",
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    conversations: int = 200
+    turns: int = 5
+    concurrency: int = 200
+    max_tokens: int = 12
+    faults: bool = True
+    time_limit: float = 300.0
+    request_timeout: float = 60.0
+
+
+@dataclass
+class Stack:
+    ps: list[SimProc]
+    ds: list[SimProc]
+    ref: SimProc
+    router: RouterProc
+    redis_port: int
+    redis: Any  # the redis-server Popen, replaced on restart
+
+    @property
+    def engines(self) -> list[SimProc]:
+        return [*self.ps, *self.ds]
+
+
+@dataclass
+class Result:
+    plan: Plan
+    sent: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    wrong: int = 0
+    reuse: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    engine: dict[str, float] = field(default_factory=dict)
+    latencies: list[float] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    complete: bool = True
+
+    @property
+    def hits(self) -> int:
+        return self.reuse["hit"]
+
+    @property
+    def used_twice(self) -> int:
+        return int(self.engine.get("used_twice", 0))
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies:
+            return 0.0
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def rows(self) -> list[tuple[str, str]]:
+        p = self.plan
+        rows = [
+            ("conversations x turns", f"{p.conversations} x {p.turns}"),
+            ("concurrent conversations", str(p.concurrency)),
+            ("requests sent", str(self.sent)),
+            ("succeeded", str(self.succeeded)),
+            ("failed", str(self.failed)),
+            ("hits", str(self.hits)),
+        ]
+        for verdict, count in sorted(self.reuse.items()):
+            if verdict != "hit":
+                rows.append((f"  {verdict}", str(count)))
+        for reason, count in sorted(self.failures.items()):
+            rows.append((f"  failed: {reason}", str(count)))
+        rows += [
+            ("handles used twice", str(self.used_twice)),
+            ("wrong answers (oracle)", str(self.wrong)),
+            ("failed KV transfers", str(int(self.engine.get("failed_transfers", 0)))),
+            ("failed KV notifications", str(int(self.engine.get("failed_notifications", 0)))),
+            ("tokens pulled over KV", str(int(self.engine.get("kv_pulled_tokens", 0)))),
+            ("faults injected", "; ".join(self.faults) or "none"),
+            ("latency p50 / p99 (s)", f"{self.percentile(0.5):.3f} / {self.percentile(0.99):.3f}"),
+            ("wall time (s)", f"{self.wall_s:.1f}"),
+            ("turns per second", f"{self.sent / self.wall_s:.1f}" if self.wall_s else "-"),
+            ("finished within the time limit", "yes" if self.complete else "NO"),
+        ]
+        return rows
+
+    def table(self) -> str:
+        rows = self.rows()
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{'kvbaton load test':<{width}}  result", f"{'-' * width}  {'-' * 6}"]
+        lines += [f"{name:<{width}}  {value}" for name, value in rows]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.__dict__,
+            "sent": self.sent,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "hits": self.hits,
+            "wrong": self.wrong,
+            "used_twice": self.used_twice,
+            "reuse": dict(self.reuse),
+            "failures": dict(self.failures),
+            "engine": self.engine,
+            "faults": self.faults,
+            "latency_p50_s": self.percentile(0.5),
+            "latency_p99_s": self.percentile(0.99),
+            "wall_s": self.wall_s,
+            "complete": self.complete,
+        }
+
+
+@contextlib.contextmanager
+def start_stack(name: str = "load") -> Iterator[Stack]:
+    """Redis, 2 P, 2 D (bidirectional, handles in the final SSE chunk), a reference, the router."""
+    p_flags = ("prefill", *BIDIR)
+    d_flags = ("decode", *BIDIR, "--stream-kv-params")
+    with (
+        redis_server() as (url, port, proc),
+        sims(
+            p_flags, p_flags, d_flags, d_flags, ("decode", "--num-blocks", "32768"), name=name
+        ) as (p1, p2, d1, d2, ref),
+        router(
+            [p1.url, p2.url], [d1.url, d2.url], *ROUTER_FLAGS, redis_url=url, name=f"{name}-router"
+        ) as r,
+    ):
+        stack = Stack([p1, p2], [d1, d2], ref, r, port, proc)
+        try:
+            yield stack
+        finally:
+            stop(stack.redis)
+
+
+def engine_counters(stack: Stack) -> dict[str, float]:
+    engines = stack.engines
+    return {key: sum(metric(e.url, name) for e in engines) for key, name in ENGINE_COUNTERS.items()}
+
+
+def fault_schedule(stack: Stack) -> list[tuple[float, str, Callable[[], Awaitable[None]]]]:
+    """(fraction of turns started, label, action): each fault leaves another path open."""
+
+    async def arm(engine: SimProc, **faults: int) -> None:
+        async with aiohttp.ClientSession() as s, s.post(engine.url + "/sim/faults", json=faults):
+            pass
+
+    async def stop_redis() -> None:
+        await asyncio.to_thread(stop, stack.redis)
+
+    async def start_redis() -> None:
+        stack.redis = await asyncio.to_thread(restart_redis, stack.redis_port)
+
+    p1, p2 = stack.ps
+    d1, d2 = stack.ds
+    return [
+        (0.10, "P1 3x HTTP 503", lambda: arm(p1, fail_next=3, status=503)),
+        (0.40, "P2 2x HTTP 500 (handle rejected)", lambda: arm(p2, fail_next=2, status=500)),
+        (0.50, "D1 2x HTTP 503 before the first byte", lambda: arm(d1, fail_next=2, status=503)),
+        (0.60, "Redis stopped", stop_redis),
+        (0.70, "Redis restarted (empty) on its port", start_redis),
+        (0.85, "D2 2x HTTP 503 before the first byte", lambda: arm(d2, fail_next=2, status=503)),
+    ]
+
+
+def _answer(raw: bytes, stream: bool) -> tuple[str, bool]:
+    """(text, error event seen) of a chat reply."""
+    if not stream:
+        body = json.loads(raw)
+        return body["choices"][0]["message"]["content"] or "", False
+    text, error = [], False
+    for line in raw.split(b"\n"):
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            error = True
+        for choice in chunk.get("choices") or []:
+            text.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(text), error
+
+
+class Runner:
+    def __init__(self, stack: Stack, plan: Plan, session: aiohttp.ClientSession) -> None:
+        self.stack = stack
+        self.plan = plan
+        self.session = session
+        self.result = Result(plan)
+        self.gate = asyncio.Semaphore(plan.concurrency)
+        self.total = plan.conversations * plan.turns
+        self.started = 0
+        self.schedule = fault_schedule(stack) if plan.faults else []
+        self.fault_lock = asyncio.Lock()
+
+    async def reference(self, messages: list[dict[str, str]]) -> str:
+        body = {"model": MODEL, "messages": messages, "max_tokens": self.plan.max_tokens}
+        async with self.session.post(self.stack.ref.url + CHAT, json=body) as resp:
+            data = await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"reference answered {resp.status}: {data[:200]!r}")
+        return _answer(data, False)[0]
+
+    async def turn(self, cid: str, messages: list[dict[str, str]], stream: bool) -> str | None:
+        """One turn through the router; the answer, or None when the request failed."""
+        r = self.result
+        body = {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": self.plan.max_tokens,
+            "stream": stream,
+            "conversation_id": cid,
+        }
+        r.sent += 1
+        started = time.monotonic()
+        try:
+            async with self.session.post(self.stack.router.url + CHAT, json=body) as resp:
+                raw = await resp.read()
+                status, reuse = resp.status, resp.headers.get("X-KV-Reuse", "-")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            r.failed += 1
+            r.failures[type(exc).__name__] += 1
+            return None
+        r.latencies.append(time.monotonic() - started)
+        r.reuse[reuse] += 1
+        if status != 200:
+            r.failed += 1
+            r.failures[f"HTTP {status}"] += 1
+            return None
+        text, error = _answer(raw, stream)
+        if error:
+            r.failed += 1
+            r.failures["SSE error event"] += 1
+            return None
+        r.succeeded += 1
+        if text != await self.reference(messages):
+            r.wrong += 1
+        return text
+
+    async def conversation(self, index: int) -> None:
+        cid = f"load-{index}-{uuid.uuid4().hex[:8]}"
+        nonce = uuid.uuid4().hex[:10]
+        messages = [{"role": "system", "content": f"Conversation {index} ({nonce})."}]
+        async with self.gate:
+            for turn in range(1, self.plan.turns + 1):
+                messages.append({"role": "user", "content": f"Turn {turn}: tea or rain?"})
+                await self.before_turn()
+                answer = await self.turn(cid, messages, stream=turn % 2 == 0)
+                if answer is None:
+                    messages.pop()  # the client asks the next question instead
+                else:
+                    messages.append({"role": "assistant", "content": answer})
+
+    async def before_turn(self) -> None:
+        """Count the turn; first apply the faults due at this point of the run (turns that
+        would start meanwhile wait, those in flight run into the fault)."""
+        async with self.fault_lock:
+            self.started += 1
+            while self.schedule and self.started > self.schedule[0][0] * self.total:
+                fraction, label, action = self.schedule.pop(0)
+                await action()
+                self.result.faults.append(f"{label} @{int(fraction * 100)}%")
+
+    async def run(self) -> Result:
+        talks = [self.conversation(i) for i in range(self.plan.conversations)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*talks), self.plan.time_limit)
+        except TimeoutError:
+            self.result.complete = False
+        return self.result
+
+
+async def run_plan(stack: Stack, plan: Plan) -> Result:
+    before = engine_counters(stack)
+    timeout = aiohttp.ClientTimeout(total=plan.request_timeout)
+    connector = aiohttp.TCPConnector(limit=2 * plan.concurrency + 10)
+    started = time.monotonic()
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        result = await Runner(stack, plan, session).run()
+    result.wall_s = time.monotonic() - started
+    after = engine_counters(stack)
+    result.engine = {key: after[key] - before[key] for key in after}
+    return result
+
+
+def run(plan: Plan, name: str = "load") -> Result:
+    """Start a private stack, run the plan against it, stop everything."""
+    with start_stack(name) as stack:
+        return asyncio.run(run_plan(stack, plan))

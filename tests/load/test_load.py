@@ -1,0 +1,37 @@
+"""The load test's quick variant (40 conversations x 3 turns, every fault of the full run):
+no failed request where a path existed, no handle used twice, no wrong answer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.load.cli import parse
+from tests.load.run import Plan, run_plan, start_stack
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(120)
+def test_quick_load_with_faults() -> None:
+    plan = Plan(conversations=40, turns=3, concurrency=40, time_limit=60)
+    with start_stack("load-quick") as stack:
+        result = asyncio.run(run_plan(stack, plan))
+    print("\n" + result.table())
+    assert result.complete
+    assert result.sent == 120
+    assert len(result.faults) == 6, result.faults
+    assert result.failed == 0, result.failures
+    assert result.used_twice == 0
+    assert result.wrong == 0
+    assert result.engine["failed_transfers"] == 0
+    assert result.hits > 0 and result.engine["kv_pulled_tokens"] > 0
+
+
+def test_command_line_plans() -> None:
+    quick, path = parse(["--quick", "--json", "out.json"])
+    assert (quick.conversations, quick.turns, quick.concurrency) == (40, 3, 40)
+    assert quick.faults and path == "out.json"
+    plan, _ = parse(["--conversations", "10", "--turns", "2", "--no-faults"])
+    assert (plan.conversations, plan.turns, plan.concurrency, plan.faults) == (10, 2, 10, False)
