@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import msgspec
-import redis.asyncio as aioredis
+from redis.asyncio import Redis
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,6 +24,8 @@ from router.identity import DEFAULT_TENANT, validate_conversation_id
 from router.services import Services
 from router.status import instances_by_role, view
 from sessions.admin_ops import ConversationIndex, MemoryConversationIndex, RedisConversationIndex
+from sessions.connect import RedisClient, connect
+from sessions.connect import close as close_client
 from sessions.keys import conversation_key
 from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState
@@ -59,11 +61,11 @@ class Operations:
 
     syncer: reg.Syncer
     conversations: ConversationIndex | None
-    client: aioredis.Redis | None = None
+    client: RedisClient | None = None
 
     async def close(self) -> None:
         if self.client is not None:
-            await self.client.aclose()
+            await close_client(self.client)
 
 
 def open_operations(svc: Services) -> Operations:
@@ -75,11 +77,13 @@ def open_operations(svc: Services) -> Operations:
     if svc.settings.session_store != "redis":
         return Operations(reg.Syncer(svc, reg.MemoryRegistry()), None)
     timeout = max(svc.settings.store_timeout, ADMIN_STORE_TIMEOUT)
-    client = aioredis.Redis.from_url(
-        svc.settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
-    )
+    # The same URL forms as the session store: plain, redis+cluster://, redis+sentinel://.
+    client = connect(svc.settings.redis_url, socket_timeout=timeout, connect_timeout=timeout)
     syncer = reg.Syncer(svc, reg.RedisRegistry(client))
-    return Operations(syncer, RedisConversationIndex(client), client)
+    # Conversation listing pages with SCAN cursors, which a cluster client does not offer
+    # (one cursor per node): on Redis Cluster the conversation admin routes are unavailable.
+    index = RedisConversationIndex(client) if isinstance(client, Redis) else None
+    return Operations(syncer, index, client)
 
 
 def authorize(key: str, header: str | None) -> None:

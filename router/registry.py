@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
 import msgspec
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from router.backends import Instance, Role
 from router.discovery import inspect
 from router.services import Services
+from sessions.connect import RedisClient
 from sessions.keys import INSTANCES_KEY
 from sessions.store import StoreError
 
@@ -52,7 +52,7 @@ class Registry(Protocol):
 class RedisRegistry:
     """One HASH, `kvbaton:instances`: URL -> `{"role", "state", "updated_at"}`."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self._client = client
 
     async def load(self) -> dict[str, Entry]:
