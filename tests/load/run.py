@@ -22,8 +22,9 @@ from typing import Any
 import aiohttp
 
 from tests.e2e.conftest import metric
-from tests.e2e.harness import RouterProc, router
+from tests.e2e.harness import RouterProc
 from tests.procs import SimProc, redis_server, restart_redis, sims, stop
+from tests.reliability.helpers import router
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0", "--num-blocks", "32768")
 CHAT = "/v1/chat/completions"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import RouterProc, router
+from tests.e2e.harness import RouterProc
 from tests.procs import SimProc, redis_server, restart_redis, sim, sims, stop
-from tests.reliability.helpers import clear_faults, get_json, running, wait_until
+from tests.reliability.helpers import clear_faults, get_json, router, running, wait_until
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 P_FLAGS = ("prefill", *BIDIR)

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from tests.e2e.conftest import metric
-from tests.procs import SimProc
+from tests.e2e.harness import RouterProc
+from tests.procs import SimProc, free_port, spawn, stop, wait_http
 
 MODEL = "sim-model"
 JSON = {"Content-Type": "application/json"}
@@ -266,3 +269,22 @@ def advance_clock(engine: SimProc, seconds: float) -> int:
     assert reply.status == 200, reply.body
     expired: int = reply.json()["expired_requests"]
     return expired
+
+
+@contextlib.contextmanager
+def router(
+    prefill: Sequence[str], decode: Sequence[str], *args: str, redis_url: str, name: str
+) -> Iterator[RouterProc]:
+    """`kvbaton serve` as tests.e2e.harness.router starts it, with a start-up wait long enough
+    for a machine loaded by other engines (several routers and simulators start at once)."""
+    port = free_port()
+    argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), "--redis-url"]
+    argv += [redis_url, "--prefill", *prefill, "--decode", *decode, *args]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # spawn() hands its log file over
+        proc = spawn(argv, name)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=90, proc=proc)
+        yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
+    finally:
+        stop(proc, timeout=15)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import RouterProc, router
+from tests.e2e.harness import RouterProc
 from tests.reliability.conftest import Slow
 from tests.reliability.helpers import (
     Conversation,
@@ -18,6 +18,7 @@ from tests.reliability.helpers import (
     metric,
     new_cid,
     read_until,
+    router,
     running,
     send_and_hang_up,
     wait_until,

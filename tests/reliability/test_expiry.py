@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import RouterProc, router
+from tests.e2e.harness import RouterProc
 from tests.reliability.conftest import Stack
-from tests.reliability.helpers import Conversation, new_cid, session
+from tests.reliability.helpers import Conversation, new_cid, router, session
 
 pytestmark = pytest.mark.e2e
 

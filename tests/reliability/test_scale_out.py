@@ -7,9 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import router
 from tests.reliability.conftest import Stack
-from tests.reliability.helpers import Conversation, new_cid
+from tests.reliability.helpers import Conversation, new_cid, router
 from tests.sessions.topologies import Topology, redis_cluster, redis_sentinel
 
 pytestmark = pytest.mark.e2e
@@ -23,14 +22,6 @@ def topology(request: pytest.FixtureRequest) -> Iterator[Topology]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="router: admin.open_operations builds its own client with "
-    "redis.asyncio.Redis.from_url(settings.redis_url), which rejects redis+cluster:// and "
-    "redis+sentinel:// URLs (ValueError in the lifespan: the router exits at start); it should "
-    "use sessions.connect.connect (the session store already does)",
-)
 def test_router_on_a_cluster_or_sentinel_url_hits_on_turn_two(
     stack: Stack, topology: Topology
 ) -> None:

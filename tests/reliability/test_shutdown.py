@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from tests.e2e.harness import router
 from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
 from tests.reliability.helpers import (
     JSON,
     chat_body,
     new_cid,
     reference,
+    router,
     running,
     session,
     wait_until,

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import RouterProc, router
+from tests.e2e.harness import RouterProc
 from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
 from tests.reliability.helpers import (
     Conversation,
@@ -19,6 +19,7 @@ from tests.reliability.helpers import (
     metric,
     new_cid,
     post,
+    router,
     running,
     session,
     wait_until,
