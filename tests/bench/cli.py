@@ -52,13 +52,13 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     """How many progress ticks the run will make (the bar's total)."""
     n = 0
     if "overhead" in parts:
-        n += len(plan.overhead_counts) * 2 * 2 + 2 + 2 + 1
+        n += len(plan.overhead_counts) * 2 + 4 * 2 + 1
     if "throughput" in parts:
         n += 2 * plan.sweep_steps
     if "reuse" in parts:
-        n += len(reuse.CACHES) * len(reuse.ARMS)
+        n += len(reuse.CACHES) * len(reuse.ARMS) * plan.conv_rounds
     if "profile" in parts and plan.profile_s > 0:
-        n += 2
+        n += len(profile.PROFILES)
     return n
 
 
@@ -144,6 +144,7 @@ class Progress:
         self.label = ""
         self.since = time.monotonic()
         self.seconds: dict[str, float] = {}  # each step's wall time, for the record
+        self.loads: list[float] = []  # the 1-minute load average as each step starts
 
     def _done(self) -> None:
         if self.label:
@@ -153,11 +154,14 @@ class Progress:
     def tick(self, label: str) -> None:
         self._done()
         self.label, self.since = label, time.monotonic()
+        self.loads.append(os.getloadavg()[0])
         self.bar.set_description(label)
 
     def close(self) -> None:
         self._done()
         self.label = ""
+        self.bar.total = self.bar.n  # sweeps may stop early
+        self.bar.refresh()
         self.bar.close()
 
 
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     progress.close()
     info.update(load_after=_load(), duration_s=time.monotonic() - started)
     info["step_seconds"] = progress.seconds
+    info["step_loads"] = progress.loads
     results["meta"] = info
     results["flags"] = {"no_reuse": no_reuse}
     raw = args.raw

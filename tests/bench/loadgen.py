@@ -67,7 +67,6 @@ class Sample:
     ttft: float = 0.0
     span: float = 0.0  # first to last SSE event
     events: int = 0
-    gaps: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     reuse: str = ""
@@ -93,8 +92,6 @@ async def read_stream(resp: aiohttp.ClientResponse, sample: Sample, t0: float, p
                 continue
             if sample.events == 0:
                 sample.ttft = now
-            else:
-                sample.gaps.append(now - last)
             last = now
             sample.events += 1
             if parse and part.startswith(b"data: {"):
@@ -388,18 +385,9 @@ def _turn_record(c: int, t: int, x: Sample) -> dict[str, Any]:
     }
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
-
-
 def summarize(samples: list[Sample], wall: float, sent: int) -> dict[str, Any]:
-    """Columns of the successful requests, error counts, and pooled inter-event gaps."""
+    """Columns of the successful requests, error counts and X-KV-Reuse outcomes."""
     good = [x for x in samples if x.ok]
-    gaps = [g for x in good for g in x.gaps]
     errors = [x.error for x in samples if not x.ok]
     reuse = Counter(x.reuse for x in good if x.reuse)
     return {
@@ -408,8 +396,6 @@ def summarize(samples: list[Sample], wall: float, sent: int) -> dict[str, Any]:
         "ttft": [x.ttft for x in good],
         "span": [x.span for x in good],
         "events": [x.events for x in good],
-        "gap_p50": _pct(gaps, 50),
-        "gap_p99": _pct(gaps, 99),
         "ok": len(good),
         "failed": len(errors),
         "error_examples": errors[:3],

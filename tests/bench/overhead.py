@@ -5,6 +5,7 @@ Also the router's CPU per turn and per streamed chunk, and the Redis work per tu
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ Tick = Callable[[str], None]
 P_ARGS = ["--num-blocks", "65536"]
 D_ARGS = ["--bidirectional", "--decoder-kv-blocks-ttl", "2", "--sweep-interval", "0.5"]
 D_ARGS += ["--num-blocks", "65536"]
+# D paces its tokens like a GPU would (one SSE chunk per read at the router).
+PACED = ["--decode-ms-per-token", "5"]
 NONSTREAM_TOKENS = 16
 STREAM_TOKENS = 32
 SYSTEM_WORDS = 120
@@ -67,8 +70,6 @@ def digest(r: dict[str, Any]) -> dict[str, Any]:
         "latency": summary_ms(r["latency"]),
         "ttft": summary_ms(r["ttft"]),
         "per_chunk": summary_ms(per_chunk(r["span"], r["events"])),
-        "gap_p50_ms": r["gap_p50"] * 1000.0,
-        "gap_p99_ms": r["gap_p99"] * 1000.0,
         "events": sum(r["events"]) / max(1, len(r["events"])),
         "ok": r["ok"],
         "failed": r["failed"],
@@ -114,14 +115,22 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
         finally:
             stats.close()
         out["commands"]["stock"] = st.commands
-    with start_stack(
-        prefill_args=[P_ARGS],
-        decode_args=[[*D_ARGS, "--stream-kv-params"]],
-        router_args=[["--stream-kv-params"]],
-        name="overhead-40186",
-    ) as st:
-        out["chunk_cpu"]["stream-kv-params"] = chunk_slope(st, lg, plan, tick)
-        out["commands"]["stream-kv-params"] = st.commands
+    variants = (
+        ("stream-kv-params", ["--stream-kv-params"], ["--stream-kv-params"]),
+        ("stock, paced", PACED, []),
+        ("stream-kv-params, paced", [*PACED, "--stream-kv-params"], ["--stream-kv-params"]),
+    )
+    for name, d_extra, r_args in variants:
+        with start_stack(
+            prefill_args=[P_ARGS],
+            decode_args=[[*D_ARGS, *d_extra]],
+            router_args=[r_args],
+            name="overhead-chunks",
+        ) as st:
+            out["chunk_cpu"][name] = chunk_slope(
+                st, lg, plan, tick, paced=bool(PACED[0] in d_extra)
+            )
+            out["commands"][f"chunks: {name}"] = st.commands
     return out
 
 
@@ -135,29 +144,73 @@ def _cell(
     count: int,
     tick: Tick,
 ) -> dict[str, Any]:
+    """Both arms, in `plan.overhead_rounds` alternating rounds so that drift in the machine's
+    load hits both alike; each arm's rounds are pooled."""
     cell: dict[str, Any] = {"stream": stream, "concurrency": conc, "count": count}
     warmup = max(plan.overhead_warmup, conc)
-    for arm, target in (("direct", direct(st)), ("kvbaton", via_router(st))):
-        tick(f"overhead {'stream' if stream else 'json'} c={conc} {arm}")
-        spec = closed_job(
-            target, stream=stream, concurrency=conc, count=count, warmup=warmup, seed=conc
-        )
-        r, cpu, redis_delta = timed(st, lg, spec, stats if arm == "kvbaton" else None)
+    per_round = max(1, count // plan.overhead_rounds)
+    arms = [("direct", direct(st)), ("kvbaton", via_router(st))]
+    pooled: dict[str, dict[str, Any]] = {}
+    cpu = 0.0
+    redis_delta: dict[str, dict[str, float]] = {}
+    tick(f"overhead {'stream' if stream else 'json'} c={conc}")
+    for rnd in range(plan.overhead_rounds):
+        for arm, target in arms if rnd % 2 == 0 else arms[::-1]:
+            spec = closed_job(
+                target, stream=stream, concurrency=conc, count=per_round, warmup=warmup, seed=rnd
+            )
+            r, used, delta = timed(st, lg, spec, stats if arm == "kvbaton" else None)
+            pooled[arm] = merge(pooled.get(arm), r)
+            if arm == "kvbaton":
+                cpu += used
+                redis_delta = add_delta(redis_delta, delta)
+    for arm, r in pooled.items():
         cell[arm] = digest(r)
-        if arm == "kvbaton":
-            cell["router_cpu_ms_per_turn"] = cpu / max(1, r["sent"]) * 1000.0
-            cell["redis_delta"] = redis_delta
-            cell["turns"] = r["sent"]
+    sent = pooled["kvbaton"]["sent"]
+    cell["router_cpu_ms_per_turn"] = cpu / max(1, sent) * 1000.0
+    cell["redis_delta"] = redis_delta
+    cell["turns"] = sent
     return cell
 
 
-def chunk_slope(st: Stack, lg: LoadGen, plan: Plan, tick: Tick) -> dict[str, Any]:
-    """Router CPU per streamed chunk: the CPU-per-turn slope between 8 and 128 tokens."""
+def merge(acc: dict[str, Any] | None, r: dict[str, Any]) -> dict[str, Any]:
+    """Pool two load-generator results of the same arm."""
+    if acc is None:
+        return dict(r)
+    out = dict(acc)
+    for key in ("latency", "ttft", "span", "events", "error_examples"):
+        out[key] = acc[key] + r[key]
+    for key in ("ok", "failed", "sent", "wall_s"):
+        out[key] = acc[key] + r[key]
+    out["reuse"] = dict(Counter(acc.get("reuse", {})) + Counter(r.get("reuse", {})))
+    return out
+
+
+def add_delta(
+    a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    out = {k: dict(v) for k, v in a.items()}
+    for cmd, v in b.items():
+        slot = out.setdefault(cmd, {"calls": 0.0, "usec": 0.0})
+        slot["calls"] += v["calls"]
+        slot["usec"] += v["usec"]
+    return out
+
+
+def chunk_slope(
+    st: Stack, lg: LoadGen, plan: Plan, tick: Tick, paced: bool = False
+) -> dict[str, Any]:
+    """Router CPU per streamed chunk: the CPU-per-turn slope between 8 and 128 tokens.
+
+    Back to back (zero-cost D) several chunks arrive per read; paced (D sleeps between
+    tokens, as a GPU does) every chunk is its own read, wake-up and write.
+    """
     runs: dict[str, dict[str, float]] = {}
+    count = plan.chunk_runs // 3 if paced else plan.chunk_runs
     for tokens in (8, 128):
-        tick(f"chunk cost {tokens} tokens")
+        tick(f"chunk cost {tokens} tokens{' paced' if paced else ''}")
         spec = closed_job(
-            via_router(st), stream=True, concurrency=16, count=plan.chunk_runs, warmup=16, seed=7
+            via_router(st), stream=True, concurrency=32, count=count, warmup=32, seed=7
         )
         spec["max_tokens"] = tokens
         r, cpu, _ = timed(st, lg, spec, None)

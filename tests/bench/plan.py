@@ -60,6 +60,7 @@ class Plan:
     # 1. overhead: requests per concurrency level (after warmup)
     overhead_counts: tuple[tuple[int, int], ...]
     overhead_warmup: int
+    overhead_rounds: int  # alternating direct/kvbaton rounds per cell
     chunk_runs: int  # requests per run of the per-chunk CPU slope
     # 2. throughput: open-loop rate sweep
     sweep_start: float
@@ -70,6 +71,7 @@ class Plan:
     conv_n: int
     conv_turns: int
     conv_concurrency: int
+    conv_rounds: int  # the arms take turns, round by round, each with conv_n / rounds chats
     system_words: tuple[int, int]
     user_words: tuple[int, int]
     output_tokens: tuple[int, int]
@@ -89,6 +91,7 @@ FULL = Plan(
     name="full",
     overhead_counts=((1, 400), (16, 2000), (128, 3000)),
     overhead_warmup=50,
+    overhead_rounds=4,
     chunk_runs=600,
     sweep_start=100.0,
     sweep_factor=1.35,
@@ -97,6 +100,7 @@ FULL = Plan(
     conv_n=64,
     conv_turns=8,
     conv_concurrency=32,
+    conv_rounds=2,
     system_words=(1000, 4000),
     user_words=(100, 300),
     output_tokens=(100, 500),
@@ -110,6 +114,7 @@ QUICK = Plan(
     name="quick",
     overhead_counts=((1, 40), (16, 160), (128, 256)),
     overhead_warmup=10,
+    overhead_rounds=1,
     chunk_runs=96,
     sweep_start=100.0,
     sweep_factor=2.0,
@@ -118,6 +123,7 @@ QUICK = Plan(
     conv_n=8,
     conv_turns=4,
     conv_concurrency=8,
+    conv_rounds=1,
     system_words=(800, 1200),
     user_words=(30, 60),
     output_tokens=(70, 90),

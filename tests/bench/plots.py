@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 
 ARM_STYLE = {"a": ("tab:green", "reuse + affinity"), "b": ("tab:orange", "affinity only")}
 ARM_STYLE["c"] = ("tab:red", "round robin, no reuse")
@@ -59,6 +60,8 @@ def ttft(results: dict[str, Any], turns: int, path: Path) -> None:
                 ax.plot(xs, p50, "o-", color=color, label=f"{label} p50")
                 ax.plot(xs, p90, ":", color=color, label=f"{label} p90")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks(xs)
         ax.set_xlabel("turn")
         ax.set_title(f"{cache} prefill cache")
@@ -85,6 +88,7 @@ def throughput(results: dict[str, Any], path: Path) -> None:
     axes[1].set_xlabel("offered turns/s")
     axes[1].set_ylabel("p99 latency (ms, log)")
     axes[1].set_yscale("log")
+    axes[1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

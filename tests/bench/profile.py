@@ -25,22 +25,36 @@ Tick = Callable[[str], None]
 # Each sample is charged to the innermost frame of a known group (stdlib frames such as
 # asyncio's socket writes are charged to their caller); the shares add up to 100%.
 GROUPS = (
-    ("SSE relay and capture (router/sse.py)", ("/router/sse.py",)),
-    ("session store client (redis-py)", ("/redis/",)),
-    ("session model, digests (sessions/)", ("/sessions/",)),
-    ("router turn logic (other router/ modules)", ("/router/",)),
-    ("upstream HTTP client (aiohttp)", ("/aiohttp/",)),
-    ("HTTP server (hypercorn, h11)", ("/hypercorn/", "/h11/")),
-    ("Starlette", ("/starlette/",)),
-    ("logging", ("/logging/",)),
+    ("SSE relay and capture (router/sse.py)", ("router/sse.py",)),
+    ("session store client (redis-py)", ("redis/",)),
+    ("session model, digests (sessions/)", ("sessions/",)),
+    ("router turn logic (other router/ modules)", ("router/",)),
+    ("upstream HTTP client (aiohttp)", ("aiohttp/",)),
+    ("HTTP server (hypercorn, h11)", ("hypercorn/", "h11/")),
+    ("Starlette (and anyio)", ("starlette/", "anyio/")),
+    ("logging", ("logging/",)),
 )
+# On every stack (the process entry and the server loop): never a sample's group.
+ENTRY = ("router/__main__.py", "router/cli.py", "router/server.py")
 IDLE_GROUP = "event loop and stdlib only"
+
+
+def frame_path(frame: str) -> str:
+    """'func (pkg/mod.py:12)' -> 'pkg/mod.py' (py-spy shortens paths to the package)."""
+    return frame.rpartition(" (")[2].rstrip(")").rsplit(":", 1)[0]
+
+
+def _in(path: str, prefix: str) -> bool:
+    return path.startswith(prefix) or f"/{prefix}" in path
 
 
 def group_of(frames: list[str]) -> str:
     for frame in reversed(frames):
-        for group, needles in GROUPS:
-            if any(needle in frame for needle in needles):
+        path = frame_path(frame)
+        if path in ENTRY:
+            continue
+        for group, prefixes in GROUPS:
+            if any(_in(path, prefix) for prefix in prefixes):
                 return group
     return IDLE_GROUP
 
@@ -77,7 +91,10 @@ def parse(text: str) -> dict[str, Any]:
         total += n
         leaf[_short(frames[-1])] += n
         groups[group_of(frames)] += n
-        for name in {_short(f) for f in frames if "/router/" in f or "/sessions/" in f}:
+        mine = (
+            f for f in frames if _in(frame_path(f), "router/") or _in(frame_path(f), "sessions/")
+        )
+        for name in {_short(f) for f in mine}:
             incl[name] += n
     if not total:
         return {"samples": 0, "self": {}, "groups": {}, "inclusive_router": {}}
@@ -98,27 +115,40 @@ def _short(frame: str) -> str:
     return f"{name} ({'/'.join(parts[-2:])})"
 
 
+PROFILES = (
+    # label, paced D, streaming, max_tokens, clients
+    ("json", False, False, 16, 16),
+    ("stream", False, True, 128, 16),
+    ("stream-paced", True, True, 128, 32),
+)
+
+
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    with start_stack(
-        prefill_args=[overhead.P_ARGS],
-        decode_args=[overhead.D_ARGS],
-        router_args=[[]],
-        name="profile",
-    ) as st:
-        for label, stream, tokens in (("stream", True, 128), ("json", False, 16)):
-            tick(f"profile {label}")
-            out[label] = profile_load(plan, st, lg, stream, tokens)
+    for paced in (False, True):
+        with start_stack(
+            prefill_args=[overhead.P_ARGS],
+            decode_args=[[*overhead.D_ARGS, *(overhead.PACED if paced else [])]],
+            router_args=[[]],
+            name="profile",
+        ) as st:
+            for label, p, stream, tokens, clients in PROFILES:
+                if p == paced:
+                    tick(f"profile {label}")
+                    out[label] = profile_load(plan, st, lg, stream, tokens, clients)
+                    out[label]["paced"] = paced
     return out
 
 
-def profile_load(plan: Plan, st: Stack, lg: LoadGen, stream: bool, tokens: int) -> dict[str, Any]:
-    """py-spy on the router while 16 clients keep it busy for plan.profile_s seconds."""
+def profile_load(
+    plan: Plan, st: Stack, lg: LoadGen, stream: bool, tokens: int, clients: int
+) -> dict[str, Any]:
+    """py-spy on the router while `clients` clients keep it busy for plan.profile_s seconds."""
     spec = overhead.closed_job(
         overhead.via_router(st),
         stream=stream,
-        concurrency=16,
-        count=int(plan.profile_s * 5000),
+        concurrency=clients,
+        count=int(plan.profile_s * 5000),  # more than fits: the deadline ends the job
         warmup=0,
         seed=3,
     )
@@ -126,6 +156,7 @@ def profile_load(plan: Plan, st: Stack, lg: LoadGen, stream: bool, tokens: int) 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "profile.txt"
         overhead.reset_caches(st)
+        cpu0 = st.router_cpu()
         spy = record(st.routers[0].proc.pid, plan.profile_s, path)
         try:
             time.sleep(0.5)
@@ -135,7 +166,16 @@ def profile_load(plan: Plan, st: Stack, lg: LoadGen, stream: bool, tokens: int) 
             if spy.poll() is None:
                 spy.kill()
                 spy.wait(5)
+        cpu = st.router_cpu() - cpu0
         text = path.read_text() if path.exists() else ""
     result = parse(text)
-    result.update(turns=r["ok"], max_tokens=tokens, seconds=plan.profile_s)
+    events = sum(r["events"])
+    result.update(
+        turns=r["ok"],
+        max_tokens=tokens,
+        clients=clients,
+        seconds=plan.profile_s,
+        cpu_ms_per_turn=cpu / max(1, r["sent"]) * 1000.0,
+        events=events,
+    )
     return result

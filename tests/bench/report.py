@@ -71,6 +71,7 @@ def run_info(meta: dict[str, Any], plan: Plan) -> list[str]:
         ["mode", plan.name],
         ["machine", f"{meta['nproc']} CPUs (`nproc`), {meta['cpu_model']}"],
         ["load average (1/5/15 min)", f"before {meta['load_before']}, after {meta['load_after']}"],
+        ["1-min load average as each step started", load_spread(meta.get("step_loads", []))],
         ["software", meta["versions"]],
         ["commit", meta["commit"]],
         ["duration", f"{meta['duration_s']:.0f} s"],
@@ -81,6 +82,14 @@ def run_info(meta: dict[str, Any], plan: Plan) -> list[str]:
         "",
     ]
     return ["## Run", "", *table(["", ""], rows), *notes]
+
+
+def load_spread(loads: list[float]) -> str:
+    if not loads:
+        return "n/a"
+    ordered = sorted(loads)
+    median = ordered[len(ordered) // 2]
+    return f"min {ordered[0]:.2f}, median {median:.2f}, max {ordered[-1]:.2f} ({len(loads)} steps)"
 
 
 def _cell(results: dict[str, Any], stream: bool, conc: int) -> dict[str, Any] | None:
@@ -292,12 +301,14 @@ def chunk_table(res: dict[str, Any]) -> list[str]:
     lines = [
         "### Router CPU per relayed chunk",
         "",
-        "Streaming turns at 16 clients with `max_tokens` 8 and 128; the slope of router CPU",
+        "Streaming turns at 32 clients with `max_tokens` 8 and 128; the slope of router CPU",
         "per turn against SSE events per turn. *stock*: engines without PR #40186; the router",
         "forwards the chunks' bytes untouched (it still parses each one to capture the answer).",
-        "*stream-kv-params*: D streams its handle (#40186) and",
-        "the router asks for token ids (to verify the next turn) and strips them from every",
-        "chunk, which re-encodes every chunk.",
+        "*stream-kv-params*: D streams its handle (#40186) and the router asks for token ids",
+        "(to verify the next turn) and strips them from every chunk, re-encoding every chunk.",
+        "Zero-cost D sends its chunks back to back, so the router reads several per wake-up;",
+        "*paced* D sleeps 5 ms between tokens, as a GPU paces them, so every chunk costs its",
+        "own read, event-loop wake-up and write: the realistic case.",
         "",
     ]
     rows = []
@@ -434,6 +445,15 @@ def reuse_section(res: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> list
         "a long recompute here never slows other requests' decode, as it would on a GPU.",
         "",
     ]
+    tok = res["runs"].get("ample/a", {}).get("tokenize")
+    if tok:
+        lines += [
+            f"TTFT here includes the simulators' own CPU work: one `/tokenize` of a "
+            f"{tok['tokens']}-token chat (what the router sends P on every hit, to verify the "
+            f"prefix token by token) took {fmt(tok['ms_p50'], 1)} ms p50 in the simulator's "
+            "pure-Python tokenizer, and each engine tokenizes each prompt too.",
+            "",
+        ]
     for cache in reuse.CACHES:
         lines += ttft_table(res, plan, cache)
     lines += tokens_table(res, plan)
@@ -590,34 +610,52 @@ def redis_section(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+PROFILE_TITLES = {
+    "json": "JSON turns, zero-cost engines",
+    "stream": "Streaming turns, zero-cost engines (chunks arrive back to back)",
+    "stream-paced": "Streaming turns, D paced at 5 ms per token (one chunk per read)",
+}
+
+
 def profile_section(res: dict[str, Any] | None) -> list[str]:
     lines = ["## 5. Profile", ""]
     if not res:
         return [*lines, "Not run in this mode (`--quick`), or py-spy is not installed.", ""]
     lines += [
-        "py-spy (`record --nonblocking --rate 200`) on the router process while 16 clients keep",
-        "it busy; shares are of the router's non-idle samples. *Group* shares are inclusive (a",
-        "sample counts once in every group on its stack).",
+        "py-spy (`record --nonblocking --rate 200`) on the router process (stock engines,",
+        "first turns of new conversations) while clients keep it busy; shares are of the",
+        "router's non-idle samples. *Group*: each sample is charged to the innermost frame of",
+        "a known package (the stdlib's socket writes go to the caller that wrote); *self*: the",
+        "innermost frame itself; *inclusive*: router and sessions functions on the stack.",
         "",
     ]
     for label, prof in res.items():
+        per_event = (
+            prof["cpu_ms_per_turn"] * 1000.0 * prof["turns"] / prof["events"]
+            if prof.get("events")
+            else math.nan
+        )
         lines += [
-            f"### {'Streaming' if label == 'stream' else 'JSON'} turns "
-            f"(`max_tokens={prof['max_tokens']}`, {prof['turns']} turns in "
-            f"{prof['seconds']:.0f} s, {prof['samples']} samples)",
+            f"### {PROFILE_TITLES.get(label, label)}",
+            "",
+            f"`max_tokens={prof['max_tokens']}`, {prof['clients']} clients, {prof['turns']} "
+            f"turns in {prof['seconds']:.0f} s, {prof['samples']} samples; router CPU "
+            f"{fmt(prof['cpu_ms_per_turn'], 3)} ms per turn"
+            + (f", {fmt(per_event, 1)} us per SSE event" if label != "json" else "")
+            + ".",
             "",
         ]
         lines += table(
-            ["group (inclusive)", "share"],
+            ["group (exclusive)", "share"],
             [[k, f"{v * 100:.1f}%"] for k, v in prof["groups"].items()],
         )
         lines += table(
             ["function (self)", "share"],
-            [[f"`{k}`", f"{v * 100:.1f}%"] for k, v in list(prof["self"].items())[:12]],
+            [[f"`{k}`", f"{v * 100:.1f}%"] for k, v in list(prof["self"].items())[:10]],
         )
         lines += table(
             ["router/sessions function (inclusive)", "share"],
-            [[f"`{k}`", f"{v * 100:.1f}%"] for k, v in list(prof["inclusive_router"].items())[:12]],
+            [[f"`{k}`", f"{v * 100:.1f}%"] for k, v in list(prof["inclusive_router"].items())[:10]],
         )
     return lines
 

@@ -8,15 +8,19 @@ and with one smaller than the conversations' working set.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import random
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from tests.bench import overhead
+from tests.bench.loadgen import words
 from tests.bench.plan import Plan
-from tests.bench.stack import LoadGen, RedisStats, Stack, by_source, start_stack
-from tests.bench.stats import summary_ms
+from tests.bench.stack import LoadGen, RedisStats, Stack, by_source, post, start_stack
+from tests.bench.stats import pct, summary_ms
 
 Tick = Callable[[str], None]
 
@@ -45,59 +49,116 @@ def router_args(arm: str) -> list[list[str]]:
     return {"a": [["--stream-kv-params"]], "b": [["--no-reuse"]], "c": []}[arm]
 
 
-def conversation_job(plan: Plan, target: dict[str, Any]) -> dict[str, Any]:
+def conversation_job(plan: Plan, target: dict[str, Any], rnd: int = 0) -> dict[str, Any]:
+    """Round rnd's share of the conversations: the same ones for every arm."""
     return {
         "kind": "conversations",
         "target": target,
-        "n": plan.conv_n,
+        "n": plan.conv_n // plan.conv_rounds,
         "turns": plan.conv_turns,
         "concurrency": plan.conv_concurrency,
         "system_words": plan.system_words,
         "user_words": plan.user_words,
         "output_tokens": plan.output_tokens,
         "jitter_s": 1.0 if not plan.quick else 0.2,
-        "seed": 2024,
+        "seed": 2024 + rnd,
         "deadline_s": 60.0 if plan.quick else 300.0,
         "request_timeout_s": 120.0,
     }
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
+    """Per cache size, the three arms' stacks run side by side and take turns, round by round
+    (a, b, c, then c, b, a, ...), so that a change in the machine's load hits every arm."""
     out: dict[str, Any] = {"gpu": dataclasses.asdict(plan.gpu), "runs": {}, "commands": {}}
+    arms = [a for a in ARMS if a != "b" or no_reuse]
+    if not no_reuse:
+        for cache in CACHES:
+            out["runs"][f"{cache}/b"] = {"pending": "the router has no --no-reuse flag yet"}
     for cache in CACHES:
-        for arm in ARMS:
-            key = f"{cache}/{arm}"
-            tick(f"reuse {cache} cache, arm {arm}")
-            if arm == "b" and not no_reuse:
-                out["runs"][key] = {"pending": "the router has no --no-reuse flag yet"}
-                continue
-            out["runs"][key] = one(plan, lg, arm, cache, out["commands"])
+        with contextlib.ExitStack() as stack:
+            arms_up = {arm: stack.enter_context(Arm(plan, arm, cache)) for arm in arms}
+            for rnd in range(plan.conv_rounds):
+                for arm in arms if rnd % 2 == 0 else arms[::-1]:
+                    tick(f"reuse {cache} cache, round {rnd + 1}, arm {arm}")
+                    arms_up[arm].run(lg, rnd)
+            for arm, up in arms_up.items():
+                out["runs"][f"{cache}/{arm}"] = up.result()
+                out["commands"][f"{cache}/{arm}"] = up.st.commands
     return out
 
 
-def one(plan: Plan, lg: LoadGen, arm: str, cache: str, commands: dict[str, Any]) -> dict[str, Any]:
-    p_args, d_args = sim_args(plan, arm, cache)
-    with start_stack(
-        prefill_args=p_args,
-        decode_args=d_args,
-        router_args=router_args(arm),
-        with_redis=arm != "c",
-        name=f"reuse-{cache}-{arm}",
-    ) as st:
-        stats = RedisStats(st.redis_url) if st.redis_url else None
+class Arm:
+    """One arm's processes for the whole cache configuration, and what its rounds measured."""
+
+    def __init__(self, plan: Plan, arm: str, cache: str) -> None:
+        self.plan, self.arm, self.cache = plan, arm, cache
+        self.turns: list[dict[str, Any]] = []
+        self.wall = 0.0
+        self.cpu = 0.0
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Arm:
         try:
-            if stats is not None:
-                stats.reset()
-            target = overhead.direct(st) if arm == "c" else overhead.via_router(st)
-            cpu0 = st.router_cpu()
-            r = lg.run(conversation_job(plan, target), timeout=360.0)
-            cpu = st.router_cpu() - cpu0
-            redis_delta = stats.read() if stats is not None else {}
-        finally:
-            if stats is not None:
-                stats.close()
-        commands[f"{cache}/{arm}"] = st.commands
-        return summarize(plan, st, r, cpu, redis_delta)
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        p_args, d_args = sim_args(self.plan, self.arm, self.cache)
+        self.st = self._stack.enter_context(
+            start_stack(
+                prefill_args=p_args,
+                decode_args=d_args,
+                router_args=router_args(self.arm),
+                with_redis=self.arm != "c",
+                name=f"reuse-{self.cache}-{self.arm}",
+            )
+        )
+        self.stats = RedisStats(self.st.redis_url) if self.st.redis_url else None
+        if self.stats is not None:
+            self._stack.callback(self.stats.close)
+            self.stats.reset()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def run(self, lg: LoadGen, rnd: int) -> None:
+        target = overhead.direct(self.st) if self.arm == "c" else overhead.via_router(self.st)
+        cpu0 = self.st.router_cpu()
+        r = lg.run(conversation_job(self.plan, target, rnd), timeout=420.0)
+        self.cpu += self.st.router_cpu() - cpu0
+        self.wall += r["wall_s"]
+        self.turns += r["turns"]
+
+    def result(self) -> dict[str, Any]:
+        delta = self.stats.read() if self.stats is not None else {}
+        out = summarize(self.plan, self.st, self.turns, self.wall, self.cpu, delta)
+        if self.arm == "a":
+            out["tokenize"] = tokenize_cost(self.plan, self.st.prefill[0].url)
+        return out
+
+
+def tokenize_cost(plan: Plan, url: str, calls: int = 10) -> dict[str, float]:
+    """What one /tokenize of a last-turn-sized chat costs the simulator (the router's
+    token-exact check sends one per hit), median wall time of `calls` calls."""
+    rng = random.Random(5)
+    mid = [(lo + hi) // 2 for lo, hi in (plan.system_words, plan.user_words, plan.output_tokens)]
+    messages = [{"role": "system", "content": words(rng, mid[0])}]
+    for t in range(plan.conv_turns):
+        messages.append({"role": "user", "content": words(rng, mid[1])})
+        if t + 1 < plan.conv_turns:
+            messages.append({"role": "assistant", "content": words(rng, mid[2])})
+    body = {"model": "sim-model", "messages": messages, "add_generation_prompt": True}
+    times = []
+    count = 0
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        count = int(post(url + "/tokenize", body)["count"])
+        times.append(time.perf_counter() - t0)
+    return {"tokens": count, "ms_p50": pct(times, 50) * 1000.0}
 
 
 def _tokens(st: Stack) -> dict[str, dict[str, float]]:
@@ -111,18 +172,17 @@ def _tokens(st: Stack) -> dict[str, dict[str, float]]:
 
 
 def summarize(
-    plan: Plan, st: Stack, r: dict[str, Any], cpu: float, redis_delta: dict[str, Any]
+    plan: Plan,
+    st: Stack,
+    turns: list[dict[str, Any]],
+    wall: float,
+    cpu: float,
+    redis_delta: dict[str, Any],
 ) -> dict[str, Any]:
-    turns = r["turns"]
     ok = [t for t in turns if t["ok"]]
-    by_turn = {
-        str(t): summary_ms([x["ttft"] for x in ok if x["turn"] == t])
-        for t in range(1, plan.conv_turns + 1)
-    }
-    latency = {
-        str(t): summary_ms([x["latency"] for x in ok if x["turn"] == t])
-        for t in range(1, plan.conv_turns + 1)
-    }
+    index = range(1, plan.conv_turns + 1)
+    by_turn = {str(t): summary_ms([x["ttft"] for x in ok if x["turn"] == t]) for t in index}
+    latency = {str(t): summary_ms([x["latency"] for x in ok if x["turn"] == t]) for t in index}
     reuse = Counter(x["reuse"].split(";")[0] or "none" for x in ok)
     return {
         "ttft_by_turn": by_turn,
@@ -130,7 +190,7 @@ def summarize(
         "turns_ok": len(ok),
         "turns_failed": len(turns) - len(ok),
         "errors": [x["error"] for x in turns if not x["ok"]][:3],
-        "wall_s": r["wall_s"],
+        "wall_s": wall,
         "tokens": _tokens(st),
         "prompt_tokens": sum(x["prompt_tokens"] for x in ok),
         "completion_tokens": sum(x["completion_tokens"] for x in ok),
