@@ -25,6 +25,9 @@ RedisClient = aioredis.Redis | RedisCluster
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 _DEFAULT_PORT = {"cluster": 6379, "sentinel": 26379}
+# Connections per server (per node on a cluster): more than one router process has turns in
+# flight, and far below Redis's default maxclients (10000).
+MAX_CONNECTIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -106,13 +109,26 @@ def connect(
     socket_timeout: float | None = None,
     connect_timeout: float | None = None,
     retry: Retry | None = None,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> RedisClient:
-    """A client for url (nothing is connected until the first command)."""
+    """A client for url (nothing is connected until the first command).
+
+    redis-py's default pool fails a command at once ("Too many connections") past 100
+    connections, which under load would open the router's store circuit for every turn. A
+    single server gets a blocking pool instead (a command waits up to connect_timeout for a
+    free connection); cluster nodes and a Sentinel master get max_connections each.
+    """
     target = parse(url)
     if target is None:
-        return aioredis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout, retry=retry
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=connect_timeout,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            retry=retry,
         )
+        return aioredis.Redis.from_pool(pool)
     if target.kind == "cluster":
         return RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
@@ -122,6 +138,7 @@ def connect(
             socket_timeout=socket_timeout,
             socket_connect_timeout=connect_timeout,
             retry=retry,
+            max_connections=max_connections,
         )
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         list(target.nodes),
@@ -129,6 +146,7 @@ def connect(
         sentinel_kwargs={
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": connect_timeout,
+            "max_connections": max_connections,  # every new master connection asks them
         },
     )
     master: aioredis.Redis = sentinel.master_for(
@@ -140,6 +158,7 @@ def connect(
         socket_timeout=socket_timeout,
         socket_connect_timeout=connect_timeout,
         retry=retry,
+        max_connections=max_connections,
     )
     return master
 

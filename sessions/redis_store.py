@@ -5,10 +5,13 @@ One round trip each (redis-py's Script objects send EVALSHA and reload on NOSCRI
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 from collections.abc import Awaitable, Sequence
 from typing import Any, Self, TypeVar, cast
 
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -93,6 +96,11 @@ class RedisSessionStore:
                 url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, retry=retry
             )
         self._client = client
+        # redis-py's cluster client, set up by many concurrent first commands, loses
+        # connections ("Connection closed by server", measured with 300 at once) and may
+        # retry a script that already ran: it is set up once, before the first command.
+        self._set_up = not isinstance(client, RedisCluster)
+        self._set_up_lock = asyncio.Lock()
         self._claim = client.register_script(_CLAIM)
         self._commit = client.register_script(_COMMIT)
         self._release = client.register_script(_RELEASE)
@@ -101,8 +109,21 @@ class RedisSessionStore:
     def from_url(cls, url: str, **kwargs: Any) -> Self:
         return cls(url, **kwargs)
 
+    async def _set_up_cluster(self) -> None:
+        async with self._set_up_lock:
+            if not self._set_up and isinstance(self._client, RedisCluster):
+                await self._client.initialize()
+                self._set_up = True
+
     async def _run(self, what: str, call: Awaitable[T]) -> T:
         try:
+            if not self._set_up:
+                try:
+                    await self._set_up_cluster()
+                except BaseException:
+                    if inspect.iscoroutine(call):
+                        call.close()  # never started: no "never awaited" warning
+                    raise
             return await call
         except _FAILURES as exc:
             raise StoreError(f"session store {what} failed: {exc}") from exc

@@ -184,3 +184,26 @@ async def test_sentinel_failover_moves_the_store_to_the_new_master() -> None:
             assert await store.commit(key, SessionState(turn=2), 1, 60)
         finally:
             await store.close()
+
+
+@pytest.mark.parametrize("kind", ["plain", "cluster", "sentinel"])
+async def test_many_concurrent_calls_wait_for_a_connection(
+    request: pytest.FixtureRequest, redis_url_session: str, kind: str
+) -> None:
+    """More turns in flight than redis-py's default pool size (100) must not fail the store
+    ("Too many connections" would open the router's circuit and turn reuse off for everyone)."""
+    url = redis_url_session if kind == "plain" else request.getfixturevalue(kind).url
+    store = RedisSessionStore.from_url(url, socket_timeout=5, connect_timeout=5)
+    keys = [conversation_key("tenant", f"crowd-{i}") for i in range(300)]
+    try:
+        results = await asyncio.gather(
+            *(store.commit(key, SessionState(turn=1), 0, 60) for key in keys)
+        )
+        assert all(results)
+        claimed = await asyncio.gather(
+            *(store.claim(key, f"req-{i}") for i, key in enumerate(keys))
+        )
+        assert all(state is not None and state.turn == 1 for state in claimed)
+    finally:
+        await asyncio.gather(*(store.delete(key) for key in keys))
+        await store.close()
