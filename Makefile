@@ -37,3 +37,10 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage htmlcov
+
+# The router's end-to-end tests against real vLLM (CPU build, NIXL): a separate engine venv
+# (.venv-vllm), a tiny model built offline, P/D/reference engines on loopback. Skips with one
+# line where the engine cannot be installed (no local torch 2.13.0+cpu wheel), but not in CI.
+.PHONY: test-vllm
+test-vllm: install
+	bash tests/vllm/tier.sh

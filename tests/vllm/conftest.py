@@ -1,0 +1,127 @@
+"""Fixtures of the real-vLLM tier: P, D and a reference engine started once per test run.
+
+The tier runs only when `KVBATON_TEST_VLLM_PYTHON` names the engine venv's Python
+(`make test-vllm` sets it); the test modules skip themselves otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import RouterProc, router
+from tests.procs import ROOT, free_port
+from tests.vllm import engines
+from tests.vllm.engines import Engine, EngineSpec, KvEvents
+
+PYTHON_ENV = "KVBATON_TEST_VLLM_PYTHON"
+MODEL_ENV = "KVBATON_TEST_VLLM_MODEL"
+DEFAULT_MODEL = ROOT / ".vllm-test" / "tiny-llama"
+# Three engines starting together on two cores take 40-90 s (measured); the first test
+# also pays for this in its timeout.
+START_TIMEOUT = float(os.environ.get("KVBATON_TEST_VLLM_START_TIMEOUT", "180"))
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The first test of this tier starts the engines: give it their start-up time too."""
+    mine = [item for item in items if item.path.parent == HERE]
+    if not mine:
+        return
+    marker = mine[0].get_closest_marker("timeout")
+    base = float(marker.args[0]) if marker and marker.args else float(config.getini("timeout"))
+    mine[0].add_marker(pytest.mark.timeout(base + START_TIMEOUT + 60))
+
+
+@dataclass(frozen=True)
+class Engines:
+    p: Engine
+    d: Engine
+    ref: Engine  # no connector: answers computed from scratch
+    events: KvEvents
+
+
+def distinct_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def model_dir(python: str) -> Path:
+    """The tiny model `make test-vllm` built, or built here (5 s) when missing."""
+    path = Path(os.environ.get(MODEL_ENV) or DEFAULT_MODEL)
+    if not (path / "config.json").exists():
+        subprocess.run(
+            [python, str(HERE / "build_model.py"), str(path)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    return path
+
+
+def report(config: pytest.Config, line: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[Engines]:
+    python = os.environ[PYTHON_ENV]
+    model = str(model_dir(python))
+    work = tmp_path_factory.mktemp("vllm")
+    log_dir = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
+    log_dir.mkdir(exist_ok=True)
+    p_port, d_port, ref_port, p_side, d_side = distinct_ports(5)
+    specs = [
+        EngineSpec("p", p_port, "0", p_side, f"ipc://{work}/kv-p.ipc"),
+        EngineSpec("d", d_port, "1", d_side, f"ipc://{work}/kv-d.ipc"),
+        EngineSpec("ref", ref_port, "1"),
+    ]
+    started: list[Engine] = []
+    events: KvEvents | None = None
+    try:
+        t0 = time.monotonic()
+        for spec in specs:
+            started.append(engines.launch(python, model, spec, work, log_dir))
+        engines.wait_ready(started, START_TIMEOUT)
+        report(pytestconfig, f"\nvLLM P, D and reference ready in {time.monotonic() - t0:.1f} s")
+        p, d, ref = started
+        # Subscribe before any traffic: PUB/SUB drops what is sent before the connection.
+        events = KvEvents({"p": p.spec.kv_events, "d": d.spec.kv_events})
+        events.start()
+        yield Engines(p, d, ref, events)
+    finally:
+        t0 = time.monotonic()
+        if events is not None:
+            events.stop()
+        for engine in started:
+            engines.stop(engine)
+        report(pytestconfig, f"\nvLLM engines stopped in {time.monotonic() - t0:.1f} s")
+
+
+@pytest.fixture(scope="session")
+def vllm_router(vllm_engines: Engines, redis_url_session: str) -> Iterator[RouterProc]:
+    """kvbaton in front of P and D with its defaults (--verify-prefix tokens, block size
+    read from vllm:cache_config_info, no --stream-kv-params: stock vLLM 0.32)."""
+    with router(
+        [vllm_engines.p.url],
+        [vllm_engines.d.url],
+        redis_url=redis_url_session,
+        name="vllm-router",
+    ) as r:
+        yield r
