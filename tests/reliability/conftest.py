@@ -28,7 +28,10 @@ FIRST_BYTE_TIMEOUT = 2.0
 UNHEALTHY_AFTER = 2
 MAX_BODY = 65536
 TENANT_HEADER = "X-Tenant"
+ADMIN_KEY = "reliability-admin-key"
 ROUTER_FLAGS = (
+    "--admin-key",
+    ADMIN_KEY,
     "--stream-kv-params",
     "--prefill-timeout",
     str(PREFILL_TIMEOUT),

@@ -11,14 +11,17 @@ import uuid
 import pytest
 
 from tests.procs import SimProc
-from tests.reliability.conftest import FIRST_BYTE_TIMEOUT, Stack
+from tests.reliability.conftest import ADMIN_KEY, FIRST_BYTE_TIMEOUT, Stack
 from tests.reliability.helpers import (
+    JSON,
     Conversation,
     advance_clock,
     faults,
+    instance,
     metric,
     new_cid,
     placed,
+    post,
     running,
     session,
     total,
@@ -130,6 +133,40 @@ def test_a_restarted_decodes_old_handles_never_reach_prefill(main: Stack) -> Non
     reply = conv.turn()  # the answer is right either way
     assert stale_uses(main) == failed
     assert reply.reuse == "miss;reason=decode-restarted"
+
+
+@pytest.mark.timeout(60)
+def test_decode_stopped_is_ejected_and_its_handles_are_not_used(main: Stack) -> None:
+    (conv,) = on_first_decode(main, "d-down", 1)
+    d = main.ds[0]
+    d.proc.terminate()
+    d.proc.wait(10)
+    for _ in range(10):  # one-off turns: those placed on the dead D are redone on the other
+        if not instance(main.url, "decode", d.url)["healthy"]:
+            break
+        Conversation(main.url, main.ref, None).turn()
+    assert not instance(main.url, "decode", d.url)["healthy"]
+    failed = stale_uses(main)
+    assert conv.turn().reuse == "miss;reason=decode-unhealthy"  # and the oracle's answer
+    assert stale_uses(main) == failed, "P was sent a handle naming the dead D"
+    back = main.restart("decode", 0)
+    wait_until(lambda: instance(main.url, "decode", back.url)["usable"], "not re-admitted")
+
+
+def test_decode_removed_by_the_admin_api_its_handles_are_not_used(main: Stack) -> None:
+    (conv,) = on_first_decode(main, "d-removed", 1)
+    d = main.ds[0]
+    admin = {**JSON, "Authorization": f"Bearer {ADMIN_KEY}"}
+    removed = post(main.url + "/admin/instances?url=" + d.url, method="DELETE", headers=admin)
+    assert removed.status == 200, removed.body
+    try:
+        failed = stale_uses(main)
+        assert conv.turn().reuse == "miss;reason=decode-removed"
+        assert stale_uses(main) == failed
+        assert session(main.redis_url, str(conv.cid))["decode"] == main.ds[1].url
+    finally:
+        body = {"role": "decode", "url": d.url}
+        assert post(main.url + "/admin/instances", body, headers=admin).status in (200, 201)
 
 
 def test_decode_side_expiry_makes_p_decline_a_late_read(main: Stack) -> None:
