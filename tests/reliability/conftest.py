@@ -138,7 +138,7 @@ def settle(s: Stack) -> None:
         idle = all(running(e) == 0 for e in s.engines)
         return usable and idle and not status["store"]["circuit_open"]
 
-    wait_until(settled, "the stack did not settle", timeout=20)
+    wait_until(settled, "the stack did not settle", timeout=60)
 
 
 @pytest.fixture

@@ -169,7 +169,7 @@ class Conversation:
         return reply
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> float:
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> float:
     """Poll until predicate holds; returns the seconds it took."""
     start = time.monotonic()
     while not predicate():

@@ -49,9 +49,9 @@ def turns_until_consumed(main: Stack, p: SimProc, key: str, limit: int = 8) -> l
 def assert_ejected_then_readmitted(main: Stack, p: SimProc, before: tuple[int, int]) -> None:
     ejected = f"ejected prefill instance {p.url} after {UNHEALTHY_AFTER} failures"
     readmitted = f"re-admitted prefill instance {p.url}"
-    wait_until(lambda: log_lines(main, ejected) > before[0], "not ejected", timeout=5)
-    wait_until(lambda: log_lines(main, readmitted) > before[1], "not re-admitted", timeout=10)
-    wait_until(lambda: instance(main.url, "prefill", p.url)["usable"], "not usable", timeout=5)
+    wait_until(lambda: log_lines(main, ejected) > before[0], "not ejected", timeout=15)
+    wait_until(lambda: log_lines(main, readmitted) > before[1], "not re-admitted")
+    wait_until(lambda: instance(main.url, "prefill", p.url)["usable"], "not usable")
 
 
 def log_marks(main: Stack, p: SimProc) -> tuple[int, int]:

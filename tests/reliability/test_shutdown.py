@@ -44,7 +44,7 @@ def new_request_outcome(port: int) -> str:
 
 @pytest.mark.timeout(60)
 def test_sigterm_lets_the_stream_in_flight_finish_and_refuses_new_requests(slow: Slow) -> None:
-    wait_until(lambda: running(slow.d) == 0, "the slow D is busy", timeout=20)
+    wait_until(lambda: running(slow.d) == 0, "the slow D is busy")
     args = ("--stream-kv-params", "--shutdown-grace", str(GRACE))
     cid = new_cid("shutdown")
     messages = [{"role": "user", "content": f"Tell me a long story ({cid})."}]
