@@ -24,7 +24,7 @@ import aiohttp
 from tests.e2e.conftest import metric
 from tests.e2e.harness import RouterProc
 from tests.procs import SimProc, redis_server, restart_redis, sims, stop
-from tests.reliability.helpers import router
+from tests.reliability.helpers import retried, router
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0", "--num-blocks", "32768")
 CHAT = "/v1/chat/completions"
@@ -171,15 +171,12 @@ def start_stack(name: str = "load") -> Iterator[Stack]:
     """Redis, 2 P, 2 D (bidirectional, handles in the final SSE chunk), a reference, the router."""
     p_flags = ("prefill", *BIDIR)
     d_flags = ("decode", *BIDIR, "--stream-kv-params")
-    with (
-        redis_server() as (url, port, proc),
-        sims(
-            p_flags, p_flags, d_flags, d_flags, ("decode", "--num-blocks", "32768"), name=name
-        ) as (p1, p2, d1, d2, ref),
-        router(
-            [p1.url, p2.url], [d1.url, d2.url], *ROUTER_FLAGS, redis_url=url, name=f"{name}-router"
-        ) as r,
-    ):
+    with contextlib.ExitStack() as exits:
+        url, port, proc = exits.enter_context(redis_server())
+        engines = (p_flags, p_flags, d_flags, d_flags, ("decode", "--num-blocks", "32768"))
+        p1, p2, d1, d2, ref = retried(lambda: sims(*engines, name=name), exits)
+        ps, ds = [p1.url, p2.url], [d1.url, d2.url]
+        r = exits.enter_context(router(ps, ds, *ROUTER_FLAGS, redis_url=url, name=f"{name}-rtr"))
         stack = Stack([p1, p2], [d1, d2], ref, r, port, proc)
         try:
             yield stack

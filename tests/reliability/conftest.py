@@ -15,7 +15,15 @@ import pytest
 
 from tests.e2e.harness import RouterProc
 from tests.procs import SimProc, redis_server, restart_redis, sim, sims, stop
-from tests.reliability.helpers import clear_faults, get_json, router, running, wait_until
+from tests.reliability.helpers import (
+    clear_faults,
+    get_json,
+    retried,
+    router,
+    running,
+    started,
+    wait_until,
+)
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 P_FLAGS = ("prefill", *BIDIR)
@@ -92,7 +100,7 @@ class Stack:
         stop(old.proc)
         flags = P_FLAGS[1:] if role == "prefill" else D_FLAGS[1:]
         ports = ("--port", str(old.port), "--kv-port", str(old.kv_port))
-        new = self.exits.enter_context(sim(role, *flags, *ports, *extra, name=f"rel-{role}"))
+        new = retried(lambda: sim(role, *flags, *ports, *extra, name=f"rel-{role}"), self.exits)
         group[index] = new
         return new
 
@@ -107,22 +115,21 @@ class Stack:
 
 @pytest.fixture(scope="package")
 def stack() -> Iterator[Stack]:
-    with (
-        redis_server() as (_url, redis_port, redis_proc),
-        sims(P_FLAGS, P_FLAGS, D_FLAGS, D_FLAGS, ("decode",), name="rel") as started,
-    ):
-        p1, p2, d1, d2, ref = started
+    with contextlib.ExitStack() as exits:
+        _url, redis_port, redis_proc = exits.enter_context(redis_server())
+        engines = (P_FLAGS, P_FLAGS, D_FLAGS, D_FLAGS, ("decode",))
+        p1, p2, d1, d2, ref = retried(lambda: sims(*engines, name="rel"), exits)
         url = f"redis://127.0.0.1:{redis_port}/0"
         name = "rel-router"
-        with router(
-            [p1.url, p2.url], [d1.url, d2.url], *ROUTER_FLAGS, redis_url=url, name=name
-        ) as r:
-            s = Stack([p1, p2], [d1, d2], ref, r, redis_port, redis_proc, log_file(name))
-            with s.exits:
-                try:
-                    yield s
-                finally:
-                    stop(s.redis_proc)
+        r = exits.enter_context(
+            router([p1.url, p2.url], [d1.url, d2.url], *ROUTER_FLAGS, redis_url=url, name=name)
+        )
+        s = Stack([p1, p2], [d1, d2], ref, r, redis_port, redis_proc, log_file(name))
+        with s.exits:
+            try:
+                yield s
+            finally:
+                stop(s.redis_proc)
 
 
 def settle(s: Stack) -> None:
@@ -161,5 +168,5 @@ class Slow:
 def slow(redis_url_session: str) -> Iterator[Slow]:
     """P and a D that decodes one token per SLOW_TOKEN_MS (long streams, idle gaps)."""
     slow_d = (*D_FLAGS, "--decode-ms-per-token", str(SLOW_TOKEN_MS))
-    with sims(P_FLAGS, slow_d, ("decode",), name="rel-slow") as (p, d, ref):
+    with started(lambda: sims(P_FLAGS, slow_d, ("decode",), name="rel-slow")) as (p, d, ref):
         yield Slow(p, d, ref, redis_url_session)

@@ -12,13 +12,15 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
 from tests.e2e.conftest import metric
 from tests.e2e.harness import RouterProc
 from tests.procs import SimProc, free_port, spawn, stop, wait_http
+
+T = TypeVar("T")
 
 MODEL = "sim-model"
 JSON = {"Content-Type": "application/json"}
@@ -276,15 +278,41 @@ def router(
     prefill: Sequence[str], decode: Sequence[str], *args: str, redis_url: str, name: str
 ) -> Iterator[RouterProc]:
     """`kvbaton serve` as tests.e2e.harness.router starts it, with a start-up wait long enough
-    for a machine loaded by other engines (several routers and simulators start at once)."""
-    port = free_port()
-    argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), "--redis-url"]
-    argv += [redis_url, "--prefill", *prefill, "--decode", *decode, *args]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)  # spawn() hands its log file over
-        proc = spawn(argv, name)
+    for a machine loaded by other engines, and one more try on a fresh port if it is not up."""
+    for attempt in range(2):
+        port = free_port()
+        argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), "--redis-url"]
+        argv += [redis_url, "--prefill", *prefill, "--decode", *decode, *args]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # spawn() hands its log file over
+            proc = spawn(argv, name)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc)
+        except (TimeoutError, RuntimeError):
+            stop(proc, timeout=15)
+            if attempt:
+                raise
+            continue
+        try:
+            yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
+        finally:
+            stop(proc, timeout=15)
+        return
+
+
+def retried(
+    make: Callable[[], contextlib.AbstractContextManager[T]], exits: contextlib.ExitStack
+) -> T:
+    """Enter make() in exits; a start that timed out (other engines load this machine, and
+    several processes start at once) is tried once more."""
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=90, proc=proc)
-        yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
-    finally:
-        stop(proc, timeout=15)
+        return exits.enter_context(make())
+    except (TimeoutError, RuntimeError):
+        return exits.enter_context(make())
+
+
+@contextlib.contextmanager
+def started(make: Callable[[], contextlib.AbstractContextManager[T]]) -> Iterator[T]:
+    """retried() as a context manager of its own."""
+    with contextlib.ExitStack() as exits:
+        yield retried(make, exits)

@@ -160,7 +160,7 @@ async def test_sentinel_failover_moves_the_store_to_the_new_master() -> None:
         key = conversation_key("tenant", "failover")
         try:
             assert await store.commit(key, SessionState(turn=1), 0, 60)
-            assert _cli(topo.ports[0], "wait", "1", "5000") == "1"  # replicated before the kill
+            assert _cli(topo.ports[0], "wait", "1", "20000") == "1"  # replicated before the kill
             old_master = topo.procs[0]
             old_master.terminate()
             old_master.wait(10)

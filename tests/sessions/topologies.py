@@ -142,6 +142,12 @@ def redis_sentinel(replicas: int = 0) -> Iterator[Topology]:
                 ports.append(port)
             for port in ports:
                 wait_tcp(port)
+            for port in ports[1:]:  # replicas in sync before anyone relies on them
+                wait_until(
+                    lambda port=port: "master_link_status:up" in _cli(port, "info", "replication"),
+                    "a replica did not sync with the master",
+                    timeout=60,
+                )
             sentinel = free_port()
             conf = Path(tmp) / "sentinel.conf"
             conf.write_text(
