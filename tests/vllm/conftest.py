@@ -6,6 +6,7 @@ The tier runs only when `KVBATON_TEST_VLLM_PYTHON` names the engine venv's Pytho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -24,10 +25,11 @@ from tests.vllm.engines import Engine, EngineSpec, KvEvents
 PYTHON_ENV = "KVBATON_TEST_VLLM_PYTHON"
 MODEL_ENV = "KVBATON_TEST_VLLM_MODEL"
 DEFAULT_MODEL = ROOT / ".vllm-test" / "tiny-llama"
-# Three engines starting together on two cores take 40-90 s (measured); the first test
-# also pays for this in its timeout.
+# Three engines starting together on two cores take 40-90 s (measured), and the NIXL warm-up
+# after them up to ~80 s; the first test also pays for this in its timeout.
 START_TIMEOUT = float(os.environ.get("KVBATON_TEST_VLLM_START_TIMEOUT", "180"))
 HERE = Path(__file__).resolve().parent
+CPU_BIND = os.environ.get("KVBATON_TEST_VLLM_CPU_BIND", "nobind")
 
 
 @pytest.hookimpl(trylast=True)
@@ -38,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     marker = mine[0].get_closest_marker("timeout")
     base = float(marker.args[0]) if marker and marker.args else float(config.getini("timeout"))
-    mine[0].add_marker(pytest.mark.timeout(base + START_TIMEOUT + 60))
+    mine[0].add_marker(pytest.mark.timeout(base + 2 * START_TIMEOUT + 60))
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,13 @@ def model_dir(python: str) -> Path:
 
 
 def report(config: pytest.Config, line: str) -> None:
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(line)
+    """A line on the terminal, past pytest's output capture."""
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if capture is None:
+        print(line)
+        return
+    with capture.global_and_fixture_disabled():
+        print(line)
 
 
 @pytest.fixture(scope="session")
@@ -88,9 +94,9 @@ def vllm_engines(
     log_dir.mkdir(exist_ok=True)
     p_port, d_port, ref_port, p_side, d_side = distinct_ports(5)
     specs = [
-        EngineSpec("p", p_port, "0", p_side, f"ipc://{work}/kv-p.ipc"),
-        EngineSpec("d", d_port, "1", d_side, f"ipc://{work}/kv-d.ipc"),
-        EngineSpec("ref", ref_port, "1"),
+        EngineSpec("p", p_port, CPU_BIND, p_side, f"ipc://{work}/kv-p.ipc"),
+        EngineSpec("d", d_port, CPU_BIND, d_side, f"ipc://{work}/kv-d.ipc"),
+        EngineSpec("ref", ref_port, CPU_BIND),
     ]
     started: list[Engine] = []
     events: KvEvents | None = None
@@ -101,6 +107,9 @@ def vllm_engines(
         engines.wait_ready(started, START_TIMEOUT)
         report(pytestconfig, f"\nvLLM P, D and reference ready in {time.monotonic() - t0:.1f} s")
         p, d, ref = started
+        t0 = time.monotonic()
+        engines.warm_up(p, d, START_TIMEOUT)
+        report(pytestconfig, f"NIXL warm-up (P->D, D->P) took {time.monotonic() - t0:.1f} s")
         # Subscribe before any traffic: PUB/SUB drops what is sent before the connection.
         events = KvEvents({"p": p.spec.kv_events, "d": d.spec.kv_events})
         events.start()
@@ -118,10 +127,27 @@ def vllm_engines(
 def vllm_router(vllm_engines: Engines, redis_url_session: str) -> Iterator[RouterProc]:
     """kvbaton in front of P and D with its defaults (--verify-prefix tokens, block size
     read from vllm:cache_config_info, no --stream-kv-params: stock vLLM 0.32)."""
-    with router(
-        [vllm_engines.p.url],
-        [vllm_engines.d.url],
-        redis_url=redis_url_session,
-        name="vllm-router",
-    ) as r:
+    # Generous upstream timeouts: on two shared cores one engine leg was measured to stall
+    # for over a minute; the defaults (120 s / 60 s idle) are for real deployments.
+    args = (
+        "--prefill-timeout",
+        "300",
+        "--decode-first-byte-timeout",
+        "300",
+        "--decode-idle-timeout",
+        "300",
+    )
+    urls = ([vllm_engines.p.url], [vllm_engines.d.url])
+    # router() waits 20 s for /health; a machine loaded by the three engines (and anything
+    # else) was measured to need more, so a start that times out is tried again.
+    with contextlib.ExitStack() as stack:
+        for attempt in range(3):
+            try:
+                r = stack.enter_context(
+                    router(*urls, *args, redis_url=redis_url_session, name="vllm-router")
+                )
+                break
+            except TimeoutError:
+                if attempt == 2:
+                    raise
         yield r

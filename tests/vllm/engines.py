@@ -106,6 +106,7 @@ def engine_env(spec: EngineSpec, cache_root: Path) -> dict[str, str]:
         VLLM_CACHE_ROOT=str(cache_root),
         VLLM_CPU_KVCACHE_SPACE="1",  # GiB
         VLLM_CPU_OMP_THREADS_BIND=spec.cpu,
+        OMP_NUM_THREADS="1",  # one compute thread per engine: three engines share two cores
         # Loopback only: UCX and vLLM's own sockets listen on the machine's address otherwise.
         VLLM_HOST_IP="127.0.0.1",
         UCX_NET_DEVICES="lo",
@@ -230,14 +231,57 @@ def post(url: str, body: dict[str, Any], timeout: float = 150) -> Any:
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        exc.close()
+        raise AssertionError(f"POST {url} answered {exc.code}: {detail}") from None
 
 
 def tokenize_chat(url: str, messages: list[dict[str, str]]) -> list[int]:
     body = {"model": MODEL_NAME, "messages": messages, "add_generation_prompt": True}
     tokens: list[int] = post(url + "/tokenize", body)["tokens"]
     return tokens
+
+
+NULL_HANDOFF = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def warm_up(p: Engine, d: Engine, timeout: float) -> None:
+    """One P->D turn and one D->P read, straight to the engines, so that the first NIXL
+    handshake in each direction (measured: up to ~80 s on a loaded machine) happens here
+    and not inside a test."""
+    prompt = [6 + (i * 7) % 90 for i in range(80)]  # printable characters
+
+    def completion(url: str, prompt_ids: list[int], params: Any, max_tokens: int) -> Any:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            "kv_transfer_params": params,
+        }
+        return post(url + "/v1/completions", body, timeout=timeout)
+
+    first = completion(p.url, prompt, NULL_HANDOFF, 1)
+    decoded = completion(d.url, prompt, first["kv_transfer_params"], 8)
+    handle = decoded.get("kv_transfer_params")
+    if not handle:
+        raise RuntimeError(f"D returned no kv_transfer_params (bidirectional mode): {decoded}")
+    longer = prompt + decoded["choices"][0]["token_ids"] + prompt[:40]
+    hit = dict(handle, do_remote_decode=True, do_remote_prefill=False)
+    second = completion(p.url, longer, hit, 1)
+    completion(d.url, longer, second["kv_transfer_params"], 1)
 
 
 # --- KV events ---------------------------------------------------------------------------

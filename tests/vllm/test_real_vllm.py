@@ -31,7 +31,7 @@ if not os.environ.get(PYTHON_ENV):
     )
 
 # Real engines on two cores: each engine's NIXL progress thread polls without pause, and on
-# a loaded machine one leg was measured to stall up to ~30 s. Budget for that, not for speed.
+# a loaded machine one engine leg was measured to stall for over a minute. Budget for that.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 MAX_TOKENS = 48
@@ -42,7 +42,7 @@ Message = dict[str, str]
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url, api_key="test-key", max_retries=0, timeout=150)
+    return openai.OpenAI(base_url=url, api_key="test-key", max_retries=0, timeout=330)
 
 
 def reference(engines_: Engines, messages: list[Message], max_tokens: int = MAX_TOKENS) -> str:
