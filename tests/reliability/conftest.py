@@ -26,8 +26,13 @@ from tests.reliability.helpers import (
 )
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
-P_FLAGS = ("prefill", *BIDIR)
-D_FLAGS = ("decode", *BIDIR, "--stream-kv-params")
+# The shared engines want a key (vLLM --api-key); routers send it from their config.
+ENGINE_KEY = "reliability-engine-key"
+ENGINE_AUTH = ("--api-key", ENGINE_KEY)
+P_FLAGS = ("prefill", *BIDIR, *ENGINE_AUTH)
+D_FLAGS = ("decode", *BIDIR, "--stream-kv-params", *ENGINE_AUTH)
+SLOW_P_FLAGS = ("prefill", *BIDIR)
+SLOW_D_FLAGS = ("decode", *BIDIR, "--stream-kv-params")
 
 # Small timeouts so that faults show within a test; generous enough for a loaded machine.
 STORE_RETRY_AFTER = 1.0
@@ -38,6 +43,8 @@ MAX_BODY = 65536
 TENANT_HEADER = "X-Tenant"
 ADMIN_KEY = "reliability-admin-key"
 ROUTER_FLAGS = (
+    "--engine-api-key",
+    ENGINE_KEY,
     "--admin-key",
     ADMIN_KEY,
     "--stream-kv-params",
@@ -167,6 +174,6 @@ class Slow:
 @pytest.fixture(scope="package")
 def slow(redis_url_session: str) -> Iterator[Slow]:
     """P and a D that decodes one token per SLOW_TOKEN_MS (long streams, idle gaps)."""
-    slow_d = (*D_FLAGS, "--decode-ms-per-token", str(SLOW_TOKEN_MS))
-    with started(lambda: sims(P_FLAGS, slow_d, ("decode",), name="rel-slow")) as (p, d, ref):
+    slow_d = (*SLOW_D_FLAGS, "--decode-ms-per-token", str(SLOW_TOKEN_MS))
+    with started(lambda: sims(SLOW_P_FLAGS, slow_d, ("decode",), name="rel-slow")) as (p, d, ref):
         yield Slow(p, d, ref, redis_url_session)

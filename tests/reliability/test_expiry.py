@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.harness import RouterProc
-from tests.reliability.conftest import Stack
+from tests.reliability.conftest import ENGINE_KEY, Stack
 from tests.reliability.helpers import Conversation, new_cid, router, session
 
 pytestmark = pytest.mark.e2e
@@ -21,6 +21,7 @@ HANDLE_TTL = 1.0
 def short_ttl(stack: Stack) -> Iterator[RouterProc]:
     """A second router on the shared engines and Redis whose handles live one second."""
     args = ("--stream-kv-params", "--handle-ttl", str(HANDLE_TTL), "--session-ttl", "60")
+    args += ("--engine-api-key", ENGINE_KEY)
     ps, ds = [p.url for p in stack.ps], [d.url for d in stack.ds]
     with router(ps, ds, *args, redis_url=stack.redis_url, name="rel-ttl-router") as r:
         yield r

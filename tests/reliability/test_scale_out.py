@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.reliability.conftest import Stack
+from tests.reliability.conftest import ENGINE_KEY, Stack
 from tests.reliability.helpers import Conversation, new_cid, router
 from tests.sessions.topologies import Topology, redis_cluster, redis_sentinel
 
@@ -29,6 +29,8 @@ def test_router_on_a_cluster_or_sentinel_url_hits_on_turn_two(
         [stack.ps[0].url],
         [stack.ds[0].url],
         "--stream-kv-params",
+        "--engine-api-key",
+        ENGINE_KEY,
         redis_url=topology.url,
         name="rel-scale-router",
     ) as r:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.reliability.conftest import TENANT_HEADER, Stack
+from tests.reliability.conftest import ENGINE_KEY, TENANT_HEADER, Stack
 from tests.reliability.helpers import (
     JSON,
     Conversation,
@@ -22,6 +22,7 @@ from tests.reliability.helpers import (
     new_cid,
     post,
     reference,
+    router,
     total,
 )
 
@@ -73,6 +74,22 @@ def test_tenant_header_scopes_conversations(main: Stack) -> None:
     # A bearer token equal to the header value is another tenant (hashed apart).
     assert intruder(alpha, bearer("alpha")).reuse == "miss;reason=no-session"
     assert alpha.turn().reuse == "hit"
+
+
+def test_engine_credentials_come_from_config_not_from_the_client(stack: Stack) -> None:
+    """The shared engines need a key. The shared router sends it from --engine-api-key whatever
+    the client sends; a router without it does not pass on the client's token, even when that
+    token is the engines' key."""
+    messages = [{"role": "user", "content": f"Who am I? {uuid.uuid4().hex}"}]
+    body = chat_body(messages)
+    with_key = post(stack.url + "/v1/chat/completions", body, headers=bearer("client-token"))
+    assert with_key.status == 200 and with_key.answer() == reference(stack.ref, messages)
+    ps, ds = [p.url for p in stack.ps], [d.url for d in stack.ds]
+    # No start-up check: it would find every engine refusing /v1/models and route nothing.
+    args = ("--no-check-models", "--model", "sim-model", "--block-size", "16")
+    with router(ps, ds, *args, redis_url=stack.redis_url, name="rel-keyless") as keyless:
+        reply = post(keyless.url + "/v1/chat/completions", body, headers=bearer(ENGINE_KEY))
+    assert reply.status == 401, reply.body[:200]  # the engine refused: no key was forwarded
 
 
 @pytest.fixture
