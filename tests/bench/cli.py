@@ -124,16 +124,19 @@ def meta(argv: list[str]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out."""
+    """SIGTERM and SIGINT unwind as KeyboardInterrupt, so every started process is stopped."""
 
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, handler)
+    # A shell starts background jobs with SIGINT ignored; Ctrl-C must still clean up.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 class Progress:

@@ -15,6 +15,8 @@ import select
 import subprocess
 import sys
 import urllib.request
+import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +24,55 @@ from typing import Any, TypeVar
 
 import redis
 
-from tests.e2e.harness import RouterProc, router
-from tests.procs import ROOT, SimProc, redis_server, sim, stop
+from tests.e2e.harness import RouterProc
+from tests.procs import ROOT, SimProc, free_port, redis_server, spawn, stop, wait_http
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
+
+
+# Seconds a process may take to answer /health: on a loaded 2-core machine (other test
+# suites running) Python start-up alone can take many seconds.
+READY_TIMEOUT = 90.0
+
+
+@contextlib.contextmanager
+def sim(role: str, *args: str, name: str) -> Iterator[SimProc]:
+    """`python -m vllm_sim --role ROLE` on free ports (as tests/procs.py, a longer wait)."""
+    port = free_port()
+    kv_port = free_port()
+    while kv_port == port:
+        kv_port = free_port()
+    engine_id = f"{role}-{uuid.uuid4()}"
+    argv = ["vllm_sim", "--role", role, "--port", str(port), "--kv-port", str(kv_port)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # spawn() hands its log fd over
+        proc = spawn([*argv, "--engine-id", engine_id, *args], f"{name}-{port}")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", timeout=READY_TIMEOUT, proc=proc)
+        yield SimProc(url=url, port=port, kv_port=kv_port, engine_id=engine_id, proc=proc)
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
+def router(
+    prefill: Sequence[str], decode: Sequence[str], *args: str, redis_url: str | None, name: str
+) -> Iterator[RouterProc]:
+    """`python -m router serve` on a free port (as tests/e2e/harness.py, a longer wait)."""
+    port = free_port()
+    argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--prefill", *prefill, "--decode", *decode]
+    argv += ["--session-store", "memory"] if redis_url is None else ["--redis-url", redis_url]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        proc = spawn([*argv, *args], name)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=READY_TIMEOUT, proc=proc)
+        yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
+    finally:
+        stop(proc)
 
 
 def cpu_seconds(pid: int) -> float:
