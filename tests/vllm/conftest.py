@@ -108,8 +108,9 @@ def vllm_engines(
         report(pytestconfig, f"\nvLLM P, D and reference ready in {time.monotonic() - t0:.1f} s")
         p, d, ref = started
         t0 = time.monotonic()
-        engines.warm_up(p, d, START_TIMEOUT)
-        report(pytestconfig, f"NIXL warm-up (P->D, D->P) took {time.monotonic() - t0:.1f} s")
+        retries = engines.warm_up(p, d, START_TIMEOUT)
+        took = time.monotonic() - t0
+        report(pytestconfig, f"NIXL warm-up (P->D, D->P) took {took:.1f} s, {retries} retries")
         # Subscribe before any traffic: PUB/SUB drops what is sent before the connection.
         events = KvEvents({"p": p.spec.kv_events, "d": d.spec.kv_events})
         events.start()

@@ -256,10 +256,16 @@ NULL_HANDOFF = {
 }
 
 
-def warm_up(p: Engine, d: Engine, timeout: float) -> None:
+def warm_up(p: Engine, d: Engine, timeout: float, attempts: int = 6) -> int:
     """One P->D turn and one D->P read, straight to the engines, so that the first NIXL
-    handshake in each direction (measured: up to ~80 s on a loaded machine) happens here
-    and not inside a test."""
+    handshake in each direction happens here and not inside a test. Returns the number of
+    failed attempts.
+
+    vLLM 0.32 gives a handshake 5 s (a fixed ZMQ receive timeout); on a loaded machine the
+    first one was measured to miss that and answer 500, and once the agents know each
+    other no request needs another handshake. So this retries, with vLLM's own backoff for
+    a peer it marked invalid (1 s, doubling) in mind.
+    """
     prompt = [6 + (i * 7) % 90 for i in range(80)]  # printable characters
 
     def completion(url: str, prompt_ids: list[int], params: Any, max_tokens: int) -> Any:
@@ -273,15 +279,27 @@ def warm_up(p: Engine, d: Engine, timeout: float) -> None:
         }
         return post(url + "/v1/completions", body, timeout=timeout)
 
-    first = completion(p.url, prompt, NULL_HANDOFF, 1)
-    decoded = completion(d.url, prompt, first["kv_transfer_params"], 8)
-    handle = decoded.get("kv_transfer_params")
-    if not handle:
-        raise RuntimeError(f"D returned no kv_transfer_params (bidirectional mode): {decoded}")
-    longer = prompt + decoded["choices"][0]["token_ids"] + prompt[:40]
-    hit = dict(handle, do_remote_decode=True, do_remote_prefill=False)
-    second = completion(p.url, longer, hit, 1)
-    completion(d.url, longer, second["kv_transfer_params"], 1)
+    def both_ways() -> None:
+        first = completion(p.url, prompt, NULL_HANDOFF, 1)
+        decoded = completion(d.url, prompt, first["kv_transfer_params"], 8)
+        handle = decoded.get("kv_transfer_params")
+        if not handle:
+            raise RuntimeError(f"D returned no kv_transfer_params (bidirectional mode): {decoded}")
+        longer = prompt + decoded["choices"][0]["token_ids"] + prompt[:40]
+        hit = dict(handle, do_remote_decode=True, do_remote_prefill=False)
+        second = completion(p.url, longer, hit, 1)
+        completion(d.url, longer, second["kv_transfer_params"], 1)
+
+    for failed in range(attempts):
+        try:
+            both_ways()
+        except AssertionError:  # an engine answered 500: a handshake timed out
+            if failed == attempts - 1:
+                raise
+            time.sleep(2.0 * 2**failed)
+        else:
+            return failed
+    return attempts
 
 
 # --- KV events ---------------------------------------------------------------------------
