@@ -43,4 +43,4 @@ clean:
 # line where the engine cannot be installed (no local torch 2.13.0+cpu wheel), but not in CI.
 .PHONY: test-vllm
 test-vllm: install
-	bash tests/vllm/tier.sh
+	@bash tests/vllm/tier.sh

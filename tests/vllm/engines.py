@@ -204,7 +204,7 @@ _SAMPLE = re.compile(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$")
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus sample of an engine's /metrics, filtered by labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+    with urllib.request.urlopen(url + "/metrics", timeout=120) as resp:
         text = resp.read().decode()
     total = 0.0
     for line in text.splitlines():

