@@ -108,8 +108,31 @@ def test_demo_serves_until_a_signal_then_stops_every_process(sig: signal.Signals
     else:
         pytest.fail("the demo ended before serving:\n" + "".join(seen))
     assert not port_is_free(port)
+    drive_with_the_sdk(port)
     proc.send_signal(sig)
     out = finish(proc)
     assert proc.returncode == 0, "".join(seen) + out
     assert "Stopping the demo stack" in out
     assert port_is_free(port), "the router still listens after the demo stopped"
+
+
+def drive_with_the_sdk(port: int) -> None:
+    """The serving demo as a user drives it: the OpenAI SDK, two turns, the second a hit."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo", max_retries=0)
+    model = api.models.list().data[0].id
+    messages = [{"role": "user", "content": "Hello from the SDK."}]
+    reuse = []
+    for _ in range(2):
+        raw = api.chat.completions.with_raw_response.create(
+            model=model,
+            messages=messages,
+            max_tokens=8,  # type: ignore[arg-type]
+            extra_body={"conversation_id": "sdk-demo"},
+        )
+        reuse.append(raw.headers["x-kv-reuse"])
+        answer = raw.parse().choices[0].message.content or ""
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "More."}]
+    api.close()  # the client hangs up first, so the router's port is not left in TIME_WAIT
+    assert reuse == ["miss;reason=no-session", "hit"], reuse
