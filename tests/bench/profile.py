@@ -37,6 +37,7 @@ GROUPS = (
 # On every stack (the process entry and the server loop): never a sample's group.
 ENTRY = ("router/__main__.py", "router/cli.py", "router/server.py")
 IDLE_GROUP = "event loop and stdlib only"
+IDLE_LEAF = "EpollSelector.select ("  # the loop waiting in epoll_wait
 
 
 def frame_path(frame: str) -> str:
@@ -81,29 +82,35 @@ def parse(text: str) -> dict[str, Any]:
     leaf: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     groups: Counter[str] = Counter()
-    total = 0
+    total = idle = 0
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         n = int(count)
         frames = stack.split(";")
+        if frames[-1].startswith(IDLE_LEAF):
+            idle += n  # the event loop blocked in epoll_wait: waiting, not working
+            continue
         total += n
         leaf[_short(frames[-1])] += n
         groups[group_of(frames)] += n
         mine = (
-            f for f in frames if _in(frame_path(f), "router/") or _in(frame_path(f), "sessions/")
+            f
+            for f in frames
+            if frame_path(f) not in ENTRY
+            and (_in(frame_path(f), "router/") or _in(frame_path(f), "sessions/"))
         )
         for name in {_short(f) for f in mine}:
             incl[name] += n
     if not total:
-        return {"samples": 0, "self": {}, "groups": {}, "inclusive_router": {}}
+        return {"samples": 0, "idle": idle, "self": {}, "groups": {}, "inclusive_router": {}}
     return {
         "samples": total,
+        "idle": idle,
         "self": {k: v / total for k, v in leaf.most_common(25)},
         "groups": {k: v / total for k, v in groups.most_common()},
-        # the entry points are on every stack: leave them out
-        "inclusive_router": {k: v / total for k, v in incl.most_common(30) if v / total < 0.9},
+        "inclusive_router": {k: v / total for k, v in incl.most_common(30)},
     }
 
 

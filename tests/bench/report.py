@@ -355,7 +355,8 @@ def throughput_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
         "new conversation (JSON: `max_tokens=16`; streaming: "
         f"`max_tokens={throughput.STREAM_TOKENS}`). A step holds when "
         + next(iter(res["sweeps"].values()))["limit_note"]
-        + "; the sweep stops at the first step that does not.",
+        + "; a step that does not is run once more (*retried*), and the sweep stops at the first"
+        " step that fails twice.",
         "",
     ]
     for name, sweep in res["sweeps"].items():
@@ -367,7 +368,7 @@ def throughput_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
                 f"{fmt(s['p50_ms'])} / {fmt(s['p99_ms'])}",
                 f"{s['router_cpu_util'] * 100:.0f}%",
                 fmt(s["router_cpu_ms_per_turn"], 3),
-                "yes" if s["holds"] else "no",
+                ("yes" if s["holds"] else "no") + (" (retried)" if s.get("retried") else ""),
             ]
             for s in sweep["steps"]
         ]
@@ -619,6 +620,13 @@ def redis_section(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _entry(name: str) -> bool:
+    """The process entry points, on every stack."""
+    return any(
+        f"({m})" in name for m in ("router/server.py", "router/cli.py", "router/__main__.py")
+    )
+
+
 PROFILE_TITLES = {
     "json": "JSON turns, zero-cost engines",
     "stream": "Streaming turns, zero-cost engines (chunks arrive back to back)",
@@ -633,7 +641,7 @@ def profile_section(res: dict[str, Any] | None) -> list[str]:
     lines += [
         "py-spy (`record --nonblocking --rate 200`) on the router process (stock engines,",
         "first turns of new conversations) while clients keep it busy; shares are of the",
-        "router's non-idle samples. *Group*: each sample is charged to the innermost frame of",
+        "router's busy samples. *Group*: each sample is charged to the innermost frame of",
         "a known package (the stdlib's socket writes go to the caller that wrote); *self*: the",
         "innermost frame itself; *inclusive*: router and sessions functions on the stack.",
         "",
@@ -648,7 +656,8 @@ def profile_section(res: dict[str, Any] | None) -> list[str]:
             f"### {PROFILE_TITLES.get(label, label)}",
             "",
             f"`max_tokens={prof['max_tokens']}`, {prof['clients']} clients, {prof['turns']} "
-            f"turns in {prof['seconds']:.0f} s, {prof['samples']} samples; router CPU "
+            f"turns in {prof['seconds']:.0f} s, {prof['samples']} busy samples (and "
+            f"{prof.get('idle', 0)} idle in epoll_wait, left out); router CPU "
             f"{fmt(prof['cpu_ms_per_turn'], 3)} ms per turn"
             + (f", {fmt(per_event, 1)} us per SSE event" if label != "json" else "")
             + ".",
@@ -664,7 +673,12 @@ def profile_section(res: dict[str, Any] | None) -> list[str]:
         )
         lines += table(
             ["router/sessions function (inclusive)", "share"],
-            [[f"`{k}`", f"{v * 100:.1f}%"] for k, v in list(prof["inclusive_router"].items())[:10]],
+            [
+                [f"`{k}`", f"{v * 100:.1f}%"]
+                for k, v in [(k, v) for k, v in prof["inclusive_router"].items() if not _entry(k)][
+                    :10
+                ]
+            ],
         )
     return lines
 

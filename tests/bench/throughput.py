@@ -3,8 +3,8 @@
 The router runs pinned to CPU 1 (taskset semantics, via sched_setaffinity on every thread);
 the engines, redis-server and the load generator share CPU 0. A step "holds" when at least
 95% of the offered turns complete and p99 stays under HOLD_P99_FACTOR x the p99 of the first
-(lightest) step, and at most HOLD_P99_FLOOR_MS more; the sweep stops after the first step
-that does not hold.
+(lightest) step, and at most HOLD_P99_FLOOR_MS more; a step that does not hold is run
+once more, and the sweep stops at the first step that fails twice.
 """
 
 from __future__ import annotations
@@ -70,8 +70,13 @@ def sweep(st: Stack, lg: LoadGen, plan: Plan, stream: bool, tick: Tick) -> dict[
         step = _step(st, lg, plan, stream, rate)
         if base_p99 is None:
             base_p99 = step["p99_ms"]
-        limit = min(base_p99 * HOLD_P99_FACTOR, base_p99 + HOLD_P99_FLOOR_MS)
-        step["holds"] = step["completed_ratio"] >= 0.95 and step["p99_ms"] <= max(limit, 1.0)
+        limit = max(min(base_p99 * HOLD_P99_FACTOR, base_p99 + HOLD_P99_FLOOR_MS), 1.0)
+        step["holds"] = _holds(step, limit)
+        if not step["holds"]:
+            # One tail spike (the engines' core is shared) must not end the sweep: retry once.
+            step = _step(st, lg, plan, stream, rate)
+            step["holds"] = _holds(step, limit)
+            step["retried"] = True
         steps.append(step)
         if not step["holds"]:
             break
@@ -92,6 +97,10 @@ def sweep(st: Stack, lg: LoadGen, plan: Plan, stream: bool, tick: Tick) -> dict[
         "limit_note": f"p99 <= min({HOLD_P99_FACTOR:g} x first-step p99, first-step p99 + "
         f"{HOLD_P99_FLOOR_MS:g} ms), >= 95% completed",
     }
+
+
+def _holds(step: dict[str, Any], limit_ms: float) -> bool:
+    return bool(step["completed_ratio"] >= 0.95 and step["p99_ms"] <= limit_ms)
 
 
 def _step(st: Stack, lg: LoadGen, plan: Plan, stream: bool, rate: float) -> dict[str, Any]:
