@@ -128,7 +128,9 @@ async def iter_chunks(resp: aiohttp.ClientResponse, idle_timeout: float) -> Asyn
     """The response body as it arrives; an engine silent for idle_timeout is cut off."""
     try:
         while True:
-            chunk = await asyncio.wait_for(resp.content.readany(), idle_timeout)
+            # asyncio.timeout, not wait_for: no Task per chunk on the relay's hot path.
+            async with asyncio.timeout(idle_timeout):
+                chunk = await resp.content.readany()
             if not chunk:
                 return
             yield chunk
