@@ -22,7 +22,7 @@ from vllm_sim import responses_shapes as rs
 from vllm_sim.engine import Engine, GenRequest, RunResult
 from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
 from vllm_sim.faults import Faults, Injection
-from vllm_sim.serving import abort_connection, json_response, require_json
+from vllm_sim.serving import Sink, abort_connection, json_response, require_json
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class ResponsesRoute:
             headers={"Content-Type": "text/event-stream; charset=utf-8", **(call.headers or {})}
         )
         await resp.prepare(request)
-        out = _EventSink(request, resp, call.inj)
+        out = Sink(request, resp, call.inj, rs.sse_event, _error_event)
         events = rs.EventStream()
         initial = call.response(self.model, [], "in_progress")
         for kind in ("response.created", "response.in_progress"):
@@ -169,23 +169,5 @@ class ResponsesRoute:
         return resp
 
 
-class _EventSink:
-    """Writes named SSE events, applying drop/error faults after K events."""
-
-    def __init__(self, request: web.Request, resp: web.StreamResponse, inj: Injection) -> None:
-        self.request = request
-        self.resp = resp
-        self.inj = inj
-        self.sent = 0
-
-    async def send(self, event: dict[str, Any]) -> bool:
-        """Send one event; False once a fault ended the stream."""
-        if self.inj.error_after_chunks is not None and self.sent >= self.inj.error_after_chunks:
-            await self.resp.write(rs.sse_event(rs.error_event(event["sequence_number"])))
-            return False
-        if self.inj.drop_after_chunks is not None and self.sent >= self.inj.drop_after_chunks:
-            abort_connection(self.request)
-            return False
-        await self.resp.write(rs.sse_event(event))
-        self.sent += 1
-        return True
+def _error_event(event: dict[str, Any]) -> bytes:
+    return rs.sse_event(rs.error_event(event["sequence_number"]))

@@ -11,6 +11,7 @@ import contextlib
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,7 +160,7 @@ class GenerationRoutes:
             headers={"Content-Type": "text/event-stream; charset=utf-8", **(headers or {})}
         )
         await resp.prepare(request)
-        out = _Sink(request, resp, inj)
+        out = Sink(request, resp, inj, shapes.sse, _chat_error)
         maker = shapes.ChunkMaker(ids.response_id, int(time.time()), self.model, p.chat)
         res = RunResult()
         first = True
@@ -205,30 +206,43 @@ class GenerationRoutes:
         return chunk
 
 
-class _Sink:
-    """Writes SSE events, applying drop/error faults after K chunks."""
+class Sink:
+    """Writes SSE events, applying drop/error faults after K events. `encode` frames one event;
+    `error` is what an injected error writes in place of event K (chat and Responses differ)."""
 
-    def __init__(self, request: web.Request, resp: web.StreamResponse, inj: Injection) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        inj: Injection,
+        encode: Callable[[dict[str, Any]], bytes],
+        error: Callable[[dict[str, Any]], bytes],
+    ) -> None:
         self.request = request
         self.resp = resp
         self.inj = inj
+        self.encode = encode
+        self.error = error
         self.sent = 0
 
-    async def send(self, chunk: dict[str, Any]) -> bool:
-        """Send one chunk; False once a fault ended the stream."""
+    async def send(self, event: dict[str, Any]) -> bool:
+        """Send one event; False once a fault ended the stream."""
         if self.inj.error_after_chunks is not None and self.sent >= self.inj.error_after_chunks:
-            await self.raw(shapes.stream_error())
-            await self.raw(shapes.DONE)
+            await self.raw(self.error(event))
             return False
         if self.inj.drop_after_chunks is not None and self.sent >= self.inj.drop_after_chunks:
             abort_connection(self.request)
             return False
-        await self.raw(shapes.sse(chunk))
+        await self.raw(self.encode(event))
         self.sent += 1
         return True
 
     async def raw(self, data: bytes) -> None:
         await self.resp.write(data)
+
+
+def _chat_error(_event: dict[str, Any]) -> bytes:
+    return shapes.stream_error() + shapes.DONE
 
 
 def abort_connection(request: web.Request) -> None:
