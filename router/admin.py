@@ -240,6 +240,7 @@ def conversation_view(state: SessionState, now: float) -> dict[str, Any]:
         "prefill": state.prefill,
         "decode": state.decode,
         "decode_engine_id": state.decode_engine_id,
+        "decode_started": state.decode_started,
         "handle": {
             "present": has_handle,
             "tokens": state.token_count,

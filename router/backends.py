@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,6 +34,8 @@ class Instance:
     draining: bool = False
     last_error: str = ""
     engine_id: str = ""  # the KV engine id in this instance's latest handle (a restart changes it)
+    started: float = 0.0  # its process_start_time_seconds (0: not known); a restart changes it
+    restarts: int = 0  # restarts seen (a new start time)
 
     @property
     def usable(self) -> bool:
@@ -110,6 +113,49 @@ class Pool:
             )
 
 
+# prometheus_client's process collector, which vLLM's API server exports (measured on 0.32).
+_STARTED = re.compile(rb"^process_start_time_seconds (\S+)$", re.MULTILINE)
+
+
+def process_started(metrics: bytes) -> float:
+    """An engine's process start time (Unix seconds) from its /metrics text; 0 if absent."""
+    match = _STARTED.search(metrics)
+    try:
+        return float(match.group(1)) if match else 0.0
+    except ValueError:
+        return 0.0
+
+
+def note_started(inst: Instance, started: float) -> None:
+    """Record an instance's start time. A new one means the process restarted: a D lost its
+    KV blocks and its engine id, so the handles that name it must not reach P."""
+    if not started:
+        return
+    if inst.started and started != inst.started:
+        inst.restarts += 1
+        inst.engine_id = ""  # learned again from its next handle
+        log.warning(
+            "%s instance %s restarted (process start time %.3f, was %.3f): "
+            "handles made before are not used",
+            inst.role,
+            inst.url,
+            started,
+            inst.started,
+        )
+    inst.started = started
+
+
+async def read_started(upstream: Upstream, inst: Instance, timeout: float) -> None:
+    """Sample the instance's process start time; a failed read changes nothing (live traffic
+    and /health judge health)."""
+    try:
+        status, metrics = await upstream.get(inst.url + "/metrics", timeout=timeout)
+    except UpstreamFailure:
+        return
+    if status == 200:
+        note_started(inst, process_started(metrics))
+
+
 async def probe(upstream: Upstream, inst: Instance, timeout: float) -> bool:
     try:
         status, _ = await upstream.get(inst.url + "/health", timeout=timeout)
@@ -120,11 +166,17 @@ async def probe(upstream: Upstream, inst: Instance, timeout: float) -> bool:
 
 
 async def health_loop(pool: Pool, upstream: Upstream, interval: float) -> None:
-    """Re-admit ejected instances whose /health answers 200 again."""
+    """Every interval: re-admit ejected instances whose /health answers 200 again, and read
+    each decode instance's start time so that a restart is seen within one interval."""
     while True:
         await asyncio.sleep(interval)
-        for inst in pool.instances():
-            if not inst.healthy and await probe(upstream, inst, timeout=interval):
-                inst.healthy = True
-                inst.failures = 0
-                log.info("re-admitted %s instance %s", inst.role, inst.url)
+        await asyncio.gather(*(check(upstream, inst, interval) for inst in pool.instances()))
+
+
+async def check(upstream: Upstream, inst: Instance, timeout: float) -> None:
+    if not inst.healthy and await probe(upstream, inst, timeout=timeout):
+        inst.healthy = True
+        inst.failures = 0
+        log.info("re-admitted %s instance %s", inst.role, inst.url)
+    if inst.role == "decode" and inst.healthy:
+        await read_started(upstream, inst, timeout)

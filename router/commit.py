@@ -106,6 +106,7 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         block_size=svc.block_size or turn.decode.block_size,
         now=svc.clock(),
         handle_ttl=svc.settings.handle_ttl,
+        decode_started=turn.decode.started,
     )
 
 

@@ -109,8 +109,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("unhealthy_after", "consecutive failures that eject an instance", int),
     Flag(
         "health_interval",
-        "seconds between health probes of ejected instances and re-reads of the admin API's "
-        "instance registry",
+        "seconds between health probes of ejected instances, reads of each decode instance's "
+        "process start time (a restart makes its handles unusable), and re-reads of the admin "
+        "API's instance registry",
         float,
     ),
     Flag("shutdown_grace", "seconds in-flight requests get to finish on shutdown", float),

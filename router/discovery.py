@@ -8,7 +8,7 @@ import re
 
 import msgspec
 
-from router.backends import Instance, Pool
+from router.backends import Instance, Pool, note_started, process_started
 from router.config import Settings
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
@@ -42,6 +42,8 @@ async def inspect(svc: Services, inst: Instance) -> None:
         return
     match = _BLOCK_SIZE.search(metrics) if status == 200 else None
     inst.block_size = int(match.group(1)) if match else 0
+    if status == 200:
+        note_started(inst, process_started(metrics))
 
 
 async def discover(svc: Services) -> None:

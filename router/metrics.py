@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.backends import Pool
@@ -44,7 +44,7 @@ class _StateCollector(Collector):
         self._pool = pool
         self._store_open = store_open
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         healthy = GaugeMetricFamily(
             "kvbaton_backend_healthy",
             "1 if the instance takes new turns, else 0",
@@ -55,9 +55,15 @@ class _StateCollector(Collector):
             "Requests in flight per instance",
             labels=["role", "instance"],
         )
+        restarts = CounterMetricFamily(
+            "kvbaton_backend_restarts",
+            "Restarts seen per instance (a new process start time): its handles are not used",
+            labels=["role", "instance"],
+        )
         for inst in self._pool.instances():
             healthy.add_metric([inst.role, inst.url], 1.0 if inst.usable else 0.0)
             inflight.add_metric([inst.role, inst.url], float(inst.outstanding))
+            restarts.add_metric([inst.role, inst.url], float(inst.restarts))
         circuit = GaugeMetricFamily(
             "kvbaton_store_circuit_open",
             "1 while the session store is skipped after a failure (routing without reuse)",
@@ -65,6 +71,7 @@ class _StateCollector(Collector):
         circuit.add_metric([], 1.0 if self._store_open() else 0.0)
         yield healthy
         yield inflight
+        yield restarts
         yield circuit
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from router import handoff
+from router.backends import Pool
 from router.incoming import Incoming, canonical_items
 from router.services import Services
 from router.tracing import span
@@ -81,7 +82,7 @@ async def claim(svc: Services, inc: Incoming, request_id: str) -> Claim:
         return Claim(key, None, Reuse("miss", "store-unavailable"))
     reason = sm.handle_unusable_reason(state, inc.api, svc.clock())
     if state is not None and not reason:
-        reason = _placement_reason(svc, state)
+        reason = _placement_reason(svc.pool, state)
     if reason:
         return Claim(key, state, Reuse("miss", reason), claimed=state is not None)
     assert state is not None and state.kv_transfer_params is not None
@@ -94,16 +95,20 @@ async def claim(svc: Services, inc: Incoming, request_id: str) -> Claim:
     )
 
 
-def _placement_reason(svc: Services, state: SessionState) -> str:
+def _placement_reason(pool: Pool, state: SessionState) -> str:
     """A handle naming an instance the router no longer routes to is not used."""
-    inst = svc.pool.find("decode", state.decode)
+    inst = pool.find("decode", state.decode)
     if inst is None:
         return "decode-removed"
     if not inst.healthy:
         return "decode-unhealthy"
+    # D restarted since this handle was made: its blocks and engine id are gone, and a read
+    # would fail (kv_load_failure_policy=fail) or, worse, hang on a handshake. The health loop
+    # sees a new process start time within one interval; a handle captured since shows a new
+    # engine id.
+    if inst.started and state.decode_started and inst.started != state.decode_started:
+        return "decode-restarted"
     if inst.engine_id and state.decode_engine_id and inst.engine_id != state.decode_engine_id:
-        # D restarted since this handle was made: its blocks and engine id are gone, and a
-        # read would fail (kv_load_failure_policy=fail) or, worse, hang on a handshake.
         return "decode-restarted"
     return ""
 

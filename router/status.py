@@ -38,6 +38,8 @@ def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
         "block_size": inst.block_size,
         "failures": inst.failures,
         "last_error": inst.last_error,
+        "started": inst.started,
+        "restarts": inst.restarts,
         "source": "command-line" if from_flags else "admin",
     }
 

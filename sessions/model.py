@@ -29,6 +29,7 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True):
     prefill: str = ""  # affinity: base URL of the P instance of the last committed turn
     decode: str = ""  # affinity: base URL of the D instance of the last committed turn
     decode_engine_id: str = ""  # remote_engine_id in D's handle
+    decode_started: float = 0.0  # D's process start time when the handle was made (0: unknown)
     kv_transfer_params: dict[str, Any] | None = None  # D's handle (single use); None = none usable
     no_handle_reason: str = ""  # why the last turn left no handle, e.g. "stream-no-kv-params"
     prefix_digest: str = ""  # digest chain head over the canonical conversation D holds
@@ -131,6 +132,7 @@ def next_state(
     block_size: int,
     now: float,
     handle_ttl: float,
+    decode_started: float = 0.0,
 ) -> SessionState:
     """The state after a turn that finished normally (the caller commits it with CAS)."""
     params = copy.deepcopy(kv_transfer_params) if kv_transfer_params else None
@@ -146,6 +148,7 @@ def next_state(
         prefill=prefill,
         decode=decode,
         decode_engine_id=str(params.get("remote_engine_id") or "") if params else "",
+        decode_started=decode_started if params else 0.0,
         kv_transfer_params=params,
         no_handle_reason="" if params else no_handle_reason,
         prefix_digest=prefix_digest,
@@ -166,7 +169,7 @@ def next_state(
 # The Redis HASH encoding: one field per attribute, in this order (HGETALL keeps it).
 _JSON = msgspec.json.Encoder()
 _INT_FIELDS = ("turn", "prefix_len", "prompt_len", "token_count", "block_size")
-_FLOAT_FIELDS = ("handle_expires_at", "created_at", "updated_at")
+_FLOAT_FIELDS = ("decode_started", "handle_expires_at", "created_at", "updated_at")
 _STR_FIELDS = (
     "api",
     "prefill",
@@ -196,6 +199,7 @@ def to_fields(state: SessionState) -> dict[str, str]:
         "prefill": state.prefill,
         "decode": state.decode,
         "decode_engine_id": state.decode_engine_id,
+        "decode_started": repr(state.decode_started),
         "kv_transfer_params": "" if params is None else _JSON.encode(params).decode(),
         "no_handle_reason": state.no_handle_reason,
         "prefix_digest": state.prefix_digest,

@@ -92,9 +92,14 @@ def _fmt(value: float) -> str:
     return repr(float(value))
 
 
-def render(c: Counters, g: Gauges, model: str, cache_labels: dict[str, str]) -> str:
+def render(c: Counters, g: Gauges, model: str, cache_labels: dict[str, str], started: float) -> str:
     base = f'engine="0",model_name="{model}"'
-    lines: list[str] = []
+    # prometheus_client's process collector comes first in vLLM's output; a restart changes it.
+    lines = [
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+        "# TYPE process_start_time_seconds gauge",
+        f"process_start_time_seconds {started!r}",
+    ]
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
         lines.append(f"# HELP {name} {help_}")

@@ -49,7 +49,8 @@ class Sim:
         )
         self.routes = GenerationRoutes(self.engine, self.faults)
         self.responses = ResponsesRoute(self.engine, self.faults)
-        self.created = int(time.time())
+        self.started = time.time()  # process_start_time_seconds
+        self.created = int(self.started)
 
     def _publish(self, events: list[CacheEvent]) -> None:
         bs = self.settings.block_size
@@ -104,7 +105,9 @@ class Sim:
             "num_gpu_blocks": str(s.num_blocks),
             "prefix_caching_hash_algo": "sim64",
         }
-        text = metrics.render(self.engine.counters, self.engine.gauges(), s.model, labels)
+        text = metrics.render(
+            self.engine.counters, self.engine.gauges(), s.model, labels, self.started
+        )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def tokenize(self, request: web.Request) -> web.Response:

@@ -103,36 +103,42 @@ def on_first_decode(main: Stack, tag: str, count: int) -> list[Conversation]:
     raise AssertionError("placement never chose the first D")
 
 
+def restart_seen(main: Stack, index: int, *extra: str) -> SimProc:
+    """Restart a D (new process, new engine id) and wait until the router's health loop has
+    read its new process start time."""
+    d = main.restart("decode", index, *extra)
+    started_at = metric(d.url, "process_start_time_seconds")
+    wait_until(
+        lambda: instance(main.url, "decode", d.url)["started"] == started_at,
+        "the router did not see the restart",
+    )
+    return d
+
+
 @pytest.mark.timeout(60)
-def test_decode_restarted_with_a_new_engine_id(main: Stack) -> None:
+def test_a_restarted_decodes_old_handles_never_reach_prefill(main: Stack) -> None:
     first, second = on_first_decode(main, "d-restart", 2)
-    main.restart("decode", 0, "--engine-id", f"restarted-{uuid.uuid4()}")
-    # The router learns a D's engine id from the handles it captures: the first turn after the
-    # restart still sends the old handle, P fails to read it and the prefill is redone as a
-    # miss (see the xfail below). Either way the answer is right and the turn is a miss.
-    reply = first.turn()
-    assert reply.reuse.startswith("miss;reason="), reply.reuse
+    restarts = metric(main.url, "kvbaton_backend_restarts_total", role="decode")
+    restart_seen(main, 0, "--engine-id", f"restarted-{uuid.uuid4()}")
+    assert metric(main.url, "kvbaton_backend_restarts_total", role="decode") == restarts + 1
     failed = stale_uses(main)
-    assert second.turn().reuse == "miss;reason=decode-restarted"
-    assert stale_uses(main) == failed
+    for conv in (first, second):  # each answer is the oracle's (Conversation checks it)
+        assert conv.turn().reuse == "miss;reason=decode-restarted"
+    assert stale_uses(main) == failed, "P was sent a handle naming the old D"
     assert second.turn().reuse == "hit"  # reuse resumes on the new engine
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="router: after a D restart (new engine id) the first turn of a conversation still "
-    "sends the old handle to P, which fails the read (vllm:nixl_num_failed_transfers_total "
-    "rises, X-KV-Reuse: miss;reason=handle-rejected); the router only learns the new engine "
-    "id from the next handle it captures from that D",
-)
-def test_a_restarted_decodes_old_handles_never_reach_prefill(main: Stack) -> None:
-    (conv,) = on_first_decode(main, "d-stale", 1)
-    main.restart("decode", 0, "--engine-id", f"restarted-{uuid.uuid4()}")
-    failed = stale_uses(main)
-    reply = conv.turn()  # the answer is right either way
-    assert stale_uses(main) == failed
-    assert reply.reuse == "miss;reason=decode-restarted"
+def test_a_restart_the_router_has_not_seen_yet_is_caught_by_the_engine_id(main: Stack) -> None:
+    """Between a restart and the next health interval the old handle may still go to P; P
+    refuses it (its engine id is gone) and the prefill is redone as a miss. Once the new D
+    made a handle, the changed engine id alone marks older handles."""
+    first, second = on_first_decode(main, "d-fast", 2)
+    d = main.restart("decode", 0, "--engine-id", f"restarted-{uuid.uuid4()}")
+    assert first.turn().reuse.startswith("miss;reason=")  # whichever was seen first
+    assert second.turn().reuse == "miss;reason=decode-restarted"
+    assert second.turn().reuse == "hit"
+    assert session(main.redis_url, str(second.cid))["decode"] == d.url
 
 
 @pytest.mark.timeout(60)

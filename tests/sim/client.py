@@ -83,7 +83,7 @@ async def metric(base: str, name: str, **labels: str) -> float:
     """One sample's value from /metrics (labels given must all match)."""
     _, text = await get(base + "/metrics")
     for line in text.splitlines():
-        if not line.startswith(name + "{"):
+        if not line.startswith((name + "{", name + " ")):
             continue
         found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
         if all(found.get(k) == v for k, v in labels.items()):

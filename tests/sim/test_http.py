@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -231,6 +232,9 @@ async def test_metrics_names(base: str) -> None:
         assert f'{name}{{engine="0",model_name="sim-model"' in text, name
     assert await metric(base, "vllm:cache_config_info", block_size="16") == 1.0
     assert await metric(base, "vllm:generation_tokens_total") >= 2
+    # As vLLM's API server (prometheus_client's process collector): a restart changes it.
+    started = await metric(base, "process_start_time_seconds")
+    assert 0 < time.time() - started < 600
 
 
 async def test_reset_prefix_cache_and_state(base: str) -> None:

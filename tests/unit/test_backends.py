@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.backends import AFFINITY_SLACK, Pool
+from router.backends import AFFINITY_SLACK, Pool, note_started, process_started
 from router.errors import Unavailable
 
 
@@ -58,3 +58,27 @@ def test_busy_counts_and_always_releases() -> None:
         raise RuntimeError
     assert d.outstanding == 0
     assert p.find("decode", "http://d9") is None
+
+
+def test_process_start_time_is_read_from_prometheus_text() -> None:
+    text = (
+        b"# HELP process_start_time_seconds Start time of the process since unix epoch.\n"
+        b"# TYPE process_start_time_seconds gauge\n"
+        b"process_start_time_seconds 1.79601578555e+09\n"
+        b'vllm:num_requests_running{engine="0"} 0.0\n'
+    )
+    assert process_started(text) == 1.79601578555e09
+    assert process_started(b"vllm:num_requests_running 0.0\n") == 0.0
+    assert process_started(b"process_start_time_seconds soon\n") == 0.0
+
+
+def test_a_new_start_time_is_a_restart_and_forgets_the_engine_id() -> None:
+    d1 = pool().instances("decode")[0]
+    d1.engine_id = "engine-a"
+    note_started(d1, 100.0)  # first sight: not a restart
+    note_started(d1, 100.0)
+    assert (d1.started, d1.restarts, d1.engine_id) == (100.0, 0, "engine-a")
+    note_started(d1, 0.0)  # an engine without the metric: nothing learned
+    assert (d1.started, d1.restarts) == (100.0, 0)
+    note_started(d1, 250.5)
+    assert (d1.started, d1.restarts, d1.engine_id) == (250.5, 1, "")

@@ -1,4 +1,4 @@
-"""The prefix verdict (message digests) and the store circuit breaker."""
+"""The prefix verdict (message digests), placement reasons and the store circuit breaker."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
+from router.backends import Pool
 from router.incoming import Incoming
-from router.reuse import Reuse, _prefix_verdict, tokenize_body
+from router.reuse import Reuse, _placement_reason, _prefix_verdict, tokenize_body
 from router.services import StoreGuard
 from sessions import model as sm
 from sessions.store import StoreError
@@ -141,3 +142,20 @@ async def test_store_guard_opens_and_recovers() -> None:
     now[0] += 2.5
     assert await guard.call(working) == 7
     assert guard.failures == 1
+
+
+def test_a_handle_from_before_a_decode_restart_is_not_used() -> None:
+    pool = Pool(("http://p1",), ("http://d1",))
+    d1 = pool.instances("decode")[0]
+    made = sm.SessionState(decode="http://d1", decode_engine_id="e1", decode_started=100.0)
+    assert _placement_reason(pool, made) == ""  # nothing known about d1 yet
+    d1.started, d1.engine_id = 100.0, "e1"
+    assert _placement_reason(pool, made) == ""
+    d1.started = 200.0  # the health loop read a new process start time
+    assert _placement_reason(pool, made) == "decode-restarted"
+    d1.started = 0.0  # no start time known: the engine id of its latest handle decides
+    d1.engine_id = "e2"
+    assert _placement_reason(pool, made) == "decode-restarted"
+    d1.healthy = False
+    assert _placement_reason(pool, made) == "decode-unhealthy"
+    assert _placement_reason(pool, sm.SessionState(decode="http://gone")) == "decode-removed"
