@@ -96,6 +96,8 @@ async def metrics_endpoint(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     svc = services(request)
+    if svc.stopping:
+        return error_response(Unavailable("the router is shutting down"))
     last = "no instance is healthy"
     for inst in svc.pool.instances("decode") + svc.pool.instances("prefill"):
         if not inst.usable:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
@@ -30,25 +32,78 @@ def hypercorn_config(settings: Settings) -> Config:
     return config
 
 
+class Requests:
+    """ASGI wrapper that counts the HTTP requests in progress, streamed bodies included."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.active = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.active += 1
+        self.idle.clear()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+            if not self.active:
+                self.idle.set()
+
+
+async def drain(requests: Requests, grace: float) -> float:
+    """Wait until no request is in progress, at most `grace` seconds; the seconds left."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(grace):
+            await requests.idle.wait()
+    return max(deadline - loop.time(), 0.0)
+
+
 async def run(settings: Settings) -> None:
     stop = asyncio.Event()
     await preflight(settings)
     app = create_app(settings)
+    requests = Requests(app)
+    config = hypercorn_config(settings)
+    draining: set[asyncio.Task[None]] = set()
+
+    async def shut_down() -> None:
+        # The listener stays open while requests in flight finish, so that a new request
+        # gets a clear 503 rather than a refused connection; then Hypercorn closes, giving
+        # what is left of --shutdown-grace to anything still running.
+        left = await drain(requests, settings.shutdown_grace)
+        config.graceful_timeout = max(left, 1.0)
+        stop.set()
 
     def on_signal() -> None:
-        # Refuse new turns with 503 at once; Hypercorn lets in-flight streams finish within
-        # --shutdown-grace seconds, then closes.
         svc = getattr(app.state, "services", None)
-        if svc is not None:
-            svc.stopping = True
-        stop.set()
+        if svc is None:  # still starting: nothing in flight
+            stop.set()
+            return
+        if svc.stopping:
+            return
+        svc.stopping = True  # new turns get 503 at once
+        logging.getLogger("kvbaton.server").info(
+            "shutting down: %d requests in flight, up to %.0f s",
+            requests.active,
+            settings.shutdown_grace,
+        )
+        task = asyncio.create_task(shut_down())
+        draining.add(task)
+        task.add_done_callback(draining.discard)
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     stop_tracing = setup_tracing(settings.otel_endpoint)
     try:
-        await serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        await serve(requests, config, shutdown_trigger=stop.wait)
     finally:
         stop_tracing()
 

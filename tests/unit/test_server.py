@@ -1,0 +1,52 @@
+"""The shutdown drain: requests in progress are counted, streamed bodies included."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from router.server import Requests, drain
+
+
+class Slow:
+    """An ASGI app whose requests finish when `done` is set."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+        self.lifespan = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            self.lifespan += 1
+            return
+        await self.done.wait()
+
+
+async def test_drain_waits_for_requests_in_progress() -> None:
+    app = Slow()
+    requests = Requests(app)
+    await requests({"type": "lifespan"}, None, None)  # not a request
+    assert (requests.active, app.lifespan) == (0, 1)
+    assert await drain(requests, 5.0) > 4.0  # nothing in progress: at once
+    tasks = [asyncio.create_task(requests({"type": "http"}, None, None)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert requests.active == 3
+    waiting = asyncio.create_task(drain(requests, 5.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    app.done.set()
+    left = await waiting
+    assert 4.0 < left <= 5.0 and requests.active == 0
+    await asyncio.gather(*tasks)
+
+
+async def test_drain_gives_up_after_the_grace_period() -> None:
+    app = Slow()
+    requests = Requests(app)
+    task = asyncio.create_task(requests({"type": "http"}, None, None))
+    await asyncio.sleep(0)
+    assert await drain(requests, 0.1) == 0.0
+    assert requests.active == 1
+    app.done.set()
+    await task
+    assert requests.active == 0
