@@ -196,6 +196,20 @@ def fault_schedule(stack: Stack) -> list[tuple[float, str, Callable[[], Awaitabl
         async with aiohttp.ClientSession() as s, s.post(engine.url + "/sim/faults", json=faults):
             pass
 
+    async def armed(engine: SimProc) -> int:
+        async with aiohttp.ClientSession() as s, s.get(engine.url + "/sim/faults") as resp:
+            left: int = (await resp.json())["fail_next"]
+            return left
+
+    async def arm_after(done: SimProc, engine: SimProc, **faults: int) -> None:
+        """Arm `engine` once `done` has used up its faults: with both Ds failing at once a
+        turn has nowhere left to go (the router tries two Ds, then answers 502)."""
+        for _ in range(200):
+            if not await armed(done):
+                break
+            await asyncio.sleep(0.05)
+        await arm(engine, **faults)
+
     async def stop_redis() -> None:
         await asyncio.to_thread(stop, stack.redis)
 
@@ -210,7 +224,11 @@ def fault_schedule(stack: Stack) -> list[tuple[float, str, Callable[[], Awaitabl
         (0.50, "D1 2x HTTP 503 before the first byte", lambda: arm(d1, fail_next=2, status=503)),
         (0.60, "Redis stopped", stop_redis),
         (0.70, "Redis restarted (empty) on its port", start_redis),
-        (0.85, "D2 2x HTTP 503 before the first byte", lambda: arm(d2, fail_next=2, status=503)),
+        (
+            0.85,
+            "D2 2x HTTP 503 before the first byte",
+            lambda: arm_after(d1, d2, fail_next=2, status=503),
+        ),
     ]
 
 
