@@ -28,6 +28,7 @@ def router(
     *args: str,
     redis_url: str | None = None,
     name: str = "router",
+    ready_timeout: float = 20.0,
 ) -> Iterator[RouterProc]:
     port = free_port()
     argv = [
@@ -48,7 +49,7 @@ def router(
         argv += ["--redis-url", redis_url]
     proc = spawn([*argv, *args], name)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        wait_http(f"http://127.0.0.1:{port}/health", ready_timeout, proc=proc)
         yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
     finally:
         stop(proc)

@@ -30,8 +30,8 @@ if not os.environ.get(PYTHON_ENV):
         allow_module_level=True,
     )
 
-# Real engines on two cores: each engine's NIXL progress thread polls without pause, and on
-# a loaded machine one engine leg was measured to stall for over a minute. Budget for that.
+# Each test takes seconds here (docs/real-vllm.md); on a machine loaded by something else,
+# engine legs were measured to stall for minutes. Budget for that.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 MAX_TOKENS = 48
@@ -299,3 +299,69 @@ def test_kv_events_from_both_engines(vllm_engines: Engines, vllm_router: RouterP
     batch = vllm_engines.events.batches["p"][0]
     assert len(batch) == 3 and isinstance(batch[1], list)  # [ts, events, dp rank]
     assert not vllm_engines.events.errors
+
+
+def responses_reference(engines_: Engines, items: list[Message]) -> str:
+    """The from-scratch answer of the engine without a connector, on /v1/responses."""
+    with client(engines_.ref.url + "/v1") as ref:
+        out = ref.responses.create(
+            model=MODEL_NAME,
+            input=items,  # type: ignore[arg-type]
+            max_output_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+    return out.output_text
+
+
+def responses_stream(
+    r: RouterProc, items: list[Message], cid: str
+) -> tuple[str, str, dict[str, Any] | None]:
+    """One streaming /v1/responses turn: (answer, X-KV-Reuse, the completed response)."""
+    answer, completed = "", None
+    with (
+        client(r.base_url) as api,
+        api.responses.with_streaming_response.create(
+            model=MODEL_NAME,
+            input=items,  # type: ignore[arg-type]
+            max_output_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"conversation_id": cid},
+        ) as resp,
+    ):
+        reuse = resp.headers["x-kv-reuse"]
+        for event in resp.parse():
+            if event.type == "response.output_text.delta":
+                answer += event.delta
+            elif event.type == "response.completed":
+                completed = event.response.model_dump()
+    return answer, reuse, completed
+
+
+def test_streaming_responses_turns_read_from_decode(
+    vllm_engines: Engines, vllm_router: RouterProc, redis_url_session: str
+) -> None:
+    """Stock 0.32 streams D's handle in `response.completed` on /v1/responses: streaming
+    turns 2..3 hit, P reads the earlier turns from D, and answers equal from-scratch ones."""
+    p, d = vllm_engines.p.url, vllm_engines.d.url
+    cid = f"responses-{uuid.uuid4().hex[:8]}"
+    items = opening("responses")
+    for turn in range(1, 4):
+        p_pulled, failed = by_source(p, "external_kv_transfer"), failed_transfers(p)
+        answer, reuse, completed = responses_stream(vllm_router, items, cid)
+        assert completed is not None, f"turn {turn}: no response.completed"
+        assert "kv_transfer_params" not in completed  # the router keeps D's handle
+        assert answer == responses_reference(vllm_engines, items), f"turn {turn}"
+        if turn == 1:
+            assert reuse == "miss;reason=no-session"
+        else:
+            assert reuse == "hit", f"turn {turn}: {reuse}"
+            assert by_source(p, "external_kv_transfer") > p_pulled, f"turn {turn}: no D->P read"
+            assert failed_transfers(p) == failed
+        _, fields = session_fields(redis_url_session, cid)
+        assert fields["kv_transfer_params"], f"turn {turn}: no handle captured from the stream"
+        assert (fields["prefill"], fields["decode"]) == (p, d)
+        items += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"Thanks. And what about hour {turn} of the evening?"},
+        ]
