@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from tests.bench import redis_cost
+from tests.bench import floor, redis_cost
 from tests.bench.plan import Plan
 from tests.bench.stack import LoadGen, RedisStats, Stack, post, start_stack
 from tests.bench.stats import per_chunk, summary_ms
@@ -131,6 +131,8 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
                 st, lg, plan, tick, paced=bool(PACED[0] in d_extra)
             )
             out["commands"][f"chunks: {name}"] = st.commands
+    tick("chunk cost of a bare relay (floor)")
+    out["chunk_floor"] = floor.measure(connections=plan.chunk_runs)
     return out
 
 
