@@ -19,6 +19,8 @@ from router.discovery import StartupError, preflight
 from router.logs import setup_logging
 from router.tracing import setup_tracing
 
+log = logging.getLogger("kvbaton.server")
+
 
 def hypercorn_config(settings: Settings) -> Config:
     config = Config()
@@ -86,11 +88,16 @@ async def run(settings: Settings) -> None:
         if svc is None:  # still starting: nothing in flight
             stop.set()
             return
-        if svc.stopping:
+        if svc.stopping:  # a second signal: stop waiting, cut what is still in flight
+            log.warning("second signal: closing now, %d requests cut", requests.active)
+            for task in draining:
+                task.cancel()
+            config.graceful_timeout = 0.0
+            stop.set()
             return
         svc.stopping = True  # new turns get 503 at once
-        logging.getLogger("kvbaton.server").info(
-            "shutting down: %d requests in flight, up to %.0f s",
+        log.info(
+            "shutting down: %d requests in flight, up to %.0f s (a second signal stops now)",
             requests.active,
             settings.shutdown_grace,
         )

@@ -94,3 +94,39 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_refuses_new_requests(slow:
     assert text == reference(slow.ref, messages, TOKENS)
     assert session(slow.redis_url, cid)["turn"] == "1", "the finished turn was committed"
     assert SLOW_TOKEN_MS * TOKENS / 1000 < GRACE
+
+
+@pytest.mark.timeout(60)
+def test_a_second_sigterm_stops_at_once(slow: Slow) -> None:
+    """An operator's second signal (Ctrl-C twice) does not wait for the stream in flight."""
+    wait_until(lambda: running(slow.d) == 0, "the slow D is busy")
+    tokens = 40  # 20 s of decoding: far past the test's patience
+    cid = new_cid("shutdown-twice")
+    messages = [{"role": "user", "content": f"Tell me the longest story ({cid})."}]
+    with router(
+        [slow.p.url],
+        [slow.d.url],
+        "--shutdown-grace",
+        "30",
+        redis_url=slow.redis_url,
+        name="rel-shutdown-twice",
+    ) as r:
+        conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+        body = chat_body(messages, cid=cid, stream=True, max_tokens=tokens)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), JSON)
+        resp = conn.getresponse()
+        assert resp.status == 200
+        head = resp.read1(65536)
+        while b"data: " not in head:
+            head += resp.read1(65536)
+        r.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert r.proc.poll() is None, "the first signal waits for the stream"
+        signalled = time.monotonic()
+        r.proc.send_signal(signal.SIGTERM)
+        assert r.proc.wait(10) == 0
+        took = time.monotonic() - signalled
+        conn.close()
+    print(f"exited {took:.2f} s after the second signal")
+    assert took < 5, f"the second signal took {took:.1f} s"
+    wait_until(lambda: running(slow.d) == 0, "D still decodes the cut stream")
