@@ -127,11 +127,12 @@ def process_started(metrics: bytes) -> float:
 
 
 def note_started(inst: Instance, started: float) -> None:
-    """Record an instance's start time. A new one means the process restarted: a D lost its
-    KV blocks and its engine id, so the handles that name it must not reach P."""
-    if not started:
+    """Record an instance's start time. A later one means the process restarted: a D lost its
+    KV blocks and its engine id, so the handles that name it must not reach P. An earlier one
+    is ignored: several API server processes behind one port may each answer /metrics."""
+    if started <= inst.started:
         return
-    if inst.started and started != inst.started:
+    if inst.started:
         inst.restarts += 1
         inst.engine_id = ""  # learned again from its next handle
         log.warning(

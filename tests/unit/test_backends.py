@@ -82,3 +82,6 @@ def test_a_new_start_time_is_a_restart_and_forgets_the_engine_id() -> None:
     assert (d1.started, d1.restarts) == (100.0, 0)
     note_started(d1, 250.5)
     assert (d1.started, d1.restarts, d1.engine_id) == (250.5, 1, "")
+    d1.engine_id = "engine-b"
+    note_started(d1, 180.0)  # an earlier start: another process behind the same port
+    assert (d1.started, d1.restarts, d1.engine_id) == (250.5, 1, "engine-b")
