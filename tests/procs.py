@@ -177,7 +177,13 @@ def _spawn_sim(role: str, flags: Sequence[str], name: str, engine_id: str) -> Si
     return SimProc(url=url, port=port, kv_port=kv_port, engine_id=engine_id, proc=proc)
 
 
-def _start_sim(role: str, flags: Sequence[str], name: str, started: SimProc | None) -> SimProc:
+def _start_sim(
+    role: str,
+    flags: Sequence[str],
+    name: str,
+    started: SimProc | None,
+    ready_timeout: float = 45.0,  # generous: several simulators may be starting at once
+) -> SimProc:
     """Wait for a spawned simulator (or spawn one); retry a start that lost a port race."""
     engine_id = _flag(flags, "--engine-id") or f"{role}-{uuid.uuid4()}"
     ours = not (_flag(flags, "--port") or _flag(flags, "--kv-port"))
@@ -186,8 +192,7 @@ def _start_sim(role: str, flags: Sequence[str], name: str, started: SimProc | No
         sp = started or _spawn_sim(role, flags, name, engine_id)
         started = None
         try:
-            # Generous: on a loaded machine several simulators may be starting at once.
-            wait_http(sp.url + "/health", timeout=45.0, proc=sp.proc)
+            wait_http(sp.url + "/health", timeout=ready_timeout, proc=sp.proc)
             return sp
         except RuntimeError:  # exited before ready (e.g. a port taken meanwhile)
             stop(sp.proc)
@@ -200,13 +205,13 @@ def _start_sim(role: str, flags: Sequence[str], name: str, started: SimProc | No
 
 
 @contextlib.contextmanager
-def sim(role: str, *args: str, name: str = "sim") -> Iterator[SimProc]:
+def sim(role: str, *args: str, name: str = "sim", ready_timeout: float = 45.0) -> Iterator[SimProc]:
     """Start `python -m vllm_sim --role ROLE` on free ports (extra flags in args); stop it after.
 
     `--engine-id`, `--port` and `--kv-port` may be given in args; otherwise they are chosen
     here (engine id `<role>-<uuid4>`), and a start that loses a port race is retried.
     """
-    proc = _start_sim(role, list(args), name, None)
+    proc = _start_sim(role, list(args), name, None, ready_timeout)
     try:
         yield proc
     finally:

@@ -15,7 +15,6 @@ import select
 import subprocess
 import sys
 import urllib.request
-import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from tests import procs
 from tests.e2e.harness import RouterProc
 from tests.procs import ROOT, SimProc, free_port, redis_server, spawn, stop, wait_http
 
@@ -38,22 +38,10 @@ READY_TIMEOUT = 90.0
 
 @contextlib.contextmanager
 def sim(role: str, *args: str, name: str) -> Iterator[SimProc]:
-    """`python -m vllm_sim --role ROLE` on free ports (as tests/procs.py, a longer wait)."""
-    port = free_port()
-    kv_port = free_port()
-    while kv_port == port:
-        kv_port = free_port()
-    engine_id = f"{role}-{uuid.uuid4()}"
-    argv = ["vllm_sim", "--role", role, "--port", str(port), "--kv-port", str(kv_port)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)  # spawn() hands its log fd over
-        proc = spawn([*argv, "--engine-id", engine_id, *args], f"{name}-{port}")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", timeout=READY_TIMEOUT, proc=proc)
-        yield SimProc(url=url, port=port, kv_port=kv_port, engine_id=engine_id, proc=proc)
-    finally:
-        stop(proc)
+    """tests/procs.py's simulator (new ports for a start that lost a port race), with the
+    benchmark's longer wait."""
+    with procs.sim(role, *args, name=name, ready_timeout=READY_TIMEOUT) as sp:
+        yield sp
 
 
 @contextlib.contextmanager
