@@ -196,16 +196,22 @@ def fault_schedule(stack: Stack) -> list[tuple[float, str, Callable[[], Awaitabl
         async with aiohttp.ClientSession() as s, s.post(engine.url + "/sim/faults", json=faults):
             pass
 
-    async def armed(engine: SimProc) -> int:
-        async with aiohttp.ClientSession() as s, s.get(engine.url + "/sim/faults") as resp:
-            left: int = (await resp.json())["fail_next"]
-            return left
+    async def ready_again(engine: SimProc) -> bool:
+        """Its armed faults are used up and the router routes to it again (re-admitted)."""
+        async with aiohttp.ClientSession() as s:
+            async with s.get(engine.url + "/sim/faults") as resp:
+                if (await resp.json())["fail_next"]:
+                    return False
+            async with s.get(stack.router.url + "/status") as resp:
+                status = await resp.json()
+        listed = status["instances"]["prefill"] + status["instances"]["decode"]
+        return any(i["url"] == engine.url and i["usable"] for i in listed)
 
     async def arm_after(done: SimProc, engine: SimProc, **faults: int) -> None:
-        """Arm `engine` once `done` has used up its faults: with both Ds failing at once a
-        turn has nowhere left to go (the router tries two Ds, then answers 502)."""
+        """Arm `engine` once `done` is past its own faults: with both instances of a role
+        failing at once a turn has nowhere left to go (the router answers 502)."""
         for _ in range(200):
-            if not await armed(done):
+            if await ready_again(done):
                 break
             await asyncio.sleep(0.05)
         await arm(engine, **faults)
@@ -220,7 +226,11 @@ def fault_schedule(stack: Stack) -> list[tuple[float, str, Callable[[], Awaitabl
     d1, d2 = stack.ds
     return [
         (0.10, "P1 3x HTTP 503", lambda: arm(p1, fail_next=3, status=503)),
-        (0.40, "P2 2x HTTP 500 (handle rejected)", lambda: arm(p2, fail_next=2, status=500)),
+        (
+            0.40,
+            "P2 2x HTTP 500 (handle rejected)",
+            lambda: arm_after(p1, p2, fail_next=2, status=500),
+        ),
         (0.50, "D1 2x HTTP 503 before the first byte", lambda: arm(d1, fail_next=2, status=503)),
         (0.60, "Redis stopped", stop_redis),
         (0.70, "Redis restarted (empty) on its port", start_redis),
