@@ -37,6 +37,9 @@ from sessions.store import SessionStore, StoreError
 
 log = logging.getLogger("kvbaton.app")
 
+# With several workers, how often each one writes its in-flight counts for the others' scrapes.
+PUBLISH_INTERVAL = 1.0
+
 
 def make_store(settings: Settings) -> SessionStore:
     if settings.session_store == "memory":
@@ -175,10 +178,11 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
         session_store = store or make_store(settings)
         pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
         guard = StoreGuard(settings.store_retry_after)
-        metrics = Metrics(pool, lambda: guard.is_open)
+        metrics = Metrics(pool, lambda: guard.is_open, shared=settings.workers > 1)
         guard.on_failure = metrics.store_errors.inc
         svc = Services(settings, upstream, pool, session_store, guard, metrics)
         prober: asyncio.Task[None] | None = None
+        publisher: asyncio.Task[None] | None = None
         ops = open_operations(svc)
         syncing: asyncio.Task[None] | None = None
         try:
@@ -187,13 +191,16 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
             app.state.operations = ops
             syncing = await registry.start(ops.syncer, settings.health_interval)
             prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
+            if metrics.published is not None:
+                publisher = asyncio.create_task(metrics.published.every(PUBLISH_INTERVAL))
             yield
         finally:
             svc.stopping = True
-            if prober is not None:
-                prober.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await prober
+            for task in (prober, publisher):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if syncing is not None:
                 await registry.stop(syncing)
             await ops.close()

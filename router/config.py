@@ -24,6 +24,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     decode: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 8000
+    workers: int = 1
     redis_url: str = "redis://127.0.0.1:6379/0"
     session_store: Literal["redis", "memory"] = "redis"
     handle_ttl: float = 450.0
@@ -69,6 +70,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("decode", "decode (D) instance base URLs", many=True),
     Flag("host", "address to listen on"),
     Flag("port", "port to listen on", int),
+    Flag(
+        "workers",
+        "router processes sharing the listening socket, each with its own event loop and "
+        "engine connections (more than 1 needs the redis session store)",
+        int,
+    ),
     Flag("redis_url", "Redis URL for session state"),
     Flag(
         "session_store",
@@ -263,4 +270,40 @@ def validate(values: Mapping[str, Any]) -> Settings:
         raise ConfigError("--handle-ttl must be > 0 and not above --session-ttl")
     if settings.block_size < 0 or settings.min_reuse_tokens < 0:
         raise ConfigError("--block-size and --min-reuse-tokens must be >= 0")
+    if settings.workers < 1:
+        raise ConfigError("--workers must be >= 1")
+    if settings.workers > 1 and settings.session_store == "memory":
+        raise ConfigError(
+            "--workers above 1 needs --session-store redis: a memory store lives in one "
+            "process, so the workers would not see each other's conversations"
+        )
     return settings
+
+
+# Set by `kvbaton serve --workers N` in each worker's environment (not a setting):
+# "<index>,<listening socket fd>,<readiness pipe fd>".
+WORKER_ENV = "KVBATON_WORKER_SLOT"
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """What a worker process inherits from its supervisor."""
+
+    index: int
+    listen_fd: int
+    ready_fd: int
+
+    def encode(self) -> str:
+        return f"{self.index},{self.listen_fd},{self.ready_fd}"
+
+
+def worker_slot(env: Mapping[str, str] | None = None) -> WorkerSlot | None:
+    """This process's slot when a supervisor started it, else None."""
+    raw = (os.environ if env is None else env).get(WORKER_ENV)
+    if not raw:
+        return None
+    try:
+        index, listen_fd, ready_fd = (int(part) for part in raw.split(","))
+    except ValueError:
+        raise ConfigError(f"{WORKER_ENV}: expected three integers, got {raw!r}") from None
+    return WorkerSlot(index, listen_fd, ready_fd)

@@ -59,6 +59,9 @@ async def discover(svc: Services) -> None:
         models.add(svc.settings.model)
     if len(models) > 1:
         detail = ", ".join(f"{i.url}={i.model or '?'}" for i in instances)
+        wanted = svc.settings.model
+        if wanted and len(models - {wanted}) == 1:
+            raise StartupError(f"--model {wanted!r}, but the instances serve: {detail}")
         raise StartupError(f"instances serve different models: {detail}")
     svc.model = models.pop() if models else ""
     sizes = {inst.block_size for inst in instances if inst.block_size}

@@ -1,15 +1,19 @@
 """Prometheus metrics (prefix `kvbaton_`), one registry per app; docs/metrics.md lists them.
 
-One Hypercorn worker per router process: each process exports its own registry (run several
-processes behind a load balancer and let Prometheus sum them), so no multiprocess mode.
+With one worker the process exports its own registry. With `--workers N` the workers share
+one port, so any of them answers a scrape: prometheus_client's multiprocess mode (the
+supervisor sets PROMETHEUS_MULTIPROC_DIR) sums counters and histograms over the workers, and
+each worker publishes its in-flight requests and store breaker to that directory.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from router.backends import Pool
@@ -40,9 +44,10 @@ LATENCY_BUCKETS = (
 class _StateCollector(Collector):
     """Gauges read at scrape time from the live pool and store breaker (nothing to update)."""
 
-    def __init__(self, pool: Pool, store_open: Callable[[], bool]) -> None:
+    def __init__(self, pool: Pool, store_open: Callable[[], bool], *, shared: bool) -> None:
         self._pool = pool
         self._store_open = store_open
+        self._shared = shared  # inflight and circuit come from the workers' files instead
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         healthy = GaugeMetricFamily(
@@ -70,15 +75,55 @@ class _StateCollector(Collector):
         )
         circuit.add_metric([], 1.0 if self._store_open() else 0.0)
         yield healthy
-        yield inflight
         yield restarts
-        yield circuit
+        if not self._shared:
+            yield inflight
+            yield circuit
+
+
+class _Published:
+    """With several workers: each one's in-flight requests per instance (summed over the live
+    workers) and store breaker (open if any worker's is), written to the shared directory."""
+
+    def __init__(self, pool: Pool, store_open: Callable[[], bool]) -> None:
+        self._pool = pool
+        self._store_open = store_open
+        self._seen: set[tuple[str, str]] = set()
+        self.inflight = Gauge(
+            "kvbaton_backend_inflight_requests",
+            "Requests in flight per instance",
+            ["role", "instance"],
+            registry=None,
+            multiprocess_mode="livesum",
+        )
+        self.circuit = Gauge(
+            "kvbaton_store_circuit_open",
+            "1 while the session store is skipped after a failure (routing without reuse)",
+            registry=None,
+            multiprocess_mode="livemax",
+        )
+
+    def publish(self) -> None:
+        now = set()
+        for inst in self._pool.instances():
+            now.add((inst.role, inst.url))
+            self.inflight.labels(inst.role, inst.url).set(inst.outstanding)
+        for gone in self._seen - now:  # removed through the admin API: nothing in flight
+            self.inflight.labels(*gone).set(0)
+        self._seen |= now
+        self.circuit.set(1.0 if self._store_open() else 0.0)
+
+    async def every(self, interval: float) -> None:
+        while True:
+            self.publish()
+            await asyncio.sleep(interval)
 
 
 class Metrics:
-    """Every metric the router exports, in its own registry."""
+    """Every metric the router exports, in its own registry (or, with `shared`, in the
+    workers' multiprocess directory)."""
 
-    def __init__(self, pool: Pool, store_open: Callable[[], bool]) -> None:
+    def __init__(self, pool: Pool, store_open: Callable[[], bool], *, shared: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -134,7 +179,15 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        r.register(_StateCollector(pool, store_open))
+        state = _StateCollector(pool, store_open, shared=shared)
+        self.published: _Published | None = None
+        if shared:
+            self.published = _Published(pool, store_open)
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry)  # type: ignore[no-untyped-call]
+        self.registry.register(state)
 
     def render(self) -> bytes:
+        if self.published is not None:
+            self.published.publish()  # this worker's part is exact; the others' up to 1 s old
         return generate_latest(self.registry)

@@ -5,26 +5,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from router.app import create_app
-from router.config import ConfigError, Settings, load_settings
+from router.config import ConfigError, Settings, WorkerSlot, load_settings, worker_slot
 from router.discovery import StartupError, preflight
 from router.logs import setup_logging
 from router.tracing import setup_tracing
+from router.workers import supervise
 
 log = logging.getLogger("kvbaton.server")
 
+# Seconds between a worker's checks that its supervisor is still there.
+ORPHAN_CHECK_INTERVAL = 1.0
 
-def hypercorn_config(settings: Settings) -> Config:
+
+def hypercorn_config(settings: Settings, slot: WorkerSlot | None = None) -> Config:
     config = Config()
-    config.bind = [f"{settings.host}:{settings.port}"]
+    # A worker serves the socket its supervisor opened (router/workers.py).
+    config.bind = [f"fd://{slot.listen_fd}" if slot else f"{settings.host}:{settings.port}"]
     config.graceful_timeout = settings.shutdown_grace
     config.keep_alive_timeout = 75.0
     config.accesslog = None
@@ -35,15 +41,26 @@ def hypercorn_config(settings: Settings) -> Config:
 
 
 class Requests:
-    """ASGI wrapper that counts the HTTP requests in progress, streamed bodies included."""
+    """ASGI wrapper that counts the HTTP requests in progress, streamed bodies included, and
+    calls `on_started` once the app's start-up (the lifespan) has completed."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, on_started: Callable[[], None] = lambda: None) -> None:
         self.app = app
         self.active = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.on_started = on_started
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+
+            async def send_lifespan(message: Any) -> None:
+                await send(message)
+                if message["type"] == "lifespan.startup.complete":
+                    self.on_started()
+
+            await self.app(scope, receive, send_lifespan)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -67,12 +84,31 @@ async def drain(requests: Requests, grace: float) -> float:
     return max(deadline - loop.time(), 0.0)
 
 
-async def run(settings: Settings) -> None:
+def report_ready(slot: WorkerSlot | None) -> Callable[[], None]:
+    """What a worker does once started: tell its supervisor (one byte on its pipe)."""
+
+    def ready() -> None:
+        if slot is not None:
+            with contextlib.suppress(OSError):
+                os.write(slot.ready_fd, b"1")
+                os.close(slot.ready_fd)
+
+    return ready
+
+
+async def orphaned(parent: int) -> None:
+    """Return when this worker's supervisor has gone (it was killed: nobody will stop us)."""
+    while os.getppid() == parent:  # noqa: ASYNC110 (no event tells us the parent is gone)
+        await asyncio.sleep(ORPHAN_CHECK_INTERVAL)
+
+
+async def run(settings: Settings, slot: WorkerSlot | None = None) -> None:
     stop = asyncio.Event()
+    parent = os.getppid()
     await preflight(settings)
     app = create_app(settings)
-    requests = Requests(app)
-    config = hypercorn_config(settings)
+    requests = Requests(app, report_ready(slot))
+    config = hypercorn_config(settings, slot)
     draining: set[asyncio.Task[None]] = set()
 
     async def shut_down() -> None:
@@ -108,10 +144,16 @@ async def run(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    watch: asyncio.Task[None] | None = None
+    if slot is not None:
+        watch = asyncio.create_task(orphaned(parent))
+        watch.add_done_callback(lambda t: None if t.cancelled() else on_signal())
     stop_tracing = setup_tracing(settings.otel_endpoint)
     try:
         await serve(requests, config, shutdown_trigger=stop.wait)
     finally:
+        if watch is not None:
+            watch.cancel()
         stop_tracing()
 
 
@@ -123,7 +165,14 @@ def serve_main(argv: Sequence[str]) -> int:
         return 2
     setup_logging(settings.log_level, settings.log_format)
     try:
-        asyncio.run(run(settings))
+        slot = worker_slot()
+    except ConfigError as exc:
+        print(f"kvbaton serve: {exc}", file=sys.stderr)
+        return 2
+    if settings.workers > 1 and slot is None:
+        return supervise(settings, argv)
+    try:
+        asyncio.run(run(settings, slot))
     except StartupError as exc:
         print(f"kvbaton serve: {exc}", file=sys.stderr)
         return 1

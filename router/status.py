@@ -6,6 +6,7 @@ Public (no auth), so it shows nothing secret: no keys, no Redis URL, no conversa
 from __future__ import annotations
 
 import functools
+import os
 from importlib import metadata
 from typing import Any
 
@@ -78,6 +79,9 @@ async def status(request: Request) -> Response:
         "block_size": svc.block_size,
         "reuse": svc.settings.reuse,
         "stopping": svc.stopping,
+        # With --workers N, one of N processes answered: the instances' health, load and the
+        # breaker below are this worker's view.
+        "worker": {"pid": os.getpid(), "workers": svc.settings.workers},
         "instances": instances_by_role(svc),
         "store": await store_view(svc),
     }

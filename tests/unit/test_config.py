@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from router.config import FLAGS, ConfigError, Settings, build_parser, load_settings
+from router.config import (
+    FLAGS,
+    WORKER_ENV,
+    ConfigError,
+    Settings,
+    WorkerSlot,
+    build_parser,
+    load_settings,
+    worker_slot,
+)
 
 URLS = ["--prefill", "http://p:8100", "--decode", "http://d:8200/"]
 
@@ -48,6 +57,8 @@ def test_env_then_cli_precedence(tmp_path: Path) -> None:
         (URLS, {"KVBATON_VERIFY_PREFIX": "maybe"}, "KVBATON_VERIFY_PREFIX"),
         (URLS, {"KVBATON_STREAM_KV_PARAMS": "perhaps"}, "boolean"),
         ([*URLS, "--block-size", "-1"], {}, "block-size"),
+        ([*URLS, "--workers", "0"], {}, "--workers must be >= 1"),
+        ([*URLS, "--workers", "2", "--session-store", "memory"], {}, "needs --session-store redis"),
     ],
 )
 def test_invalid_settings_say_which_and_why(
@@ -77,3 +88,11 @@ def test_every_setting_has_a_flag_and_help() -> None:
     for flag in FLAGS:
         assert "--" + flag.name.replace("_", "-") in help_text
         assert "KVBATON_" + flag.name.upper() in help_text.replace("\n", "").replace(" ", "")
+
+
+def test_worker_slot_round_trip_and_garbage() -> None:
+    slot = WorkerSlot(index=1, listen_fd=5, ready_fd=7)
+    assert worker_slot({WORKER_ENV: slot.encode()}) == slot
+    assert worker_slot({}) is None
+    with pytest.raises(ConfigError, match=WORKER_ENV):
+        worker_slot({WORKER_ENV: "1,five,7"})

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from router.server import Requests, drain
+from router.workers import describe
 
 
 class Slow:
@@ -50,3 +51,28 @@ async def test_drain_gives_up_after_the_grace_period() -> None:
     app.done.set()
     await task
     assert requests.active == 0
+
+
+async def test_start_up_reported_once_the_lifespan_completes() -> None:
+    started: list[str] = []
+    sent: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "lifespan.startup.failed" if scope.get("fail") else "x"})
+        if not scope.get("fail"):
+            await send({"type": "lifespan.startup.complete"})
+
+    async def send(message: Any) -> None:
+        sent.append(message["type"])
+
+    requests = Requests(app, lambda: started.append("ready"))
+    await requests({"type": "lifespan", "fail": True}, None, send)
+    assert started == [] and sent == ["lifespan.startup.failed"]
+    await requests({"type": "lifespan"}, None, send)
+    assert started == ["ready"] and sent[-1] == "lifespan.startup.complete"
+
+
+def test_worker_exit_statuses_in_words() -> None:
+    assert describe(3) == "exited with status 3"
+    assert describe(-9) == "was killed by SIGKILL"
+    assert describe(-200) == "was killed by signal 200"

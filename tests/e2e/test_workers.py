@@ -1,0 +1,225 @@
+"""`kvbaton serve --workers 2`: two router processes on one port. The OpenAI SDK, each client
+held to one connection (so to one worker), keeps a conversation going across the workers;
+/metrics sums both; a killed worker is replaced; SIGTERM stops all; a failed start stops all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import BIDIR, Stack, metric, pulled
+from tests.e2e.harness import router
+from tests.e2e.test_conversation import chat_turn, reference_chat
+from tests.procs import ROOT, free_port, sim
+
+pytestmark = pytest.mark.e2e
+
+REQUESTS = "kvbaton_requests_total"
+
+
+@dataclass
+class Pinned:
+    """An OpenAI client whose one kept-alive connection reached the worker `pid`."""
+
+    api: openai.OpenAI
+    http: httpx.Client
+    pid: int
+
+    def requests_total(self) -> float:
+        text = self.http.get("/metrics").text
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(REQUESTS)
+        )
+
+
+def pin(url: str, stack: ExitStack) -> Pinned:
+    http = stack.enter_context(
+        httpx.Client(base_url=url, limits=httpx.Limits(max_connections=1), timeout=30)
+    )
+    pid = http.get("/status").json()["worker"]["pid"]
+    api = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, http_client=http)
+    return Pinned(api, http, pid)
+
+
+def two_workers(url: str, stack: ExitStack, tries: int = 60) -> tuple[Pinned, Pinned]:
+    """Clients on two different workers (the kernel hands each new connection to one)."""
+    first = pin(url, stack)
+    for _ in range(tries):
+        other = pin(url, stack)
+        if other.pid != first.pid:
+            return first, other
+    raise AssertionError(f"every one of {tries} connections reached worker {first.pid}")
+
+
+def children(pid: int) -> set[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return {int(p) for p in text.split()}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_for(check: object, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url_session: str) -> Iterator[Stack]:
+    with (
+        sim("prefill", *BIDIR, name="workers-p") as p,
+        sim("decode", *BIDIR, "--stream-kv-params", name="workers-d") as d,
+        sim("decode", name="workers-ref") as ref,
+        router(
+            [p.url],
+            [d.url],
+            "--workers",
+            "2",
+            "--stream-kv-params",
+            redis_url=redis_url_session,
+            name="workers-router",
+            ready_timeout=40.0,
+        ) as r,
+    ):
+        yield Stack(p, d, ref, r, redis_url_session)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_conversation_moves_between_workers_and_hits(stack: Stack, stream: bool) -> None:
+    with ExitStack() as held:
+        a, b = two_workers(stack.router.url, held)
+        cid = f"workers-{uuid.uuid4().hex[:8]}"
+        messages = [{"role": "system", "content": f"Two workers, stream {stream}."}]
+        for turn, via in enumerate((a, b, a, b), start=1):
+            messages.append({"role": "user", "content": f"Question {turn}: which worker is it?"})
+            before = pulled(stack.p.url)
+            answer, reuse = chat_turn(via.api, messages, stream=stream, cid=cid)
+            assert answer == reference_chat(stack, messages, 24), f"turn {turn}"
+            if turn == 1:
+                assert reuse == "miss;reason=no-session"
+            else:
+                # The previous turn ran on the other worker: its handle came through Redis.
+                assert reuse == "hit", f"turn {turn} on worker {via.pid}: {reuse}"
+                assert pulled(stack.p.url) > before, f"turn {turn}: P pulled nothing from D"
+            messages.append({"role": "assistant", "content": answer})
+
+
+def test_metrics_count_the_turns_of_both_workers(stack: Stack) -> None:
+    with ExitStack() as held:
+        a, b = two_workers(stack.router.url, held)
+        before = a.requests_total()
+        assert b.requests_total() == before
+        for i in range(6):
+            via = (a, b)[i % 2]
+            chat_turn(via.api, [{"role": "user", "content": f"count {i}"}], stream=False, cid=None)
+        # Each worker answers with the turns of both (its own and the other's files).
+        assert a.requests_total() == before + 6
+        assert b.requests_total() == before + 6
+        # In-flight requests: the other worker's part is published every second.
+        wait_for(
+            lambda: metric(stack.router.url, "kvbaton_backend_inflight_requests") == 0,
+            "nothing in flight",
+            timeout=5,
+        )
+
+
+def test_a_killed_worker_is_replaced_and_its_counts_are_kept(stack: Stack) -> None:
+    supervisor = stack.router.proc.pid
+    with ExitStack() as held:
+        a, b = two_workers(stack.router.url, held)
+        before = a.requests_total()
+        os.kill(b.pid, signal.SIGKILL)
+        # The other worker serves meanwhile.
+        answer, reuse = chat_turn(
+            a.api, [{"role": "user", "content": "still there?"}], stream=False, cid=None
+        )
+        assert answer and reuse == "skip;reason=no-conversation-id"
+        wait_for(
+            lambda: len(children(supervisor) - {a.pid, b.pid}) == 1, "a new worker", timeout=30
+        )
+    with ExitStack() as held:
+        c, d = two_workers(stack.router.url, held)
+        assert b.pid not in {c.pid, d.pid}
+        # The killed worker's requests are still counted (its file stays; counters never drop).
+        assert c.requests_total() == before + 1
+
+
+def test_sigterm_stops_every_worker(redis_url_session: str) -> None:
+    with (
+        sim("prefill", name="workers-term-p") as p,
+        sim("decode", name="workers-term-d") as d,
+        router(
+            [p.url],
+            [d.url],
+            "--workers",
+            "2",
+            redis_url=redis_url_session,
+            name="workers-term",
+            ready_timeout=40.0,
+        ) as r,
+    ):
+        with ExitStack() as held:
+            two_workers(r.url, held)
+        workers = children(r.proc.pid)
+        assert len(workers) == 2
+        r.proc.send_signal(signal.SIGTERM)
+        assert r.proc.wait(15) == 0
+        assert not any(alive(pid) for pid in workers)
+
+
+def test_workers_leave_when_the_supervisor_is_killed(redis_url_session: str) -> None:
+    with (
+        sim("prefill", name="workers-kill-p") as p,
+        sim("decode", name="workers-kill-d") as d,
+        router(
+            [p.url],
+            [d.url],
+            "--workers",
+            "2",
+            redis_url=redis_url_session,
+            name="workers-kill",
+            ready_timeout=40.0,
+        ) as r,
+    ):
+        with ExitStack() as held:
+            two_workers(r.url, held)
+        workers = children(r.proc.pid)
+        r.proc.kill()
+        r.proc.wait(5)
+        wait_for(lambda: not any(alive(pid) for pid in workers), "the orphans to exit", 10)
+
+
+def test_a_worker_that_fails_at_start_stops_the_server() -> None:
+    with sim("prefill", name="workers-bad-p") as p, sim("decode", name="workers-bad-d") as d:
+        argv = ["router", "serve", "--port", str(free_port()), "--workers", "2"]
+        argv += ["--prefill", p.url, "--decode", d.url, "--model", "not-the-engines-model"]
+        argv += ["--redis-url", "redis://127.0.0.1:1/0"]
+        done = subprocess.run(
+            [sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+    assert done.returncode == 1, done.stderr
+    assert "not-the-engines-model" in done.stderr
+    assert "failed at start" in done.stderr
+    assert "Traceback" not in done.stderr
