@@ -54,7 +54,7 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     if "overhead" in parts:
         n += len(plan.overhead_counts) * 2 + 4 * 2 + 1
     if "throughput" in parts:
-        n += 2 * plan.sweep_steps
+        n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps
     if "reuse" in parts:
         n += len(reuse.CACHES) * len(reuse.ARMS) * plan.conv_rounds
     if "profile" in parts and plan.profile_s > 0:

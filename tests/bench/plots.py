@@ -76,12 +76,15 @@ def ttft(results: dict[str, Any], turns: int, path: Path) -> None:
 def throughput(results: dict[str, Any], path: Path) -> None:
     """p99 latency and achieved rate vs offered rate, per sweep."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    for name, sweep in results["sweeps"].items():
+    lines = [(f"{name}, 1 worker on 1 core", "o-", sw) for name, sw in results["sweeps"].items()]
+    for label, sweeps in results.get("workers", {}).items():
+        lines += [(f"{name}, {label}, not pinned", "s--", sw) for name, sw in sweeps.items()]
+    for name, style, sweep in lines:
         steps = sweep["steps"]
         offered = [s["offered"] for s in steps]
-        axes[0].plot(offered, [s["achieved"] for s in steps], "o-", label=name)
-        axes[1].plot(offered, [s["p99_ms"] for s in steps], "o-", label=name)
-    lim = max((s["offered"] for sw in results["sweeps"].values() for s in sw["steps"]), default=1)
+        axes[0].plot(offered, [s["achieved"] for s in steps], style, label=name)
+        axes[1].plot(offered, [s["p99_ms"] for s in steps], style, label=name)
+    lim = max((s["offered"] for _, _, sw in lines for s in sw["steps"]), default=1)
     axes[0].plot([0, lim], [0, lim], color="grey", lw=0.8, label="achieved = offered")
     axes[0].set_xlabel("offered turns/s")
     axes[0].set_ylabel("completed turns/s")
@@ -92,6 +95,6 @@ def throughput(results: dict[str, Any], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("one router process pinned to one core")
+    fig.suptitle("router throughput: pinned to one core, and 1 vs 2 workers unpinned")
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -392,31 +392,8 @@ def throughput_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
         "",
     ]
     for name, sweep in res["sweeps"].items():
-        rows = [
-            [
-                fmt(s["offered"], 0),
-                fmt(s["achieved"], 0),
-                fmt(s["chunks_s"], 0),
-                f"{fmt(s['p50_ms'])} / {fmt(s['p99_ms'])}",
-                f"{s['router_cpu_util'] * 100:.0f}%",
-                fmt(s["router_cpu_ms_per_turn"], 3),
-                ("yes" if s["holds"] else "no") + (" (retried)" if s.get("retried") else ""),
-            ]
-            for s in sweep["steps"]
-        ]
         lines += [f"### {'Streaming' if name == 'stream' else 'JSON'} turns", ""]
-        lines += table(
-            [
-                "offered/s",
-                "completed/s",
-                "SSE events/s",
-                "p50 / p99 ms",
-                "router CPU",
-                "CPU ms/turn",
-                "holds",
-            ],
-            rows,
-        )
+        lines += sweep_table(sweep)
         chunks = name == "stream"
         lines += [
             f"Sustained: **{fmt(sweep['sustained_turns_s'], 0)} turns/s**"
@@ -428,15 +405,75 @@ def throughput_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
             " the load generator on the other core were the limit, not the router.",
             "",
         ]
-    lines += [
-        "**Two Hypercorn workers: not supported.** `kvbaton serve` runs one Hypercorn server",
-        "in-process (`hypercorn.asyncio.serve` in `router/server.py`) and has no workers",
-        "setting, so this was not measured. Scaling out today means more router processes",
-        "(replicas) behind a load balancer, sharing Redis.",
-        "",
-    ]
+    if res.get("workers"):
+        lines += workers_part(res["workers"])
     if "throughput" in pngs:
         lines += [f"![throughput sweep]({pngs['throughput']})", ""]
+    return lines
+
+
+def sweep_table(sweep: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            fmt(s["offered"], 0),
+            fmt(s["achieved"], 0),
+            fmt(s["chunks_s"], 0),
+            f"{fmt(s['p50_ms'])} / {fmt(s['p99_ms'])}",
+            f"{s['router_cpu_util'] * 100:.0f}%",
+            fmt(s["router_cpu_ms_per_turn"], 3),
+            ("yes" if s["holds"] else "no") + (" (retried)" if s.get("retried") else ""),
+        ]
+        for s in sweep["steps"]
+    ]
+    head = ["offered/s", "completed/s", "SSE events/s", "p50 / p99 ms", "router CPU"]
+    return table([*head, "CPU ms/turn", "holds"], rows)
+
+
+def workers_part(res: dict[str, Any]) -> list[str]:
+    """One worker against `--workers 2`, nothing pinned."""
+    lines = [
+        "### One worker vs `--workers 2` (nothing pinned)",
+        "",
+        "`kvbaton serve --workers 2`: two router processes accept on one listening socket",
+        "(router/workers.py). Two workers need two cores, and this machine has two in all, so",
+        "here nothing is pinned: the router(s), the engines, redis-server and the load",
+        "generator share both CPUs, and the two rows differ only in the worker count. *Router",
+        "CPU* is the workers' and the supervisor's together (100% is one core).",
+        "",
+    ]
+    summary = []
+    for label, sweeps in res.items():
+        for name, sweep in sweeps.items():
+            held = [s for s in sweep["steps"] if s["holds"]]
+            best = max(held, key=lambda s: s["achieved"]) if held else None
+            summary.append(
+                [
+                    label,
+                    "streaming" if name == "stream" else "JSON",
+                    fmt(sweep["sustained_turns_s"], 0),
+                    fmt(sweep["sustained_chunks_s"], 0) if name == "stream" else "",
+                    f"{fmt(best['p50_ms'])} / {fmt(best['p99_ms'])}" if best else "",
+                    f"{best['router_cpu_util'] * 100:.0f}%" if best else "",
+                    fmt(sweep["cpu_ms_per_turn"], 3),
+                ]
+            )
+    lines += table(
+        [
+            "router",
+            "turns",
+            "sustained turns/s",
+            "SSE events/s",
+            "p50 / p99 ms there",
+            "router CPU there",
+            "CPU ms/turn",
+        ],
+        summary,
+    )
+    for label, sweeps in res.items():
+        for name, sweep in sweeps.items():
+            kind = "streaming" if name == "stream" else "JSON"
+            lines += [f"Steps, {label}, {kind} turns:", ""]
+            lines += sweep_table(sweep)
     return lines
 
 

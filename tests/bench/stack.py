@@ -70,6 +70,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes pid started, and theirs (e.g. `kvbaton serve --workers N`'s workers)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                for child in fh.read().split():
+                    found += [int(child), *descendants(int(child))]
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """cpu_seconds of pid and its live descendants (a worker that exited is not counted)."""
+    total = cpu_seconds(pid)
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(child)
+    return total
+
+
 def pin(pid: int, cpus: set[int] | None) -> bool:
     """taskset for a running process: every thread of pid onto cpus (None: all CPUs)."""
     target = cpus if cpus is not None else set(range(os.cpu_count() or 1))
@@ -153,7 +173,7 @@ class Stack:
         return [r.url for r in self.routers]
 
     def router_cpu(self) -> float:
-        return sum(cpu_seconds(r.proc.pid) for r in self.routers)
+        return sum(tree_cpu_seconds(r.proc.pid) for r in self.routers)
 
     def sims(self) -> list[SimProc]:
         return [*self.prefill, *self.decode]

@@ -1,7 +1,10 @@
-"""2. Throughput: the highest open-loop rate one router process sustains on one core.
+"""2. Throughput: the highest open-loop rate one router process sustains on one core, and
+what `--workers 2` changes.
 
 The router runs pinned to CPU 1 (taskset semantics, via sched_setaffinity on every thread);
-the engines, redis-server and the load generator share CPU 0. A step "holds" when at least
+the engines, redis-server and the load generator share CPU 0. Then, with nothing pinned (two
+workers need two cores, and this machine may have no more), the same sweeps against one
+worker and against two, so the two differ only in the worker count. A step "holds" when at least
 95% of the offered turns complete and p99 stays under HOLD_P99_FACTOR x the p99 of the first
 (lightest) step, and at most HOLD_P99_FLOOR_MS more; a step that does not hold is run
 once more, and the sweep stops at the first step that fails twice.
@@ -15,7 +18,7 @@ from typing import Any
 
 from tests.bench import overhead
 from tests.bench.plan import Plan
-from tests.bench.stack import LoadGen, Stack, pin, start_stack
+from tests.bench.stack import LoadGen, Stack, pin, start_stack, tree_cpu_seconds
 from tests.bench.stats import pct
 
 Tick = Callable[[str], None]
@@ -31,10 +34,8 @@ def can_pin() -> bool:
     return (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity")
 
 
-def _pin_all(st: Stack, lg: LoadGen) -> bool:
-    ok = True
-    for r in st.routers:
-        ok &= pin(r.proc.pid, {ROUTER_CPU})
+def _pin_all(router: int, st: Stack, lg: LoadGen) -> bool:
+    ok = pin(router, {ROUTER_CPU})
     for s in st.sims():
         ok &= pin(s.proc.pid, {OTHERS_CPU})
     if st.redis_proc is not None:
@@ -43,38 +44,56 @@ def _pin_all(st: Stack, lg: LoadGen) -> bool:
     return ok
 
 
+# The unpinned comparison: (label, router arguments).
+WORKERS = (("1 worker", []), ("2 workers", ["--workers", "2"]))
+
+
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
-    out: dict[str, Any] = {"pinned": False, "sweeps": {}}
+    out: dict[str, Any] = {"pinned": False, "sweeps": {}, "workers": {}}
     with start_stack(
         prefill_args=[overhead.P_ARGS],
         decode_args=[overhead.D_ARGS],
-        router_args=[[]],
+        router_args=[[], *(args for _, args in WORKERS)],
         name="throughput",
     ) as st:
         try:
-            out["pinned"] = can_pin() and _pin_all(st, lg)
-            for stream in (False, True):
-                name = "stream" if stream else "json"
-                out["sweeps"][name] = sweep(st, lg, plan, stream, tick)
+            out["pinned"] = can_pin() and _pin_all(st.routers[0].proc.pid, st, lg)
+            out["sweeps"] = sweeps(st, 0, lg, plan, tick, "")
         finally:
             pin(lg.proc.pid, None)
+            for s in st.sims():
+                pin(s.proc.pid, None)
+            if st.redis_proc is not None:
+                pin(st.redis_proc.pid, None)
+        for i, (label, _) in enumerate(WORKERS, start=1):
+            out["workers"][label] = sweeps(st, i, lg, plan, tick, f"{label}, ")
     return out
 
 
-def sweep(st: Stack, lg: LoadGen, plan: Plan, stream: bool, tick: Tick) -> dict[str, Any]:
+def sweeps(st: Stack, index: int, lg: LoadGen, plan: Plan, tick: Tick, label: str) -> Any:
+    """The JSON and the streaming sweep against router `index`."""
+    return {
+        ("stream" if stream else "json"): sweep(st, index, lg, plan, stream, tick, label)
+        for stream in (False, True)
+    }
+
+
+def sweep(
+    st: Stack, index: int, lg: LoadGen, plan: Plan, stream: bool, tick: Tick, label: str = ""
+) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     rate = plan.sweep_start
     base_p99 = None
     for _ in range(plan.sweep_steps):
-        tick(f"throughput {'stream' if stream else 'json'} {rate:.0f}/s")
-        step = _step(st, lg, plan, stream, rate)
+        tick(f"throughput {label}{'stream' if stream else 'json'} {rate:.0f}/s")
+        step = _step(st, index, lg, plan, stream, rate)
         if base_p99 is None:
             base_p99 = step["p99_ms"]
         limit = max(min(base_p99 * HOLD_P99_FACTOR, base_p99 + HOLD_P99_FLOOR_MS), 1.0)
         step["holds"] = _holds(step, limit)
         if not step["holds"]:
             # One tail spike (the engines' core is shared) must not end the sweep: retry once.
-            step = _step(st, lg, plan, stream, rate)
+            step = _step(st, index, lg, plan, stream, rate)
             step["holds"] = _holds(step, limit)
             step["retried"] = True
         steps.append(step)
@@ -103,10 +122,12 @@ def _holds(step: dict[str, Any], limit_ms: float) -> bool:
     return bool(step["completed_ratio"] >= 0.95 and step["p99_ms"] <= limit_ms)
 
 
-def _step(st: Stack, lg: LoadGen, plan: Plan, stream: bool, rate: float) -> dict[str, Any]:
+def _step(
+    st: Stack, index: int, lg: LoadGen, plan: Plan, stream: bool, rate: float
+) -> dict[str, Any]:
     spec = {
         "kind": "open",
-        "target": overhead.via_router(st),
+        "target": overhead.via_router(st, index),
         "stream": stream,
         "max_tokens": STREAM_TOKENS if stream else overhead.NONSTREAM_TOKENS,
         "rate": rate,
@@ -118,9 +139,10 @@ def _step(st: Stack, lg: LoadGen, plan: Plan, stream: bool, rate: float) -> dict
         "user_words": overhead.USER_WORDS,
     }
     overhead.reset_caches(st)
-    cpu0 = st.router_cpu()
+    router = st.routers[index].proc.pid
+    cpu0 = tree_cpu_seconds(router)
     r = lg.run(spec, timeout=plan.sweep_step_s + 60.0)
-    cpu = st.router_cpu() - cpu0
+    cpu = tree_cpu_seconds(router) - cpu0
     offered_n = max(1, int(rate * plan.sweep_step_s))
     events = sum(r["events"])
     return {
