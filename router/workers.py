@@ -3,8 +3,9 @@
 The supervisor opens the socket, starts each worker as `python -m router serve` with the
 same arguments (the socket and a readiness pipe inherited, WORKER_ENV saying which), forwards
 SIGTERM/SIGINT to them and exits when they have. A worker that dies after it was ready is
-started again; one that fails before it was ready (an engine or Redis check at start-up)
-stops the whole server with its exit status, as a single process would.
+started again (so is a replacement that fails at start, with a growing pause); one of the
+first workers that fails before it was ready (the start-up check of the engines) stops the
+whole server with its exit status, as a single process would.
 
 Each worker has its own event loop, engine connections, health checks and store breaker;
 sessions and the instance registry live in Redis, so any worker serves any turn.
@@ -66,6 +67,7 @@ class Worker:
     started: float
     ready: bool = False
     backoff: float = 0.0
+    replacement: bool = False  # started after another worker in its slot died
 
 
 @dataclass
@@ -75,10 +77,11 @@ class Supervisor:
     sock: socket.socket
     metrics_dir: str
     workers: dict[int, Worker] = field(default_factory=dict)
+    due: dict[int, tuple[float, float]] = field(default_factory=dict)  # index: (when, backoff)
     signals: int = 0
     exit_status: int = 0
 
-    def spawn(self, index: int, backoff: float = 0.0) -> Worker:
+    def spawn(self, index: int, backoff: float = 0.0, replacement: bool = False) -> Worker:
         read_fd, write_fd = os.pipe()
         slot = WorkerSlot(index, self.sock.fileno(), write_fd)
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
@@ -90,7 +93,9 @@ class Supervisor:
             start_new_session=True,  # Ctrl-C reaches the supervisor only; it forwards SIGTERM
         )
         os.close(write_fd)
-        worker = Worker(index, proc, read_fd, time.monotonic(), backoff=backoff)
+        worker = Worker(
+            index, proc, read_fd, time.monotonic(), backoff=backoff, replacement=replacement
+        )
         self.workers[index] = worker
         return worker
 
@@ -124,13 +129,14 @@ class Supervisor:
             mark_process_dead(worker.proc.pid, self.metrics_dir)  # type: ignore[no-untyped-call]
             if self.signals:
                 continue
-            if not worker.ready:
+            if not worker.ready and not worker.replacement:
                 log.error("worker %d failed at start (%s): stopping", index, describe(status))
                 self.exit_status = status if status > 0 else 1
                 self.on_signal(signal.SIGTERM, None)
                 continue
             lived = time.monotonic() - worker.started
-            backoff = min(max(worker.backoff * 2, 1.0), MAX_BACKOFF) if lived < CRASH_WINDOW else 0
+            short = lived < CRASH_WINDOW or not worker.ready
+            backoff = min(max(worker.backoff * 2, 1.0), MAX_BACKOFF) if short else 0.0
             log.error(
                 "worker %d (pid %d) %s; starting another in %.0f s",
                 index,
@@ -138,14 +144,16 @@ class Supervisor:
                 describe(status),
                 backoff,
             )
-            self.sleep(backoff)
-            if not self.signals:
-                self.spawn(index, backoff)
+            self.due[index] = (time.monotonic() + backoff, backoff)
 
-    def sleep(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self.signals and time.monotonic() < deadline:
-            time.sleep(POLL_INTERVAL)
+    def replace(self) -> None:
+        """Start the replacements whose pause is over (none once stopping)."""
+        for index, (when, backoff) in list(self.due.items()):
+            if self.signals:
+                self.due.clear()
+            elif time.monotonic() >= when:
+                del self.due[index]
+                self.spawn(index, backoff, replacement=True)
 
     def run(self) -> int:
         for index in range(self.settings.workers):
@@ -154,12 +162,13 @@ class Supervisor:
             "kvbaton serve: %d workers on %s:%d (pids %s)",
             self.settings.workers,
             self.settings.host,
-            self.settings.port,
+            self.sock.getsockname()[1],
             " ".join(str(w.proc.pid) for w in self.workers.values()),
         )
-        while self.workers:
+        while self.workers or self.due:
             self.check_ready()
             self.reap()
+            self.replace()
             time.sleep(POLL_INTERVAL)
         return self.exit_status
 
