@@ -572,8 +572,9 @@ def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
         for arm, label in reuse.ARMS.items():
             run = res["runs"].get(f"{cache}/{arm}", {})
             if "pending" in run or "tokens" not in run:
-                rows.append([cache, f"({arm}) {label}", *["pending"] * 7])
+                rows.append([cache, f"({arm}) {label}", *["pending"] * 8])
                 continue
+            busy = run.get("machine_busy")
             p, d = run["tokens"]["P"], run["tokens"]["D"]
             last = run["latency_by_turn"][str(plan.conv_turns)]
             rows.append(
@@ -587,6 +588,7 @@ def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
                     f"{d.get('external_kv_transfer', 0):,.0f}",
                     f"{run['wall_s']:.1f} s; last turn {pair(last, 'p50', 'p90', 0)} ms",
                     ", ".join(f"{k} {v}" for k, v in sorted(run["reuse"].items())),
+                    f"{busy * 100:.0f}%" if busy is not None else "n/a",
                 ]
             )
     return [
@@ -596,7 +598,9 @@ def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
         "the two D: *computed on P* (`local_compute`), P's prefix-cache hits, *pulled by P*",
         "from D (D->P reads, `external_kv_transfer` on P) and pulled by D from P (the usual P->D",
         "handoff). End to end: the whole workload's wall time, and the last turn's whole-response",
-        "latency p50 / p90.",
+        "latency p50 / p90. *Machine CPU busy*: both CPUs' busy time over the arm's runs (from",
+        "`/proc/stat`); near 100% the processes queue for a CPU, and TTFT measures that",
+        "queueing as well as the cost model.",
         "",
         *table(
             [
@@ -609,6 +613,7 @@ def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
                 "pulled by D (P->D)",
                 "end to end",
                 "X-KV-Reuse",
+                "machine CPU busy",
             ],
             rows,
         ),

@@ -19,7 +19,15 @@ from typing import Any
 from tests.bench import overhead
 from tests.bench.loadgen import words
 from tests.bench.plan import Plan
-from tests.bench.stack import LoadGen, RedisStats, Stack, by_source, post, start_stack
+from tests.bench.stack import (
+    LoadGen,
+    RedisStats,
+    Stack,
+    by_source,
+    machine_cpu,
+    post,
+    start_stack,
+)
 from tests.bench.stats import pct, summary_ms
 
 Tick = Callable[[str], None]
@@ -96,6 +104,7 @@ class Arm:
         self.turns: list[dict[str, Any]] = []
         self.wall = 0.0
         self.cpu = 0.0
+        self.busy = [0.0, 0.0]  # all CPUs' busy and total seconds during the runs
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Arm:
@@ -128,14 +137,19 @@ class Arm:
     def run(self, lg: LoadGen, rnd: int) -> None:
         target = overhead.direct(self.st) if self.arm == "c" else overhead.via_router(self.st)
         cpu0 = self.st.router_cpu()
+        busy0, total0 = machine_cpu()
         r = lg.run(conversation_job(self.plan, target, rnd), timeout=420.0)
         self.cpu += self.st.router_cpu() - cpu0
+        busy1, total1 = machine_cpu()
+        self.busy[0] += busy1 - busy0
+        self.busy[1] += total1 - total0
         self.wall += r["wall_s"]
         self.turns += r["turns"]
 
     def result(self) -> dict[str, Any]:
         delta = self.stats.read() if self.stats is not None else {}
         out = summarize(self.plan, self.st, self.turns, self.wall, self.cpu, delta)
+        out["machine_busy"] = self.busy[0] / self.busy[1] if self.busy[1] else None
         if self.arm == "a":
             out["tokenize"] = tokenize_cost(self.plan, self.st.prefill[0].url)
         return out

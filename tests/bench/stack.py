@@ -70,6 +70,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def machine_cpu() -> tuple[float, float]:
+    """All CPUs' (busy, total) seconds since boot, from /proc/stat (idle and iowait not busy)."""
+    with open("/proc/stat") as fh:
+        ticks = [int(x) for x in fh.readline().split()[1:]]
+    total = sum(ticks[:8])  # user nice system idle iowait irq softirq steal
+    return (total - ticks[3] - ticks[4]) / CLK_TCK, total / CLK_TCK
+
+
 def descendants(pid: int) -> list[int]:
     """The processes pid started, and theirs (e.g. `kvbaton serve --workers N`'s workers)."""
     found: list[int] = []
