@@ -4,10 +4,12 @@ held to one connection (so to one worker), keeps a conversation going across the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import BIDIR, Stack, metric, pulled
-from tests.e2e.harness import router
+from tests.e2e.harness import RouterProc, router
 from tests.e2e.test_conversation import chat_turn, reference_chat
 from tests.procs import ROOT, free_port, sim
 
@@ -37,11 +39,20 @@ class Pinned:
     http: httpx.Client
     pid: int
 
+    def sample(self, name: str, label: str = "") -> float:
+        """The sum of a metric's samples on this worker's /metrics (those with `label`)."""
+        total = 0.0
+        for line in self.http.get("/metrics").text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key.split("{")[0] == name and label in key:
+                total += float(value)
+        return total
+
     def requests_total(self) -> float:
-        text = self.http.get("/metrics").text
-        return sum(
-            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(REQUESTS)
-        )
+        return self.sample(REQUESTS)
+
+    def decode_in_flight(self) -> float:
+        return self.sample("kvbaton_backend_inflight_requests", 'role="decode"')
 
 
 def pin(url: str, stack: ExitStack) -> Pinned:
@@ -166,49 +177,56 @@ def test_a_killed_worker_is_replaced_and_its_counts_are_kept(stack: Stack) -> No
         assert c.requests_total() == before + 1
 
 
-def test_sigterm_stops_every_worker(redis_url_session: str) -> None:
+@contextlib.contextmanager
+def two_worker_router(
+    redis_url: str, name: str, *d_args: str
+) -> Iterator[tuple[RouterProc, set[int]]]:
+    """Its own P, D and `--workers 2` router, both workers seen serving; (router, worker pids)."""
     with (
-        sim("prefill", name="workers-term-p") as p,
-        sim("decode", name="workers-term-d") as d,
+        sim("prefill", name=f"{name}-p") as p,
+        sim("decode", *d_args, name=f"{name}-d") as d,
         router(
-            [p.url],
-            [d.url],
-            "--workers",
-            "2",
-            redis_url=redis_url_session,
-            name="workers-term",
-            ready_timeout=40.0,
+            [p.url], [d.url], "--workers", "2", redis_url=redis_url, name=name, ready_timeout=40.0
         ) as r,
     ):
         with ExitStack() as held:
             two_workers(r.url, held)
         workers = children(r.proc.pid)
         assert len(workers) == 2
+        yield r, workers
+
+
+def test_sigterm_stops_every_worker(redis_url_session: str) -> None:
+    with two_worker_router(redis_url_session, "workers-term") as (r, workers):
         r.proc.send_signal(signal.SIGTERM)
         assert r.proc.wait(15) == 0
         assert not any(alive(pid) for pid in workers)
 
 
 def test_workers_leave_when_the_supervisor_is_killed(redis_url_session: str) -> None:
-    with (
-        sim("prefill", name="workers-kill-p") as p,
-        sim("decode", name="workers-kill-d") as d,
-        router(
-            [p.url],
-            [d.url],
-            "--workers",
-            "2",
-            redis_url=redis_url_session,
-            name="workers-kill",
-            ready_timeout=40.0,
-        ) as r,
-    ):
-        with ExitStack() as held:
-            two_workers(r.url, held)
-        workers = children(r.proc.pid)
+    with two_worker_router(redis_url_session, "workers-kill") as (r, workers):
         r.proc.kill()
         r.proc.wait(5)
         wait_for(lambda: not any(alive(pid) for pid in workers), "the orphans to exit", 10)
+
+
+def test_in_flight_requests_are_summed_over_the_workers(redis_url_session: str) -> None:
+    # D paces its tokens 100 ms apart: a 20-token stream on one worker lasts 2 s.
+    slow = ("--decode-ms-per-token", "100")
+    with two_worker_router(redis_url_session, "workers-busy", *slow) as (r, _), ExitStack() as held:
+        a, b = two_workers(r.url, held)
+        streaming = threading.Thread(
+            target=chat_turn,
+            args=(a.api, [{"role": "user", "content": "a slow one"}]),
+            kwargs={"stream": True, "cid": None, "max_tokens": 20},
+        )
+        streaming.start()
+        try:
+            # Asked on the other worker: the stream is counted through the shared files.
+            wait_for(lambda: b.decode_in_flight() == 1, "the other worker's stream", timeout=5)
+        finally:
+            streaming.join(30)
+        wait_for(lambda: b.decode_in_flight() == 0, "the stream to end", timeout=5)
 
 
 def test_a_worker_that_fails_at_start_stops_the_server() -> None:
