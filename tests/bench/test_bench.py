@@ -77,6 +77,13 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
         assert f"]({name})" in report, f"the report does not show {name}"
     raw = json.loads((quick_run / "bench-results.json").read_text())
     assert {"meta", "overhead", "throughput", "reuse"} <= set(raw)
+    # Throughput with two workers, beside one, each a JSON and a streaming sweep.
+    assert "### One worker vs `--workers 2` (nothing pinned)" in report
+    workers = raw["throughput"]["workers"]
+    assert set(workers) == {"1 worker", "2 workers"}
+    for sweeps in workers.values():
+        assert set(sweeps) == {"json", "stream"}
+        assert all(step["achieved"] > 0 for s in sweeps.values() for step in s["steps"])
 
 
 @pytest.mark.e2e
