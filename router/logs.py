@@ -51,7 +51,12 @@ def turn_fields(record: logging.LogRecord) -> dict[str, Any] | None:
 
 
 class JsonFormatter(logging.Formatter):
-    """`{"ts", "level", "logger", "message"}` plus `turn` and `exc` when there are any."""
+    """`{"ts", "level", "logger", "message"}` plus `worker`, `turn` and `exc` when there are
+    any."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
@@ -61,6 +66,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self.worker is not None:
+            out["worker"] = self.worker
         fields = turn_fields(record)
         if fields is not None:
             out["turn"] = fields
@@ -71,12 +78,17 @@ class JsonFormatter(logging.Formatter):
         return _encode(out).decode()
 
 
-def formatter(log_format: str) -> logging.Formatter:
-    return JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+def formatter(log_format: str, worker: int | None = None) -> logging.Formatter:
+    """With `--workers N`, each worker's lines say which one (`worker` from 0)."""
+    if log_format == "json":
+        return JsonFormatter(worker)
+    if worker is None:
+        return logging.Formatter(TEXT_FORMAT)
+    return logging.Formatter(TEXT_FORMAT.replace("%(name)s", f"worker={worker} %(name)s"))
 
 
-def setup_logging(level: str, log_format: str) -> None:
+def setup_logging(level: str, log_format: str, worker: int | None = None) -> None:
     """One stderr handler on the root logger; every logger (Hypercorn's too) propagates to it."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter(log_format))
+    handler.setFormatter(formatter(log_format, worker))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -163,12 +163,12 @@ def serve_main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"kvbaton serve: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level, settings.log_format)
     try:
         slot = worker_slot()
     except ConfigError as exc:
         print(f"kvbaton serve: {exc}", file=sys.stderr)
         return 2
+    setup_logging(settings.log_level, settings.log_format, slot.index if slot else None)
     if settings.workers > 1 and slot is None:
         return supervise(settings, argv)
     try:

@@ -114,3 +114,11 @@ def test_setup_logging_installs_one_root_handler(restore_root: None) -> None:
     handler.setStream(stream)  # type: ignore[attr-defined]
     logging.getLogger("hypercorn.error").warning("Running on %s", "x")
     assert json.loads(stream.getvalue())["message"] == "Running on x"
+
+
+def test_a_workers_lines_say_which_worker() -> None:
+    record = logging.LogRecord("kvbaton.app", logging.INFO, __file__, 1, "ready", (), None)
+    assert json.loads(formatter("json", worker=1).format(record))["worker"] == 1
+    assert "worker" not in json.loads(formatter("json").format(record))
+    assert " INFO worker=1 kvbaton.app ready" in formatter("text", worker=1).format(record)
+    assert "worker=" not in formatter("text").format(record)
