@@ -41,44 +41,48 @@ LATENCY_BUCKETS = (
 )
 
 
+# Named once: the collector reads them from this process, `_Published` writes them for all.
+INFLIGHT = ("kvbaton_backend_inflight_requests", "Requests in flight per instance")
+CIRCUIT = (
+    "kvbaton_store_circuit_open",
+    "1 while the session store is skipped after a failure (routing without reuse)",
+)
+INSTANCE = ["role", "instance"]
+
+
 class _StateCollector(Collector):
-    """Gauges read at scrape time from the live pool and store breaker (nothing to update)."""
+    """Gauges read at scrape time from the live pool and store breaker (nothing to update).
+    With several workers, in-flight requests and the breaker come from `_Published` instead."""
 
     def __init__(self, pool: Pool, store_open: Callable[[], bool], *, shared: bool) -> None:
         self._pool = pool
         self._store_open = store_open
-        self._shared = shared  # inflight and circuit come from the workers' files instead
+        self._shared = shared
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        instances = self._pool.instances()
         healthy = GaugeMetricFamily(
-            "kvbaton_backend_healthy",
-            "1 if the instance takes new turns, else 0",
-            labels=["role", "instance"],
-        )
-        inflight = GaugeMetricFamily(
-            "kvbaton_backend_inflight_requests",
-            "Requests in flight per instance",
-            labels=["role", "instance"],
+            "kvbaton_backend_healthy", "1 if the instance takes new turns, else 0", labels=INSTANCE
         )
         restarts = CounterMetricFamily(
             "kvbaton_backend_restarts",
             "Restarts seen per instance (a new process start time): its handles are not used",
-            labels=["role", "instance"],
+            labels=INSTANCE,
         )
-        for inst in self._pool.instances():
+        for inst in instances:
             healthy.add_metric([inst.role, inst.url], 1.0 if inst.usable else 0.0)
-            inflight.add_metric([inst.role, inst.url], float(inst.outstanding))
             restarts.add_metric([inst.role, inst.url], float(inst.restarts))
-        circuit = GaugeMetricFamily(
-            "kvbaton_store_circuit_open",
-            "1 while the session store is skipped after a failure (routing without reuse)",
-        )
-        circuit.add_metric([], 1.0 if self._store_open() else 0.0)
         yield healthy
         yield restarts
-        if not self._shared:
-            yield inflight
-            yield circuit
+        if self._shared:
+            return
+        inflight = GaugeMetricFamily(*INFLIGHT, labels=INSTANCE)
+        for inst in instances:
+            inflight.add_metric([inst.role, inst.url], float(inst.outstanding))
+        circuit = GaugeMetricFamily(*CIRCUIT)
+        circuit.add_metric([], 1.0 if self._store_open() else 0.0)
+        yield inflight
+        yield circuit
 
 
 class _Published:
@@ -89,19 +93,8 @@ class _Published:
         self._pool = pool
         self._store_open = store_open
         self._seen: set[tuple[str, str]] = set()
-        self.inflight = Gauge(
-            "kvbaton_backend_inflight_requests",
-            "Requests in flight per instance",
-            ["role", "instance"],
-            registry=None,
-            multiprocess_mode="livesum",
-        )
-        self.circuit = Gauge(
-            "kvbaton_store_circuit_open",
-            "1 while the session store is skipped after a failure (routing without reuse)",
-            registry=None,
-            multiprocess_mode="livemax",
-        )
+        self.inflight = Gauge(*INFLIGHT, INSTANCE, registry=None, multiprocess_mode="livesum")
+        self.circuit = Gauge(*CIRCUIT, registry=None, multiprocess_mode="livemax")
 
     def publish(self) -> None:
         now = set()
