@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +52,16 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | N
             last = exc
         time.sleep(0.05)
     raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> float:
+    """Poll until predicate holds; returns the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        time.sleep(0.05)
+    return time.monotonic() - start
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:

@@ -60,6 +60,22 @@ def chat_turn(
     return raw.parse().choices[0].message.content or "", raw.headers["x-kv-reuse"]
 
 
+def checked_turn(
+    stack: Stack, api: openai.OpenAI, messages: list[dict[str, str]], turn: int, **kw: Any
+) -> None:
+    """Turn `turn` of a conversation (chat_turn's keywords): turn 1 misses, later turns hit
+    with P pulling from D; the answer equals the reference engine's and joins `messages`."""
+    before = pulled(stack.p.url)
+    answer, reuse = chat_turn(api, messages, **kw)
+    assert answer == reference_chat(stack, messages, 24), f"turn {turn}"
+    if turn == 1:
+        assert reuse == "miss;reason=no-session"
+    else:
+        assert reuse == "hit", f"turn {turn}: {reuse}"
+        assert pulled(stack.p.url) > before, f"turn {turn}: P pulled nothing from D"
+    messages.append({"role": "assistant", "content": answer})
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_five_turn_chat_hits_and_answers_exactly(stack: Stack, stream: bool) -> None:
     api = client(stack.router.base_url)
@@ -67,15 +83,7 @@ def test_five_turn_chat_hits_and_answers_exactly(stack: Stack, stream: bool) -> 
     messages = [{"role": "system", "content": f"{SYSTEM} Mode {stream}."}]
     for turn in range(1, 6):
         messages.append({"role": "user", "content": f"Question {turn}: is it going to rain today?"})
-        before = pulled(stack.p.url)
-        answer, reuse = chat_turn(api, messages, stream=stream, cid=cid)
-        assert answer == reference_chat(stack, messages, 24), f"turn {turn}"
-        if turn == 1:
-            assert reuse == "miss;reason=no-session"
-        else:
-            assert reuse == "hit", f"turn {turn}: {reuse}"
-            assert pulled(stack.p.url) > before, f"turn {turn}: P pulled nothing from D"
-        messages.append({"role": "assistant", "content": answer})
+        checked_turn(stack, api, messages, turn, stream=stream, cid=cid)
 
 
 def test_conversation_id_by_header(stack: Stack) -> None:

@@ -10,9 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +20,10 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import BIDIR, Stack, metric, pulled
+from tests.e2e.conftest import BIDIR, Stack, metric
 from tests.e2e.harness import RouterProc, router
-from tests.e2e.test_conversation import chat_turn, reference_chat
-from tests.procs import ROOT, free_port, sim
+from tests.e2e.test_conversation import chat_turn, checked_turn
+from tests.procs import ROOT, free_port, redis_server, sim, stop, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -88,15 +87,6 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_for(check: object, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def stack(redis_url_session: str) -> Iterator[Stack]:
     with (
@@ -124,17 +114,9 @@ def test_a_conversation_moves_between_workers_and_hits(stack: Stack, stream: boo
         cid = f"workers-{uuid.uuid4().hex[:8]}"
         messages = [{"role": "system", "content": f"Two workers, stream {stream}."}]
         for turn, via in enumerate((a, b, a, b), start=1):
+            # From turn 2, the previous turn ran on the other worker: its handle came via Redis.
             messages.append({"role": "user", "content": f"Question {turn}: which worker is it?"})
-            before = pulled(stack.p.url)
-            answer, reuse = chat_turn(via.api, messages, stream=stream, cid=cid)
-            assert answer == reference_chat(stack, messages, 24), f"turn {turn}"
-            if turn == 1:
-                assert reuse == "miss;reason=no-session"
-            else:
-                # The previous turn ran on the other worker: its handle came through Redis.
-                assert reuse == "hit", f"turn {turn} on worker {via.pid}: {reuse}"
-                assert pulled(stack.p.url) > before, f"turn {turn}: P pulled nothing from D"
-            messages.append({"role": "assistant", "content": answer})
+            checked_turn(stack, via.api, messages, turn, stream=stream, cid=cid)
 
 
 def test_metrics_count_the_turns_of_both_workers(stack: Stack) -> None:
@@ -149,7 +131,7 @@ def test_metrics_count_the_turns_of_both_workers(stack: Stack) -> None:
         assert a.requests_total() == before + 6
         assert b.requests_total() == before + 6
         # In-flight requests: the other worker's part is published every second.
-        wait_for(
+        wait_until(
             lambda: metric(stack.router.url, "kvbaton_backend_inflight_requests") == 0,
             "nothing in flight",
             timeout=5,
@@ -167,7 +149,7 @@ def test_a_killed_worker_is_replaced_and_its_counts_are_kept(stack: Stack) -> No
             a.api, [{"role": "user", "content": "still there?"}], stream=False, cid=None
         )
         assert answer and reuse == "skip;reason=no-conversation-id"
-        wait_for(
+        wait_until(
             lambda: len(children(supervisor) - {a.pid, b.pid}) == 1, "a new worker", timeout=30
         )
     with ExitStack() as held:
@@ -179,15 +161,14 @@ def test_a_killed_worker_is_replaced_and_its_counts_are_kept(stack: Stack) -> No
 
 @contextlib.contextmanager
 def two_worker_router(
-    redis_url: str, name: str, *d_args: str
+    redis_url: str, name: str, *d_args: str, router_args: Sequence[str] = ()
 ) -> Iterator[tuple[RouterProc, set[int]]]:
     """Its own P, D and `--workers 2` router, both workers seen serving; (router, worker pids)."""
+    args = ("--workers", "2", *router_args)
     with (
         sim("prefill", name=f"{name}-p") as p,
         sim("decode", *d_args, name=f"{name}-d") as d,
-        router(
-            [p.url], [d.url], "--workers", "2", redis_url=redis_url, name=name, ready_timeout=40.0
-        ) as r,
+        router([p.url], [d.url], *args, redis_url=redis_url, name=name, ready_timeout=40.0) as r,
     ):
         with ExitStack() as held:
             two_workers(r.url, held)
@@ -207,7 +188,7 @@ def test_workers_leave_when_the_supervisor_is_killed(redis_url_session: str) -> 
     with two_worker_router(redis_url_session, "workers-kill") as (r, workers):
         r.proc.kill()
         r.proc.wait(5)
-        wait_for(lambda: not any(alive(pid) for pid in workers), "the orphans to exit", 10)
+        wait_until(lambda: not any(alive(pid) for pid in workers), "the orphans to exit", 10)
 
 
 def test_in_flight_requests_are_summed_over_the_workers(redis_url_session: str) -> None:
@@ -223,10 +204,29 @@ def test_in_flight_requests_are_summed_over_the_workers(redis_url_session: str) 
         streaming.start()
         try:
             # Asked on the other worker: the stream is counted through the shared files.
-            wait_for(lambda: b.decode_in_flight() == 1, "the other worker's stream", timeout=5)
+            wait_until(lambda: b.decode_in_flight() == 1, "the other worker's stream", timeout=5)
         finally:
             streaming.join(30)
-        wait_for(lambda: b.decode_in_flight() == 0, "the stream to end", timeout=5)
+        wait_until(lambda: b.decode_in_flight() == 0, "the stream to end", timeout=5)
+
+
+def test_one_workers_open_store_breaker_shows_on_the_other(redis_url_session: str) -> None:
+    # The breaker stays open 30 s; no registry re-read (which also calls Redis) meanwhile.
+    args = ("--store-retry-after", "30", "--health-interval", "60")
+    with (
+        redis_server() as (redis_url, _, redis_proc),
+        two_worker_router(redis_url, "workers-circuit", router_args=args) as (r, _),
+        ExitStack() as held,
+    ):
+        a, b = two_workers(r.url, held)
+        assert b.sample("kvbaton_store_circuit_open") == 0
+        stop(redis_proc)
+        messages = [{"role": "user", "content": "Redis is gone"}]
+        _, reuse = chat_turn(a.api, messages, stream=False, cid="workers-circuit")
+        assert reuse == "miss;reason=store-unavailable"
+        # Only a's breaker opened; b answers the scrape with a's published value.
+        wait_until(lambda: b.sample("kvbaton_store_circuit_open") == 1, "a's open breaker", 5)
+        assert b.http.get("/status").json()["store"]["circuit_open"] is False
 
 
 def test_a_worker_that_fails_at_start_stops_the_server() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import RouterProc
-from tests.procs import SimProc, redis_server, restart_redis, sim, sims, stop
+from tests.procs import SimProc, redis_server, restart_redis, sim, sims, stop, wait_until
 from tests.reliability.helpers import (
     clear_faults,
     get_json,
@@ -22,7 +22,6 @@ from tests.reliability.helpers import (
     router,
     running,
     started,
-    wait_until,
 )
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")

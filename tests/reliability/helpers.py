@@ -171,16 +171,6 @@ class Conversation:
         return reply
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> float:
-    """Poll until predicate holds; returns the seconds it took."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
 def total(sims: list[SimProc], name: str, **labels: str) -> float:
     """A counter summed over several simulators."""
     return sum(metric(s.url, name, **labels) for s in sims)

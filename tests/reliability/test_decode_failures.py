@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from tests.procs import SimProc
+from tests.procs import SimProc, wait_until
 from tests.reliability.conftest import ADMIN_KEY, FIRST_BYTE_TIMEOUT, Stack
 from tests.reliability.helpers import (
     JSON,
@@ -25,7 +25,6 @@ from tests.reliability.helpers import (
     running,
     session,
     total,
-    wait_until,
 )
 
 pytestmark = pytest.mark.e2e

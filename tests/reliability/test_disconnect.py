@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.harness import RouterProc
+from tests.procs import wait_until
 from tests.reliability.conftest import Slow
 from tests.reliability.helpers import (
     Conversation,
@@ -21,7 +22,6 @@ from tests.reliability.helpers import (
     router,
     running,
     send_and_hang_up,
-    wait_until,
 )
 
 pytestmark = pytest.mark.e2e

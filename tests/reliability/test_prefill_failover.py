@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.procs import SimProc
+from tests.procs import SimProc, wait_until
 from tests.reliability.conftest import PREFILL_TIMEOUT, UNHEALTHY_AFTER, Stack
 from tests.reliability.helpers import (
     Conversation,
@@ -21,7 +21,6 @@ from tests.reliability.helpers import (
     running,
     session,
     total,
-    wait_until,
 )
 
 pytestmark = pytest.mark.e2e

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.procs import wait_until
 from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
 from tests.reliability.helpers import (
     JSON,
@@ -19,7 +20,6 @@ from tests.reliability.helpers import (
     router,
     running,
     session,
-    wait_until,
 )
 
 pytestmark = pytest.mark.e2e

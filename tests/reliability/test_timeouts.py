@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.harness import RouterProc
+from tests.procs import wait_until
 from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
 from tests.reliability.helpers import (
     Conversation,
@@ -22,7 +23,6 @@ from tests.reliability.helpers import (
     router,
     running,
     session,
-    wait_until,
 )
 
 pytestmark = pytest.mark.e2e
