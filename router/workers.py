@@ -157,7 +157,8 @@ class Supervisor:
 
     def run(self) -> int:
         for index in range(self.settings.workers):
-            self.spawn(index)
+            if not self.signals:  # a signal during the start: the rest would never get one
+                self.spawn(index)
         log.info(
             "kvbaton serve: %d workers on %s:%d (pids %s)",
             self.settings.workers,

@@ -94,3 +94,9 @@ def test_nothing_is_replaced_while_stopping(sup: Recording) -> None:
     sup.replace()
     assert not sup.workers and not sup.due
     assert sup.spawned == []
+
+
+def test_a_signal_during_the_start_spawns_no_more_workers(sup: Recording) -> None:
+    sup.signals = 1  # Ctrl-C arrived while the first workers were being started
+    assert sup.run() == 0
+    assert sup.spawned == []
