@@ -82,6 +82,8 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         params, reason = None, "tool-calls"
     elif params is None:
         reason = "stream-no-kv-params" if inc.stream else "no-kv-params"
+    if _ids_differ(turn, captured):
+        params, reason = None, "prompt-ids-differ"
     prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
     token_ids: list[int] | None = None
     if turn.want_token_ids and captured.prompt_token_ids is not None:
@@ -108,6 +110,20 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         handle_ttl=svc.settings.handle_ttl,
         decode_started=turn.decode.started,
     )
+
+
+def _ids_differ(turn: Turn, captured: Captured) -> bool:
+    """D rendered the prompt into other token ids than P's /tokenize gave, which P computed:
+    D's KV for this turn may be wrong, and P must not get token ids again in this process."""
+    sent, seen = turn.prefill_ids, captured.prompt_token_ids
+    if sent is None or seen is None or seen == sent:
+        return False
+    turn.svc.switch_ids_leg_off(
+        f"{turn.decode.url if turn.decode else 'decode'} tokenized a prompt into "
+        f"{len(seen)} ids, P's /tokenize into {len(sent)} that differ; check that both run "
+        "the same model, tokenizer and chat template (--no-prefill-token-ids keeps this off)"
+    )
+    return True
 
 
 def _digests(inc: Incoming, captured: Captured) -> tuple[str, int, str, int]:

@@ -34,6 +34,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     min_reuse_tokens: int = 0
     stream_kv_params: bool = False
+    prefill_token_ids: bool = True
     engine_api_key: str = ""
     tenant_header: str = ""
     admin_key: str = ""
@@ -100,6 +101,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "stream_kv_params",
         "the decode engines stream kv_transfer_params in the final SSE chunk (vLLM PR #40186)",
+        bool,
+    ),
+    Flag(
+        "prefill_token_ids",
+        "on a turn whose prompt P has just tokenized (to verify a handle), send P the token "
+        "ids on /v1/completions instead of the chat body: P does not render and tokenize the "
+        "conversation again",
         bool,
     ),
     Flag("engine_api_key", "Bearer key sent to the engines (vLLM --api-key)"),

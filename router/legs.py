@@ -13,7 +13,8 @@ import msgspec
 from router import handoff
 from router.backends import Instance
 from router.errors import RouterError, UpstreamError
-from router.rewrite import prefill_body
+from router.incoming import Incoming
+from router.rewrite import ids_prefill_body, prefill_body
 from router.tracing import span
 from router.upstream import UpstreamFailure
 
@@ -43,6 +44,7 @@ class Prefilled:
     instance: Instance
     params: dict[str, Any] | None
     rejected_handle: bool
+    prompt_ids: list[int] | None = None  # the prompt as token ids, when P got it that way
 
 
 def _parse(raw: bytes) -> dict[str, Any] | None:
@@ -53,22 +55,35 @@ def _parse(raw: bytes) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+def _request(
+    inc: Incoming, params: dict[str, Any] | None, ids: list[int] | None
+) -> tuple[dict[str, Any], str]:
+    """P's body and path: the client's request, or its prompt as token ids on completions."""
+    kv = params or handoff.miss_params()
+    if ids is not None:
+        return ids_prefill_body(inc.body, ids, kv), PATHS["completions"]
+    body = prefill_body(inc.body, kv, api=inc.api)
+    if inc.api == "responses":
+        body["store"] = False  # P's one-token response is never worth keeping
+    return body, PATHS[inc.api]
+
+
 async def prefill(turn: Turn, inst: Instance) -> Prefilled:
     """Run the P leg; a rejected handle is retried once as a miss, a failed P on another P."""
     svc, inc = turn.svc, turn.inc
     params = turn.claim.params
+    ids = turn.claim.prompt_ids if svc.ids_leg_on() else None
     rejected = False
+    refused_ids = 0
     tried: list[str] = []
     while True:
-        body = prefill_body(inc.body, params or handoff.miss_params(), api=inc.api)
-        if inc.api == "responses":
-            body["store"] = False  # P's one-token response is never worth keeping
+        body, path = _request(inc, params, ids)
         started = time.monotonic()
         reached = True
         with svc.pool.busy(inst), span("kvbaton.prefill", instance=inst.url, hit=bool(params)):
             try:
                 status, raw = await svc.upstream.post_json(
-                    inst.url + PATHS[inc.api],
+                    inst.url + path,
                     body,
                     request_id=turn.request_id,
                     extra_headers=inc.forward_headers,
@@ -83,14 +98,25 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
         svc.metrics.upstream.labels("prefill", inst.url, outcome).observe(
             time.monotonic() - started
         )
+        if ids is not None and 400 <= status < 500:
+            # P refused the prompt as token ids (it answers 4xx before reading any KV): send
+            # the client's body instead; if P takes that, it does not take ids at all.
+            log.warning("prefill %s refused the prompt as token ids (HTTP %s)", inst.url, status)
+            ids, refused_ids = None, status
+            continue
         if status == 200 and parsed is not None and not handoff.prefill_failed(status, parsed):
             svc.pool.record_success(inst)
+            if refused_ids:
+                svc.switch_ids_leg_off(
+                    f"{inst.url} answered {refused_ids} to /v1/completions with token ids "
+                    "and 200 to the same prompt as the client sent it"
+                )
             p_params = parsed.get("kv_transfer_params")
             if not handoff.is_handle(p_params):
                 # P answered without a handoff: D prefills locally (never the P-leg dict).
                 log.info("prefill %s returned no kv_transfer_params; D recomputes", inst.url)
                 p_params = None
-            return Prefilled(inst, p_params, rejected)
+            return Prefilled(inst, p_params, rejected, ids)
         if params is not None and (status != 0 or reached):
             # P refused the handle (a failed or declined D->P read answers 500 under
             # kv_load_failure_policy=fail, vLLM #34896), or may still be reading it (a

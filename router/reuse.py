@@ -15,6 +15,7 @@ import msgspec
 from router import handoff
 from router.backends import Pool
 from router.incoming import Incoming, canonical_items
+from router.rewrite import ids_leg_allowed
 from router.services import Services
 from router.tracing import span
 from router.upstream import UpstreamFailure
@@ -58,6 +59,8 @@ class Claim:
     reuse: Reuse
     params: dict[str, Any] | None = None
     claimed: bool = False
+    # The new prompt as P's /tokenize rendered it, when the P leg may send it as token ids.
+    prompt_ids: list[int] | None = None
 
     def miss(self, reason: str) -> Claim:
         return replace(self, reuse=Reuse("miss", reason), params=None)
@@ -185,13 +188,21 @@ async def prompt_token_ids(
     return tokens
 
 
+def _ids_leg(svc: Services, inc: Incoming) -> bool:
+    """Whether P may get the prompt as the ids /tokenize just gave (a token-id prompt is
+    sent as it came: P has its ids already)."""
+    if inc.api == "completions" and not isinstance(inc.prompt, str):
+        return False
+    return svc.ids_leg_on() and ids_leg_allowed(inc.api, inc.body)
+
+
 async def verify(
     svc: Services, inc: Incoming, found: Claim, prefill_url: str, request_id: str
 ) -> Claim:
     """Keep the hit only for the longest verified prefix of D's sequence."""
     if found.params is None or found.state is None:
         return found
-    state = found.state
+    state, held = found.state, found.params
     verdict = _prefix_verdict(inc, state)
     if verdict == "mismatch":
         return found.miss("prefix-mismatch")
@@ -204,11 +215,13 @@ async def verify(
     tokens = await prompt_token_ids(svc, inc, prefill_url, request_id)
     if tokens is None:
         return found.miss("tokenize-failed")
+    if _ids_leg(svc, inc):
+        found = replace(found, prompt_ids=tokens)
     verified = sm.verified_tokens(state, tokens)
     floor = max(svc.settings.min_reuse_tokens, state.block_size, 1)
     if verified < floor:
         return found.miss("prefix-mismatch")
     if verified >= state.token_count:
         return found
-    params = handoff.truncate(found.params, verified, state.block_size)
+    params = handoff.truncate(held, verified, state.block_size)
     return replace(found, params=params, reuse=Reuse("hit", tokens=verified))

@@ -42,6 +42,58 @@ def prefill_body(
     return out
 
 
+# A P leg sent as token ids (/v1/completions) keeps only what changes P's KV: the model
+# (and LoRA), the cache salt (part of every block hash) and the scheduling priority. The
+# rest shapes sampling or output, and P's one token is discarded.
+_IDS_LEG_FIELDS = ("model", "cache_salt", "priority")
+# Fields that change the prompt P's own route would build from the body but that /tokenize
+# does not take (or that carry more than token ids): with any of them P gets the body.
+_NOT_RENDERED_BY_TOKENIZE = (
+    "truncate_prompt_tokens",
+    "reasoning_effort",
+    "mm_processor_kwargs",
+    "prompt_embeds",
+    "multi_modal_data",
+)
+
+
+def ids_leg_allowed(api: str, body: Mapping[str, Any]) -> bool:
+    """Whether /tokenize's token ids are the whole prompt P would build from `body`: text
+    only (an image's placeholder tokens do not carry the image), nothing /tokenize ignores."""
+    if api not in ("chat", "completions"):
+        return False
+    if any(k in body for k in _NOT_RENDERED_BY_TOKENIZE):
+        return False
+    if api == "completions":
+        return True
+    messages = body.get("messages")
+    return isinstance(messages, list) and all(_text_only(m) for m in messages)
+
+
+def _text_only(message: object) -> bool:
+    if not isinstance(message, Mapping):
+        return False
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, Mapping) and part.get("type") == "text" for part in content
+    )
+
+
+def ids_prefill_body(
+    body: Mapping[str, Any], prompt_ids: list[int], kv_params: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The P leg as /v1/completions on the prompt's token ids (from P's own /tokenize), so P
+    does not render and tokenize the whole conversation a second time."""
+    out = {k: body[k] for k in _IDS_LEG_FIELDS if k in body}
+    out["prompt"] = prompt_ids
+    out["max_tokens"] = 1
+    out["stream"] = False
+    out[KV_FIELD] = dict(kv_params)
+    return out
+
+
 def decode_body(
     body: Mapping[str, Any], kv_params: Mapping[str, Any] | None, *, return_token_ids: bool
 ) -> dict[str, Any]:

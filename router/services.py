@@ -68,3 +68,15 @@ class Services:
     clock: Callable[[], float] = time.time
     stopping: bool = False
     inflight: set[object] = field(default_factory=set)
+    # Why P no longer gets prompts as token ids in this process ("" while it does).
+    ids_leg_off: str = ""
+
+    def ids_leg_on(self) -> bool:
+        return self.settings.prefill_token_ids and not self.ids_leg_off
+
+    def switch_ids_leg_off(self, reason: str) -> None:
+        if not self.ids_leg_off:
+            self.ids_leg_off = reason
+            logging.getLogger("kvbaton.legs").error(
+                "P legs by token ids switched off in this process: %s", reason
+            )

@@ -78,6 +78,8 @@ async def status(request: Request) -> Response:
         "model": svc.model,
         "block_size": svc.block_size,
         "reuse": svc.settings.reuse,
+        # P legs by token ids (--prefill-token-ids), and why this process stopped them if it did.
+        "prefill_token_ids": {"on": svc.ids_leg_on(), "off_reason": svc.ids_leg_off},
         "stopping": svc.stopping,
         # With --workers N, one of N processes answered: the instances' health, load and the
         # breaker below are this worker's view.

@@ -38,6 +38,7 @@ class Turn:
     started: float
     prefill: Instance | None = None
     decode: Instance | None = None
+    prefill_ids: list[int] | None = None  # the prompt P got as token ids, if it did
     want_token_ids: bool = False
     first_byte: float = 0.0
     _reuse_counted: bool = False
@@ -101,6 +102,7 @@ async def _route(turn: Turn) -> Response:
     while True:
         prefilled = await prefill(turn, p_inst)
         turn.prefill = prefilled.instance
+        turn.prefill_ids = prefilled.prompt_ids
         if prefilled.rejected_handle:
             turn.claim = turn.claim.miss("handle-rejected")
         d_inst = _pick_decode(svc, state.decode if state else "", tried)

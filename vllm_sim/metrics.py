@@ -22,6 +22,8 @@ class Counters:
     nixl_transfers: int = 0
     nixl_bytes_transferred: int = 0
     request_success: dict[str, int] = field(default_factory=dict)
+    # vLLM's prometheus-fastapi-instrumentator: (handler, method, "2xx") -> requests
+    http_requests: dict[tuple[str, str, str], int] = field(default_factory=dict)
     by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     # simulator-only
     sim_blocks_pinned: int = 0
@@ -128,6 +130,15 @@ def render(c: Counters, g: Gauges, model: str, cache_labels: dict[str, str], sta
         lines.append(f"# TYPE {family} summary")
         lines.append(f"{family}_count{{{base}}} {_fmt(c.nixl_transfers)}")
         lines.append(f"{family}_sum{{{base}}} {_fmt(total)}")
+    metric(
+        "http_requests_total",
+        "counter",
+        "Total number of requests by method, status and handler.",
+        [
+            (f'handler="{h}",method="{m}",status="{st}"', n)
+            for (h, m, st), n in sorted(c.http_requests.items())
+        ],
+    )
     metric(
         "vllm:kv_cache_usage_perc",
         "gauge",

@@ -199,7 +199,26 @@ def _middlewares(sim: Sim) -> list[Any]:
         except ApiError as exc:
             return json_response(exc.body(), status=exc.status)
 
-    return [errors]
+    counts = sim.engine.counters.http_requests
+
+    @web.middleware
+    async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # As vLLM's instrumentator: per route template, method and status class.
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            route = request.match_info.route.resource
+            path = route.canonical if route is not None else "none"
+            key = (path, request.method, f"{status // 100}xx")
+            counts[key] = counts.get(key, 0) + 1
+
+    return [count, errors]
 
 
 def build_app(sim: Sim) -> web.Application:

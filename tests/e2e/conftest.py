@@ -42,6 +42,14 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def p_route_calls(url: str) -> tuple[float, float]:
+    """(/v1/chat/completions, /v1/completions) requests an engine answered with 2xx."""
+    return tuple(  # type: ignore[return-value]
+        metric(url, "http_requests_total", handler=h, status="2xx")
+        for h in ("/v1/chat/completions", "/v1/completions")
+    )
+
+
 def pulled(url: str) -> float:
     return metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 

@@ -3,14 +3,16 @@ D failing before its first byte, stock vLLM streams without a handle)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import BIDIR, Stack, post_json, pulled
+from tests.e2e.conftest import BIDIR, Stack, metric, p_route_calls, post_json, pulled
 from tests.e2e.harness import router
 from tests.e2e.test_conversation import chat_turn, client, reference_chat
 from tests.procs import ROOT, free_port, sim
@@ -66,6 +68,32 @@ def test_prefill_rejecting_the_handle_is_retried_as_a_miss(stock: Stack) -> None
     answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
     assert reuse == "miss;reason=handle-rejected"
     assert answer == reference_chat(stock, messages, 24)
+
+
+def test_prefill_refusing_token_ids_gets_the_body_and_ids_stay_off(stock: Stack) -> None:
+    """P answering 4xx to the prompt as token ids (say, an engine whose /v1/completions is
+    blocked) gets the client's body on the same turn, which still hits; the router then stops
+    sending ids and says why on /status."""
+    with router([stock.p.url], [stock.d.url], redis_url=stock.redis_url, name="ids-router") as r:
+        api = client(r.base_url)
+        cid = f"ids-{uuid.uuid4().hex[:8]}"
+        messages = [{"role": "user", "content": "Will the ferry run in this wind?"}]
+        for turn in range(1, 4):
+            if turn == 2:
+                post_json(stock.p.url + "/sim/faults", {"fail_next": 1, "status": 404})
+            calls = p_route_calls(stock.p.url)
+            refused = metric(stock.p.url, "http_requests_total", status="4xx")
+            answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+            assert answer == reference_chat(stock, messages, 24), turn
+            assert reuse == ("miss;reason=no-session" if turn == 1 else "hit"), turn
+            # Turn 2: the ids leg is refused, then P gets the chat body; turn 3: the body only.
+            assert p_route_calls(stock.p.url) == (calls[0] + 1, calls[1]), turn
+            assert metric(stock.p.url, "http_requests_total", status="4xx") == refused + (turn == 2)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]
+        with urllib.request.urlopen(r.url + "/status", timeout=5) as resp:
+            ids_leg = json.load(resp)["prefill_token_ids"]
+        assert ids_leg["on"] is False
+        assert "answered 404 to /v1/completions with token ids" in ids_leg["off_reason"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

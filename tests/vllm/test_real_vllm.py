@@ -153,6 +153,7 @@ def test_multi_turn_reads_previous_turn_from_decode(
     messages = opening("multi")
     for turn in range(1, 5):
         p_pulled, failed = by_source(p, "external_kv_transfer"), failed_transfers(p)
+        ids_legs = ids_leg_calls(p)
         # return_token_ids: the client sees D's token ids (the router passes them through).
         answer, reuse, body = chat(vllm_router, messages, cid=cid, extra={"return_token_ids": True})
         assert answer == reference(vllm_engines, messages), f"turn {turn}"
@@ -161,6 +162,8 @@ def test_multi_turn_reads_previous_turn_from_decode(
         else:
             assert reuse == "hit", f"turn {turn}: {reuse}"
             assert by_source(p, "external_kv_transfer") > p_pulled, f"turn {turn}: no D->P read"
+            # P got the prompt as the token ids of its own /tokenize (not the chat body).
+            assert ids_leg_calls(p) == ids_legs + 1, f"turn {turn}"
             assert failed_transfers(p) == failed
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         held = body["prompt_token_ids"] + body["choices"][0]["token_ids"]
@@ -173,6 +176,11 @@ def test_multi_turn_reads_previous_turn_from_decode(
     _, fields = session_fields(redis_url_session, cid)
     assert fields["turn"] == "4"
     assert fields["decode"] == d and fields["prefill"] == p
+
+
+def ids_leg_calls(url: str) -> float:
+    """Requests vLLM's /v1/completions answered with 2xx (its HTTP instrumentator)."""
+    return engines.metric(url, "http_requests_total", handler="/v1/completions", status="2xx")
 
 
 def test_token_verification_against_real_tokenize(
