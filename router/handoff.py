@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
+import msgspec
+
 # What vLLM's toy_proxy_server.py sends P on a miss: "keep the blocks for a remote decoder".
 NULL_HANDOFF: Mapping[str, Any] = MappingProxyType(
     {
@@ -99,7 +101,9 @@ def _block_ids_ok(groups: object) -> bool:
     # One list per KV-cache group; at least one block somewhere.
     if not isinstance(groups, list) or not groups:
         return False
-    if not all(isinstance(g, list) and all(_is_int(b) for b in g) for g in groups):
+    try:
+        msgspec.convert(groups, list[list[int]])  # in C: a long conversation has many blocks
+    except msgspec.ValidationError:
         return False
     return any(groups)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -95,7 +96,8 @@ def _check_prompt(body: Mapping[str, Any]) -> None:
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        with contextlib.suppress(msgspec.ValidationError):
+            msgspec.convert(prompt, list[int])  # token ids (no bools), checked in C
             return
         if len(prompt) == 1 and isinstance(prompt[0], str | list):
             return

@@ -76,8 +76,15 @@ _decode_any = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
-def _int_list(value: object) -> bool:
-    return isinstance(value, list) and all(type(v) is int for v in value)
+def _int_list(value: object) -> list[int] | None:
+    """value as a list of ints (no bools), or None; checked in C (a 6k-token prompt costs
+    ~20 us here, ~130 us as a Python loop)."""
+    if not isinstance(value, list):
+        return None
+    try:
+        return msgspec.convert(value, list[int])
+    except msgspec.ValidationError:
+        return None
 
 
 class _Capture:
@@ -103,8 +110,8 @@ class _Capture:
             cap.error = c.error
         elif c.object == "error" or c.type == "error":  # flat vLLM error; Responses error event
             cap.error = {"message": c.message, "type": c.type, "code": c.code}
-        if cap.prompt_token_ids is None and _int_list(c.prompt_token_ids):
-            cap.prompt_token_ids = c.prompt_token_ids
+        if cap.prompt_token_ids is None and c.prompt_token_ids is not None:
+            cap.prompt_token_ids = _int_list(c.prompt_token_ids)
         if c.choices:
             for choice in c.choices:
                 if choice.index == 0:
@@ -116,10 +123,10 @@ class _Capture:
         cap = self.cap
         if isinstance(ch.finish_reason, str):
             cap.finish_reason = ch.finish_reason
-        if _int_list(ch.token_ids):
-            cap.output_token_ids.extend(ch.token_ids)
-        if cap.prompt_token_ids is None and _int_list(ch.prompt_token_ids):
-            cap.prompt_token_ids = ch.prompt_token_ids
+        if ch.token_ids is not None and (ids := _int_list(ch.token_ids)) is not None:
+            cap.output_token_ids.extend(ids)
+        if cap.prompt_token_ids is None and ch.prompt_token_ids is not None:
+            cap.prompt_token_ids = _int_list(ch.prompt_token_ids)
         if isinstance(ch.text, str) and ch.text:
             self.text.append(ch.text)
         d = ch.delta if ch.delta is not None else ch.message

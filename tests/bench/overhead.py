@@ -11,7 +11,7 @@ from typing import Any
 
 from tests.bench import floor, redis_cost
 from tests.bench.plan import Plan
-from tests.bench.stack import LoadGen, RedisStats, Stack, post, start_stack
+from tests.bench.stack import LoadGen, RedisStats, Stack, passthrough, post, start_stack
 from tests.bench.stats import per_chunk, summary_ms
 
 Tick = Callable[[str], None]
@@ -103,9 +103,13 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
         assert st.redis_url is not None
         stats = RedisStats(st.redis_url)
         try:
-            for stream in (False, True):
-                for conc, count in plan.overhead_counts:
-                    out["cells"].append(_cell(st, lg, plan, stats, stream, conc, count, tick))
+            with passthrough(st.prefill[0].url, st.decode[0].url, "overhead-floor") as floor_app:
+                st.commands["floor"] = list(map(str, floor_app.proc.args))  # type: ignore[call-overload]
+                for stream in (False, True):
+                    for conc, count in plan.overhead_counts:
+                        out["cells"].append(
+                            _cell(st, lg, plan, stats, stream, conc, count, tick, floor_app.url)
+                        )
             out["chunk_cpu"]["stock"] = chunk_slope(st, lg, plan, tick)
             out["monitor"]["reuse"] = redis_cost.monitor_sample(st, lg, 0)
             if no_reuse:
@@ -145,13 +149,19 @@ def _cell(
     conc: int,
     count: int,
     tick: Tick,
+    floor_url: str,
 ) -> dict[str, Any]:
-    """Both arms, in `plan.overhead_rounds` alternating rounds so that drift in the machine's
-    load hits both alike; each arm's rounds are pooled."""
+    """The three arms (direct, kvbaton, the stack's floor), in `plan.overhead_rounds` rounds
+    in alternating order so that drift in the machine's load hits all alike; each arm's
+    rounds are pooled."""
     cell: dict[str, Any] = {"stream": stream, "concurrency": conc, "count": count}
     warmup = max(plan.overhead_warmup, conc)
     per_round = max(1, count // plan.overhead_rounds)
-    arms = [("direct", direct(st)), ("kvbaton", via_router(st))]
+    arms = [
+        ("direct", direct(st)),
+        ("kvbaton", via_router(st)),
+        ("floor", {"mode": "router", "urls": [floor_url]}),
+    ]
     pooled: dict[str, dict[str, Any]] = {}
     cpu = 0.0
     redis_delta: dict[str, dict[str, float]] = {}

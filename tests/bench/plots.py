@@ -30,6 +30,18 @@ def overhead(results: dict[str, Any], path: Path) -> None:
             xs = [c["concurrency"] for c in rows]
             ys = [c["kvbaton"]["latency"][q] - c["direct"]["latency"][q] for c in rows]
             ax.plot(xs, ys, style, label="streaming (whole response)" if stream else "JSON")
+            floors = [c for c in rows if "floor" in c]
+            if floors:
+                ys = [c["floor"]["latency"][q] - c["direct"]["latency"][q] for c in floors]
+                what = "streaming" if stream else "JSON"
+                ax.plot(
+                    [c["concurrency"] for c in floors],
+                    ys,
+                    style,
+                    color="grey",
+                    alpha=0.7,
+                    label=f"floor: Hypercorn+Starlette+aiohttp passthrough, {what}",
+                )
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks([c["concurrency"] for c in cells if not c["stream"]])

@@ -115,6 +115,9 @@ def targets(results: dict[str, Any], plan: Plan) -> list[str]:
         if stream is not None:
             s_add = diff(stream["direct"]["latency"], stream["kvbaton"]["latency"], "p50")
             extra = f" (streaming turn: {fmt(s_add)} ms)"
+        if "floor" in cell:
+            f_add = diff(cell["direct"]["latency"], cell["floor"]["latency"], "p50")
+            extra += f"; the stack's floor adds {fmt(f_add)} ms"
         rows.append(
             [
                 f"added p50 per turn < {limit:g} ms at concurrency {conc}",
@@ -240,6 +243,12 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
         "The load generator is its own process; *added* is kvbaton minus direct at the same",
         "percentile. Router CPU per turn is `/proc/<pid>/stat` utime+stime over the run / turns.",
         "",
+        "*Floor* is a third arm run in the same rounds: `tests/bench/passthrough.py`, the stack",
+        "the design names (Hypercorn, Starlette, aiohttp) doing the same two legs with nothing",
+        "else (no Redis, no session, no parsing of D's answer, no metrics or logs). What it",
+        "adds over direct is what any router built on this stack pays on this machine; kvbaton's",
+        "own work is the difference between its *added* and the floor's.",
+        "",
         f"### JSON responses (`max_tokens={oh.NONSTREAM_TOKENS}`), latency in ms",
         "",
     ]
@@ -253,6 +262,7 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
                 pair(d),
                 pair(k),
                 f"{fmt(diff(d, k, 'p50'))} / {fmt(diff(d, k, 'p99'))}",
+                floor_added(c, "latency"),
                 f"{fmt(c['direct']['per_s'], 0)} / {fmt(c['kvbaton']['per_s'], 0)}",
                 fmt(c["router_cpu_ms_per_turn"], 3),
                 store_misses(c),
@@ -265,6 +275,7 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
             "direct p50 / p99",
             "kvbaton p50 / p99",
             "added p50 / p99",
+            "floor: passthrough added p50 / p99",
             "turns/s direct / kvbaton",
             "router CPU ms/turn",
             "turns without the store",
@@ -283,6 +294,14 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
     if "overhead" in pngs:
         lines += [f"![added latency vs concurrency]({pngs['overhead']})", ""]
     return lines
+
+
+def floor_added(cell: dict[str, Any], key: str) -> str:
+    """What the passthrough arm added over direct (p50 / p99), or n/a in older results."""
+    if "floor" not in cell:
+        return "n/a"
+    d, f = cell["direct"][key], cell["floor"][key]
+    return f"{fmt(diff(d, f, 'p50'))} / {fmt(diff(d, f, 'p99'))}"
 
 
 def store_misses(cell: dict[str, Any]) -> str:
@@ -325,6 +344,7 @@ def streaming_table(res: dict[str, Any]) -> list[str]:
                 f"{fmt(diff(d['per_chunk'], k['per_chunk'], 'p99') * 1000, 0)}",
                 f"{fmt(diff(d['latency'], k['latency'], 'p50'))} / "
                 f"{fmt(diff(d['latency'], k['latency'], 'p99'))}",
+                floor_added(c, "latency"),
                 fmt(c["router_cpu_ms_per_turn"], 3),
                 store_misses(c),
             ]
@@ -337,6 +357,7 @@ def streaming_table(res: dict[str, Any]) -> list[str]:
             "per chunk us p50 / p99, direct -> kvbaton",
             "added per chunk us p50 / p99",
             "added whole stream ms p50 / p99",
+            "floor: passthrough added whole stream",
             "router CPU ms/turn",
             "turns without the store",
         ],

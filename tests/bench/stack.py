@@ -63,6 +63,18 @@ def router(
         stop(proc)
 
 
+@contextlib.contextmanager
+def passthrough(p_url: str, d_url: str, name: str) -> Iterator[RouterProc]:
+    """tests/bench/passthrough.py (the stack's floor for a turn) on a free port."""
+    port = free_port()
+    proc = spawn(["tests.bench.passthrough", str(port), p_url, d_url], name)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=READY_TIMEOUT, proc=proc)
+        yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
+    finally:
+        stop(proc)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads), from /proc/<pid>/stat."""
     with open(f"/proc/{pid}/stat") as fh:

@@ -8,11 +8,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from sessions.keys import conversation_key
-from sessions.model import SessionState
+from sessions.model import SessionState, to_fields
 from sessions.redis_store import RedisSessionStore
 from sessions.store import StoreError
 from tests.procs import free_port
@@ -60,6 +61,24 @@ async def test_hash_is_readable_with_redis_cli(
     assert fields["created"] == "2024-11-30T02:40:00.000+00:00"
     assert fields["updated_at"] == "1732934400.0"
     assert list(fields)[:2] == ["turn", "api"]  # HGETALL keeps the documented order
+
+
+async def test_fields_survive_the_scripts_json_byte_for_byte(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    """The commit sends its fields as one JSON array that the Lua script decodes (cjson):
+    quotes, backslashes, control characters and non-ASCII text arrive unchanged, and the
+    state reads back equal."""
+    odd = 'q"uote \\ back\nnew\tline \u00e9t\u00e9 \u6f22 \U0001f600 \x01'
+    state = msgspec.structs.replace(
+        STATE,
+        prefill=f"http://p/{odd}",
+        no_handle_reason=odd,
+        kv_transfer_params={"remote_engine_id": odd, "remote_num_tokens": 40, "x": [1.5, None]},
+    )
+    assert await store.commit(KEY, state, 0, 450.0)
+    assert await raw.hgetall(KEY) == to_fields(state)
+    assert await store.get(KEY) == state
 
 
 def store_calls(store: RedisSessionStore) -> list[Callable[[], Awaitable[Any]]]:
