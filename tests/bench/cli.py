@@ -52,7 +52,9 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     """How many progress ticks the run will make (the bar's total)."""
     n = 0
     if "overhead" in parts:
-        n += len(plan.overhead_counts) * 2 + 4 * 2 + 1
+        # the cells; 4 chunk-cost configurations and the passthrough, 2 runs each; the Redis
+        # round trip and the bare relay
+        n += len(plan.overhead_counts) * 2 + 5 * 2 + 2
     if "throughput" in parts:
         n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps
     if "reuse" in parts:

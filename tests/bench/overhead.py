@@ -11,8 +11,17 @@ from typing import Any
 
 from tests.bench import floor, redis_cost
 from tests.bench.plan import Plan
-from tests.bench.stack import LoadGen, RedisStats, Stack, passthrough, post, start_stack
+from tests.bench.stack import (
+    LoadGen,
+    RedisStats,
+    Stack,
+    cpu_seconds,
+    passthrough,
+    post,
+    start_stack,
+)
 from tests.bench.stats import per_chunk, summary_ms
+from tests.e2e.harness import RouterProc
 
 Tick = Callable[[str], None]
 
@@ -108,7 +117,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
                 for stream in (False, True):
                     for conc, count in plan.overhead_counts:
                         out["cells"].append(
-                            _cell(st, lg, plan, stats, stream, conc, count, tick, floor_app.url)
+                            _cell(st, lg, plan, stats, stream, conc, count, tick, floor_app)
                         )
             out["chunk_cpu"]["stock"] = chunk_slope(st, lg, plan, tick)
             out["monitor"]["reuse"] = redis_cost.monitor_sample(st, lg, 0)
@@ -131,9 +140,14 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
             router_args=[r_args],
             name="overhead-chunks",
         ) as st:
-            out["chunk_cpu"][name] = chunk_slope(
-                st, lg, plan, tick, paced=bool(PACED[0] in d_extra)
-            )
+            paced = bool(PACED[0] in d_extra)
+            out["chunk_cpu"][name] = chunk_slope(st, lg, plan, tick, paced=paced)
+            if name == "stock, paced":
+                # The same paced chunks through the stack's floor (tests/bench/passthrough.py).
+                with passthrough(st.prefill[0].url, st.decode[0].url, "chunks-floor") as app:
+                    out["chunk_passthrough"] = chunk_slope(
+                        st, lg, plan, tick, paced=True, floor_app=app
+                    )
             out["commands"][f"chunks: {name}"] = st.commands
     tick("chunk cost of a bare relay (floor)")
     out["chunk_floor"] = floor.measure(connections=plan.chunk_runs)
@@ -149,7 +163,7 @@ def _cell(
     conc: int,
     count: int,
     tick: Tick,
-    floor_url: str,
+    floor_app: RouterProc,
 ) -> dict[str, Any]:
     """The three arms (direct, kvbaton, the stack's floor), in `plan.overhead_rounds` rounds
     in alternating order so that drift in the machine's load hits all alike; each arm's
@@ -160,10 +174,10 @@ def _cell(
     arms = [
         ("direct", direct(st)),
         ("kvbaton", via_router(st)),
-        ("floor", {"mode": "router", "urls": [floor_url]}),
+        ("floor", {"mode": "router", "urls": [floor_app.url]}),
     ]
     pooled: dict[str, dict[str, Any]] = {}
-    cpu = 0.0
+    cpu = floor_cpu = 0.0
     redis_delta: dict[str, dict[str, float]] = {}
     tick(f"overhead {'stream' if stream else 'json'} c={conc}")
     for rnd in range(plan.overhead_rounds):
@@ -171,15 +185,19 @@ def _cell(
             spec = closed_job(
                 target, stream=stream, concurrency=conc, count=per_round, warmup=warmup, seed=rnd
             )
+            floor0 = cpu_seconds(floor_app.proc.pid)
             r, used, delta = timed(st, lg, spec, stats if arm == "kvbaton" else None)
             pooled[arm] = merge(pooled.get(arm), r)
             if arm == "kvbaton":
                 cpu += used
                 redis_delta = add_delta(redis_delta, delta)
+            elif arm == "floor":
+                floor_cpu += cpu_seconds(floor_app.proc.pid) - floor0
     for arm, r in pooled.items():
         cell[arm] = digest(r)
     sent = pooled["kvbaton"]["sent"]
     cell["router_cpu_ms_per_turn"] = cpu / max(1, sent) * 1000.0
+    cell["floor_cpu_ms_per_turn"] = floor_cpu / max(1, pooled["floor"]["sent"]) * 1000.0
     cell["redis_delta"] = redis_delta
     cell["turns"] = sent
     return cell
@@ -210,22 +228,33 @@ def add_delta(
 
 
 def chunk_slope(
-    st: Stack, lg: LoadGen, plan: Plan, tick: Tick, paced: bool = False
+    st: Stack,
+    lg: LoadGen,
+    plan: Plan,
+    tick: Tick,
+    paced: bool = False,
+    floor_app: RouterProc | None = None,
 ) -> dict[str, Any]:
     """Router CPU per streamed chunk: the CPU-per-turn slope between 8 and 128 tokens.
 
     Back to back (zero-cost D) several chunks arrive per read; paced (D sleeps between
-    tokens, as a GPU does) every chunk is its own read, wake-up and write.
+    tokens, as a GPU does) every chunk is its own read, wake-up and write. With
+    `floor_app`, the passthrough's slope instead of the router's.
     """
     runs: dict[str, dict[str, float]] = {}
     count = plan.chunk_runs // 3 if paced else plan.chunk_runs
+    target = via_router(st) if floor_app is None else {"mode": "router", "urls": [floor_app.url]}
+    who = "" if floor_app is None else " (floor)"
     for tokens in (8, 128):
-        tick(f"chunk cost {tokens} tokens{' paced' if paced else ''}")
-        spec = closed_job(
-            via_router(st), stream=True, concurrency=32, count=count, warmup=32, seed=7
-        )
+        tick(f"chunk cost {tokens} tokens{' paced' if paced else ''}{who}")
+        spec = closed_job(target, stream=True, concurrency=32, count=count, warmup=32, seed=7)
         spec["max_tokens"] = tokens
-        r, cpu, _ = timed(st, lg, spec, None)
+        if floor_app is None:
+            r, cpu, _ = timed(st, lg, spec, None)
+        else:
+            cpu0 = cpu_seconds(floor_app.proc.pid)
+            r, _, _ = timed(st, lg, spec, None)
+            cpu = cpu_seconds(floor_app.proc.pid) - cpu0
         events = sum(r["events"]) / max(1, len(r["events"]))
         runs[str(tokens)] = {"cpu_ms_per_turn": cpu / max(1, r["sent"]) * 1000.0, "events": events}
     d_cpu = runs["128"]["cpu_ms_per_turn"] - runs["8"]["cpu_ms_per_turn"]

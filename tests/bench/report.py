@@ -137,11 +137,20 @@ def targets(results: dict[str, Any], plan: Plan) -> list[str]:
         )
     rows += reuse_targets(results.get("reuse"), plan)
     relay_floor = results.get("overhead", {}).get("chunk_floor")
+    through = results.get("overhead", {}).get("chunk_passthrough")
     floor_note = (
         [
             "For the per-chunk targets: a bare asyncio TCP relay (no HTTP, no parsing) costs",
             f"{fmt(relay_floor['us_per_chunk'], 1)} us of CPU per paced chunk on this machine",
-            "(section 1, *Router CPU per relayed chunk*, the floor row).",
+            *(
+                [
+                    "and the same chunks through Hypercorn + Starlette + aiohttp with nothing",
+                    f"else cost {fmt(through['us_per_chunk'], 1)} us",
+                ]
+                if through
+                else []
+            ),
+            "(section 1, *Router CPU per relayed chunk*).",
             "",
         ]
         if relay_floor
@@ -264,7 +273,7 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
                 f"{fmt(diff(d, k, 'p50'))} / {fmt(diff(d, k, 'p99'))}",
                 floor_added(c, "latency"),
                 f"{fmt(c['direct']['per_s'], 0)} / {fmt(c['kvbaton']['per_s'], 0)}",
-                fmt(c["router_cpu_ms_per_turn"], 3),
+                cpu_pair(c),
                 store_misses(c),
             ]
         )
@@ -277,7 +286,7 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
             "added p50 / p99",
             "floor: passthrough added p50 / p99",
             "turns/s direct / kvbaton",
-            "router CPU ms/turn",
+            "CPU ms/turn: kvbaton (floor)",
             "turns without the store",
         ],
         rows,
@@ -294,6 +303,14 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
     if "overhead" in pngs:
         lines += [f"![added latency vs concurrency]({pngs['overhead']})", ""]
     return lines
+
+
+def cpu_pair(cell: dict[str, Any]) -> str:
+    """kvbaton's CPU per turn, and the passthrough's in brackets where it ran."""
+    text = fmt(cell["router_cpu_ms_per_turn"], 3)
+    if "floor_cpu_ms_per_turn" in cell:
+        text += f" ({fmt(cell['floor_cpu_ms_per_turn'], 3)})"
+    return text
 
 
 def floor_added(cell: dict[str, Any], key: str) -> str:
@@ -345,7 +362,7 @@ def streaming_table(res: dict[str, Any]) -> list[str]:
                 f"{fmt(diff(d['latency'], k['latency'], 'p50'))} / "
                 f"{fmt(diff(d['latency'], k['latency'], 'p99'))}",
                 floor_added(c, "latency"),
-                fmt(c["router_cpu_ms_per_turn"], 3),
+                cpu_pair(c),
                 store_misses(c),
             ]
         )
@@ -358,7 +375,7 @@ def streaming_table(res: dict[str, Any]) -> list[str]:
             "added per chunk us p50 / p99",
             "added whole stream ms p50 / p99",
             "floor: passthrough added whole stream",
-            "router CPU ms/turn",
+            "CPU ms/turn: kvbaton (floor)",
             "turns without the store",
         ],
         rows,
@@ -391,12 +408,23 @@ def chunk_table(res: dict[str, Any]) -> list[str]:
                 fmt(c["us_per_chunk"], 1),
             ]
         )
+    through = res.get("chunk_passthrough")
+    if through:
+        runs = through["runs"]
+        rows.append(
+            [
+                "passthrough: Hypercorn + Starlette + aiohttp, paced (no parsing)",
+                f"{fmt(runs['8']['cpu_ms_per_turn'], 3)} ({runs['8']['events']:.0f} events)",
+                f"{fmt(runs['128']['cpu_ms_per_turn'], 3)} ({runs['128']['events']:.0f} events)",
+                fmt(through["us_per_chunk"], 1),
+            ]
+        )
     relay_floor = res.get("chunk_floor")
     if relay_floor:
         per = relay_floor["us_per_connection"]
         rows.append(
             [
-                "floor: bare asyncio TCP relay, paced (no HTTP, no parsing)",
+                "bare relay: asyncio TCP, paced (no HTTP, no parsing)",
                 f"{fmt(per['8'] / 1000, 3)} (8 chunks)",
                 f"{fmt(per['128'] / 1000, 3)} (128 chunks)",
                 fmt(relay_floor["us_per_chunk"], 1),
@@ -406,9 +434,17 @@ def chunk_table(res: dict[str, Any]) -> list[str]:
         ["configuration", "CPU ms/turn, 8 tokens", "CPU ms/turn, 128 tokens", "us per chunk"],
         rows,
     )
+    if through:
+        lines += [
+            "The *passthrough* row is `tests/bench/passthrough.py` (section 1's floor arm) on the",
+            "paced engines: the stack the design names relaying the same chunks with no parsing,",
+            "no capture and no metrics. kvbaton's own work per chunk is its *stock, paced* figure",
+            "minus this one.",
+            "",
+        ]
     if relay_floor:
         lines += [
-            "The *floor* row is `tests/bench/floor.py`: a source sends the same paced chunks",
+            "The *bare relay* row is `tests/bench/floor.py`: a source sends the same paced chunks",
             "(an SSE-sized payload, 5 ms apart) and a bare asyncio relay process forwards each",
             "read with one write, measured the same way (the CPU slope between 8 and 128",
             "chunks, 32 connections at a time). No Python relay on this machine can do a paced",
