@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
@@ -63,13 +64,20 @@ def pin(url: str, stack: ExitStack) -> Pinned:
     return Pinned(api, http, pid)
 
 
-def two_workers(url: str, stack: ExitStack, tries: int = 60) -> tuple[Pinned, Pinned]:
-    """Clients on two different workers (the kernel hands each new connection to one)."""
+def two_workers(url: str, stack: ExitStack, within: float = 20.0) -> tuple[Pinned, Pinned]:
+    """Clients on two different workers (the kernel hands each new connection to one). The
+    router answers /health as soon as one worker serves; on a busy machine the other may
+    take seconds more to start, so new connections are tried until `within` runs out."""
     first = pin(url, stack)
-    for _ in range(tries):
+    deadline = time.monotonic() + within
+    tries = 0
+    while time.monotonic() < deadline:
+        tries += 1
         other = pin(url, stack)
         if other.pid != first.pid:
             return first, other
+        other.http.close()
+        time.sleep(0.05)
     raise AssertionError(f"every one of {tries} connections reached worker {first.pid}")
 
 
