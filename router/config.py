@@ -105,9 +105,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "prefill_token_ids",
-        "on a turn whose prompt P has just tokenized (to verify a handle), send P the token "
-        "ids on /v1/completions instead of the chat body: P does not render and tokenize the "
-        "conversation again",
+        "on a hit verified by P's /tokenize, send P those token ids on /v1/completions "
+        "instead of the chat body: P does not render and tokenize the conversation again",
         bool,
     ),
     Flag("engine_api_key", "Bearer key sent to the engines (vLLM --api-key)"),

@@ -215,12 +215,15 @@ async def verify(
     tokens = await prompt_token_ids(svc, inc, prefill_url, request_id)
     if tokens is None:
         return found.miss("tokenize-failed")
-    if _ids_leg(svc, inc):
-        found = replace(found, prompt_ids=tokens)
     verified = sm.verified_tokens(state, tokens)
     floor = max(svc.settings.min_reuse_tokens, state.block_size, 1)
     if verified < floor:
         return found.miss("prefix-mismatch")
+    # Only on a hit: /tokenize rendered D's own tokens of this conversation exactly, evidence
+    # that it and P's chat route render it alike (a field that only the route honours, say
+    # tool_choice "none" hiding the tools, shows up as a mismatch above).
+    if _ids_leg(svc, inc):
+        found = replace(found, prompt_ids=tokens)
     if verified >= state.token_count:
         return found
     params = handoff.truncate(held, verified, state.block_size)

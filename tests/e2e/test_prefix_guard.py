@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from tests.e2e.conftest import Stack, pulled
+from tests.e2e.conftest import Stack, p_route_calls, pulled
+from tests.e2e.harness import router
 from tests.e2e.test_conversation import SYSTEM, chat_turn, client, reference_chat
 
 pytestmark = pytest.mark.e2e
@@ -57,17 +58,38 @@ def test_late_divergence_reuses_only_the_verified_prefix(stack: Stack) -> None:
         {"role": "assistant", "content": edited},
         {"role": "user", "content": "Thanks. And in the evening?"},
     ]
+    calls = p_route_calls(stack.p.url)
     answer, reuse = chat_turn(
         client(stack.router.base_url), messages, stream=False, cid=cid, max_tokens=40
     )
     assert reuse == "hit"
     assert answer == reference_chat(stack, messages, 40)
+    assert p_route_calls(stack.p.url) == (calls[0], calls[1] + 1)  # the verified ids
     # The same prompt again, without any handle: P's prefix cache must not be poisoned.
     again, reuse2 = chat_turn(
         client(stack.router.base_url), messages, stream=False, cid=None, max_tokens=40
     )
     assert reuse2 == "skip;reason=no-conversation-id"
     assert again == answer
+
+
+def test_a_prefix_mismatch_found_by_tokens_sends_p_the_body(stack: Stack) -> None:
+    """/tokenize ran but did not verify enough of D's tokens (here: fewer than
+    --min-reuse-tokens): the ids it gave are not proven to render as P's chat route does,
+    so P gets the client's body, not the ids."""
+    with router(
+        [stack.p.url], [stack.d.url], "--min-reuse-tokens", "100000", redis_url=stack.redis_url
+    ) as r:
+        cid = f"floor-{uuid.uuid4().hex[:8]}"
+        api = client(r.base_url)
+        messages = [{"role": "user", "content": "Is the pass open after the snow?"}]
+        answer, _ = chat_turn(api, messages, stream=False, cid=cid)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]
+        calls = p_route_calls(stack.p.url)
+        answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+        assert reuse == "miss;reason=prefix-mismatch"
+        assert answer == reference_chat(stack, messages, 24)
+        assert p_route_calls(stack.p.url) == (calls[0] + 1, calls[1])
 
 
 def test_reasoning_template_is_caught_by_tokens(stack_reasoning: Stack) -> None:
