@@ -15,6 +15,7 @@ from tests.bench.stack import (
     LoadGen,
     RedisStats,
     Stack,
+    argv_of,
     cpu_seconds,
     passthrough,
     post,
@@ -46,8 +47,13 @@ def direct(st: Stack) -> dict[str, Any]:
     }
 
 
+def via_url(url: str) -> dict[str, Any]:
+    """A target the load generator sends client requests to (a router, or the floor app)."""
+    return {"mode": "router", "urls": [url]}
+
+
 def via_router(st: Stack, index: int = 0) -> dict[str, Any]:
-    return {"mode": "router", "urls": [st.routers[index].url]}
+    return via_url(st.routers[index].url)
 
 
 def closed_job(
@@ -113,7 +119,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
         stats = RedisStats(st.redis_url)
         try:
             with passthrough(st.prefill[0].url, st.decode[0].url, "overhead-floor") as floor_app:
-                st.commands["floor"] = list(map(str, floor_app.proc.args))  # type: ignore[call-overload]
+                st.commands["floor"] = argv_of(floor_app.proc)
                 for stream in (False, True):
                     for conc, count in plan.overhead_counts:
                         out["cells"].append(
@@ -174,7 +180,7 @@ def _cell(
     arms = [
         ("direct", direct(st)),
         ("kvbaton", via_router(st)),
-        ("floor", {"mode": "router", "urls": [floor_app.url]}),
+        ("floor", via_url(floor_app.url)),
     ]
     pooled: dict[str, dict[str, Any]] = {}
     cpu = floor_cpu = 0.0
@@ -243,7 +249,7 @@ def chunk_slope(
     """
     runs: dict[str, dict[str, float]] = {}
     count = plan.chunk_runs // 3 if paced else plan.chunk_runs
-    target = via_router(st) if floor_app is None else {"mode": "router", "urls": [floor_app.url]}
+    target = via_router(st) if floor_app is None else via_url(floor_app.url)
     who = "" if floor_app is None else " (floor)"
     for tokens in (8, 128):
         tick(f"chunk cost {tokens} tokens{' paced' if paced else ''}{who}")

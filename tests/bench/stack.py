@@ -199,7 +199,7 @@ class Stack:
         return [*self.prefill, *self.decode]
 
 
-def _argv(proc: subprocess.Popen[bytes]) -> list[str]:
+def argv_of(proc: subprocess.Popen[bytes]) -> list[str]:
     args = proc.args
     return [str(a) for a in args] if isinstance(args, Sequence) else [str(args)]
 
@@ -228,9 +228,9 @@ def start_stack(
         )
         ps, ds = sims[: len(prefill_args)], sims[len(prefill_args) :]
         for i, s in enumerate(ps):
-            commands[f"P{i}"] = _argv(s.proc)
+            commands[f"P{i}"] = argv_of(s.proc)
         for i, s in enumerate(ds):
-            commands[f"D{i}"] = _argv(s.proc)
+            commands[f"D{i}"] = argv_of(s.proc)
         urls = ([p.url for p in ps], [d.url for d in ds])
         routers = enter_all(
             stack,
@@ -240,7 +240,7 @@ def start_stack(
             ],
         )
         for i, r in enumerate(routers):
-            commands[f"router{i}"] = _argv(r.proc)
+            commands[f"router{i}"] = argv_of(r.proc)
         yield Stack(ps, ds, routers, redis_url, commands, redis_proc)
 
 
