@@ -183,6 +183,10 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
+# vLLM's instrumentator leaves these out of http_requests_total.
+_NOT_INSTRUMENTED = frozenset(("/metrics", "/health", "/load", "/ping", "/version", "/server_info"))
+
+
 def _middlewares(sim: Sim) -> list[Any]:
     api_key = sim.settings.api_key
 
@@ -204,6 +208,8 @@ def _middlewares(sim: Sim) -> list[Any]:
     @web.middleware
     async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
         # As vLLM's instrumentator: per route template, method and status class.
+        if request.path in _NOT_INSTRUMENTED:
+            return await handler(request)
         status = 500
         try:
             response = await handler(request)

@@ -211,6 +211,34 @@ async def test_bad_json_and_content_type(base: str) -> None:
     assert "application/json" in err["error"]["message"]
 
 
+async def test_http_requests_by_route_and_status_class(base: str) -> None:
+    """vLLM's HTTP instrumentator: a sample per route template, method and status class;
+    /metrics and /health are not counted, unknown paths are `handler="none"`."""
+
+    async def count(handler: str, status: str, method: str = "POST") -> float:
+        try:
+            return await metric(
+                base, "http_requests_total", handler=handler, method=method, status=status
+            )
+        except KeyError:
+            return 0.0
+
+    before = {
+        "chat": await count("/v1/chat/completions", "2xx"),
+        "bad": await count("/v1/completions", "4xx"),
+        "none": await count("none", "4xx", "GET"),
+    }
+    await post(base + "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2})
+    await post(base + "/v1/completions", {"prompt": [], "max_tokens": 2})
+    await get(base + "/no/such/path")
+    await get(base + "/health")
+    assert await count("/v1/chat/completions", "2xx") == before["chat"] + 1
+    assert await count("/v1/completions", "4xx") == before["bad"] + 1
+    assert await count("none", "4xx", "GET") == before["none"] + 1
+    assert await count("/health", "2xx", "GET") == 0
+    assert await count("/metrics", "2xx", "GET") == 0
+
+
 async def test_metrics_names(base: str) -> None:
     await post(base + "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2})
     _, text = await get(base + "/metrics")
