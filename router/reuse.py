@@ -188,12 +188,13 @@ async def prompt_token_ids(
     return tokens
 
 
-def _ids_leg(svc: Services, inc: Incoming) -> bool:
-    """Whether P may get the prompt as the ids /tokenize just gave (a token-id prompt is
-    sent as it came: P has its ids already)."""
+def _ids_leg(inc: Incoming) -> bool:
+    """Whether the ids /tokenize just gave are the whole prompt P would build (a token-id
+    prompt is sent as it came: P has its ids already). Whether the process sends ids at all
+    (--prefill-token-ids, or switched off) is the P leg's check."""
     if inc.api == "completions" and not isinstance(inc.prompt, str):
         return False
-    return svc.ids_leg_on() and ids_leg_allowed(inc.api, inc.body)
+    return ids_leg_allowed(inc.api, inc.body)
 
 
 async def verify(
@@ -222,7 +223,7 @@ async def verify(
     # Only on a hit: /tokenize rendered D's own tokens of this conversation exactly, evidence
     # that it and P's chat route render it alike (a field that only the route honours, say
     # tool_choice "none" hiding the tools, shows up as a mismatch above).
-    if _ids_leg(svc, inc):
+    if _ids_leg(inc):
         found = replace(found, prompt_ids=tokens)
     if verified >= state.token_count:
         return found

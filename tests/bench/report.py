@@ -383,6 +383,19 @@ def streaming_table(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def slope_row(name: str, c: dict[str, Any]) -> list[str]:
+    """One chunk-cost configuration: CPU per turn at 8 and 128 tokens, and the slope."""
+    runs = c["runs"]
+    return [
+        name,
+        *(
+            f"{fmt(runs[n]['cpu_ms_per_turn'], 3)} ({runs[n]['events']:.0f} events)"
+            for n in ("8", "128")
+        ),
+        fmt(c["us_per_chunk"], 1),
+    ]
+
+
 def chunk_table(res: dict[str, Any]) -> list[str]:
     lines = [
         "### Router CPU per relayed chunk",
@@ -397,27 +410,11 @@ def chunk_table(res: dict[str, Any]) -> list[str]:
         "own read, event-loop wake-up and write: the realistic case.",
         "",
     ]
-    rows = []
-    for name, c in res["chunk_cpu"].items():
-        runs = c["runs"]
-        rows.append(
-            [
-                name,
-                f"{fmt(runs['8']['cpu_ms_per_turn'], 3)} ({runs['8']['events']:.0f} events)",
-                f"{fmt(runs['128']['cpu_ms_per_turn'], 3)} ({runs['128']['events']:.0f} events)",
-                fmt(c["us_per_chunk"], 1),
-            ]
-        )
+    rows = [slope_row(name, c) for name, c in res["chunk_cpu"].items()]
     through = res.get("chunk_passthrough")
     if through:
-        runs = through["runs"]
         rows.append(
-            [
-                "passthrough: Hypercorn + Starlette + aiohttp, paced (no parsing)",
-                f"{fmt(runs['8']['cpu_ms_per_turn'], 3)} ({runs['8']['events']:.0f} events)",
-                f"{fmt(runs['128']['cpu_ms_per_turn'], 3)} ({runs['128']['events']:.0f} events)",
-                fmt(through["us_per_chunk"], 1),
-            ]
+            slope_row("passthrough: Hypercorn + Starlette + aiohttp, paced (no parsing)", through)
         )
     relay_floor = res.get("chunk_floor")
     if relay_floor:

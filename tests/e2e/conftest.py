@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -54,28 +55,45 @@ def pulled(url: str) -> float:
     return metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
+@contextlib.contextmanager
+def pd_stack(
+    redis_url: str,
+    name: str,
+    *router_args: str,
+    engines: Sequence[str] = (),
+    decode: Sequence[str] = (),
+    ready_timeout: float = 20.0,
+) -> Iterator[Stack]:
+    """Simulator P and D (bidirectional; `engines` on all three, `decode` on D only), a
+    from-scratch reference engine, and a router on Redis."""
+    with (
+        sim("prefill", *BIDIR, *engines, name=f"{name}-p") as p,
+        sim("decode", *BIDIR, *engines, *decode, name=f"{name}-d") as d,
+        sim("decode", *engines, name=f"{name}-ref") as ref,
+        router(
+            [p.url],
+            [d.url],
+            *router_args,
+            redis_url=redis_url,
+            name=f"{name}-router",
+            ready_timeout=ready_timeout,
+        ) as r,
+    ):
+        yield Stack(p, d, ref, r, redis_url)
+
+
 @pytest.fixture(scope="module")
 def stack(redis_url_session: str) -> Iterator[Stack]:
-    with (
-        sim("prefill", *BIDIR, name="e2e-p") as p,
-        sim("decode", *BIDIR, "--stream-kv-params", name="e2e-d") as d,
-        sim("decode", name="e2e-ref") as ref,
-        router([p.url], [d.url], "--stream-kv-params", redis_url=redis_url_session) as r,
-    ):
-        yield Stack(p, d, ref, r, redis_url_session)
+    kv = "--stream-kv-params"
+    with pd_stack(redis_url_session, "e2e", kv, decode=[kv]) as st:
+        yield st
 
 
 @pytest.fixture(scope="module")
 def stack_reasoning(redis_url_session: str) -> Iterator[Stack]:
     """Engines whose template drops reasoning from earlier turns (vllm#43094)."""
-    think = ("--reasoning-tokens", "8")
-    with (
-        sim("prefill", *BIDIR, *think, name="think-p") as p,
-        sim("decode", *BIDIR, *think, name="think-d") as d,
-        sim("decode", *think, name="think-ref") as ref,
-        router([p.url], [d.url], redis_url=redis_url_session) as r,
-    ):
-        yield Stack(p, d, ref, r, redis_url_session)
+    with pd_stack(redis_url_session, "think", engines=["--reasoning-tokens", "8"]) as st:
+        yield st
 
 
 def post_json(url: str, body: dict[str, object]) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import BIDIR, Stack, metric, p_route_calls, post_json, pulled
+from tests.e2e.conftest import Stack, metric, p_route_calls, pd_stack, post_json, pulled
 from tests.e2e.harness import router
 from tests.e2e.test_conversation import chat_turn, client, reference_chat
 from tests.procs import ROOT, free_port, sim
@@ -23,13 +23,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def stock(redis_url_session: str) -> Iterator[Stack]:
     """Engines as stock vLLM 0.32: no kv_transfer_params in streams (PR #40186 unmerged)."""
-    with (
-        sim("prefill", *BIDIR, name="stock-p") as p,
-        sim("decode", *BIDIR, name="stock-d") as d,
-        sim("decode", name="stock-ref") as ref,
-        router([p.url], [d.url], redis_url=redis_url_session, name="stock-router") as r,
-    ):
-        yield Stack(p, d, ref, r, redis_url_session)
+    with pd_stack(redis_url_session, "stock") as st:
+        yield st
 
 
 def test_streaming_on_stock_engines_keeps_affinity_and_says_why(stock: Stack) -> None:
@@ -94,6 +89,29 @@ def test_prefill_refusing_token_ids_gets_the_body_and_ids_stay_off(stock: Stack)
             ids_leg = json.load(resp)["prefill_token_ids"]
         assert ids_leg["on"] is False
         assert "answered 404 to /v1/completions with token ids" in ids_leg["off_reason"]
+
+
+def test_no_prefill_token_ids_sends_p_the_body_on_hits(stock: Stack) -> None:
+    """--no-prefill-token-ids: hits still verify with /tokenize, but P gets the chat body."""
+    with router(
+        [stock.p.url],
+        [stock.d.url],
+        "--no-prefill-token-ids",
+        redis_url=stock.redis_url,
+        name="no-ids-router",
+    ) as r:
+        api = client(r.base_url)
+        cid = f"no-ids-{uuid.uuid4().hex[:8]}"
+        messages = [{"role": "user", "content": "Which way does the wind turn tonight?"}]
+        for turn in range(1, 3):
+            calls = p_route_calls(stock.p.url)
+            answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+            assert answer == reference_chat(stock, messages, 24), turn
+            assert reuse == ("miss;reason=no-session" if turn == 1 else "hit"), turn
+            assert p_route_calls(stock.p.url) == (calls[0] + 1, calls[1]), turn
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]
+        with urllib.request.urlopen(r.url + "/status", timeout=5) as resp:
+            assert json.load(resp)["prefill_token_ids"] == {"on": False, "off_reason": ""}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

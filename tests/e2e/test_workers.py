@@ -21,7 +21,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import BIDIR, Stack, metric
+from tests.e2e.conftest import Stack, metric, pd_stack
 from tests.e2e.harness import RouterProc, router
 from tests.e2e.test_conversation import chat_turn, checked_turn
 from tests.procs import ROOT, free_port, redis_server, sim, stop, wait_until
@@ -97,22 +97,11 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def stack(redis_url_session: str) -> Iterator[Stack]:
-    with (
-        sim("prefill", *BIDIR, name="workers-p") as p,
-        sim("decode", *BIDIR, "--stream-kv-params", name="workers-d") as d,
-        sim("decode", name="workers-ref") as ref,
-        router(
-            [p.url],
-            [d.url],
-            "--workers",
-            "2",
-            "--stream-kv-params",
-            redis_url=redis_url_session,
-            name="workers-router",
-            ready_timeout=40.0,
-        ) as r,
-    ):
-        yield Stack(p, d, ref, r, redis_url_session)
+    kv = "--stream-kv-params"
+    with pd_stack(
+        redis_url_session, "workers", "--workers", "2", kv, decode=[kv], ready_timeout=40.0
+    ) as st:
+        yield st
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
