@@ -35,11 +35,19 @@ class Instance:
     last_error: str = ""
     engine_id: str = ""  # the KV engine id in this instance's latest handle (a restart changes it)
     started: float = 0.0  # its process_start_time_seconds (0: not known); a restart changes it
+    # A handle showed a new engine id before the health loop read the new start time: `started`
+    # is still the previous process's, so handles made meanwhile do not record it.
+    started_stale: bool = False
     restarts: int = 0  # restarts seen (a new start time)
 
     @property
     def usable(self) -> bool:
         return self.healthy and not self.draining
+
+    @property
+    def handle_started(self) -> float:
+        """The process start time to record with a handle this D makes now (0: not known)."""
+        return 0.0 if self.started_stale else self.started
 
 
 @dataclass
@@ -134,7 +142,8 @@ def note_started(inst: Instance, started: float) -> None:
         return
     if inst.started:
         inst.restarts += 1
-        inst.engine_id = ""  # learned again from its next handle
+        if not inst.started_stale:  # else the engine id is already the new process's
+            inst.engine_id = ""  # learned again from its next handle
         log.warning(
             "%s instance %s restarted (process start time %.3f, was %.3f): "
             "handles made before are not used",
@@ -144,6 +153,27 @@ def note_started(inst: Instance, started: float) -> None:
             inst.started,
         )
     inst.started = started
+    inst.started_stale = False
+
+
+def note_engine_id(inst: Instance, engine_id: str | None) -> None:
+    """Record the engine id in a D's new handle. Another one than before means the process
+    restarted and the health loop has not read its new start time yet: until it does, the
+    start time on file is the old process's, and a handle made now must not be stamped with
+    it (it would read as made before the restart once the new time is read)."""
+    if not engine_id or engine_id == inst.engine_id:
+        return
+    if inst.engine_id:
+        inst.started_stale = True
+        log.warning(
+            "%s instance %s has a new engine id (%s, was %s): it restarted; "
+            "handles made before are not used",
+            inst.role,
+            inst.url,
+            engine_id,
+            inst.engine_id,
+        )
+    inst.engine_id = engine_id
 
 
 async def read_started(upstream: Upstream, inst: Instance, timeout: float) -> None:

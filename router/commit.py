@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from router import handoff
+from router.backends import note_engine_id
 from router.incoming import Incoming, canonical_items
 from router.sse import Captured
 from router.tracing import span
@@ -92,7 +93,7 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         params, reason = None, "no-token-ids"
     assert turn.prefill is not None and turn.decode is not None
     if params is not None:
-        turn.decode.engine_id = handoff.engine_id(params) or turn.decode.engine_id
+        note_engine_id(turn.decode, handoff.engine_id(params))
     return sm.next_state(
         turn.claim.state,
         api=inc.api,
@@ -108,7 +109,7 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         block_size=svc.block_size or turn.decode.block_size,
         now=svc.clock(),
         handle_ttl=svc.settings.handle_ttl,
-        decode_started=turn.decode.started,
+        decode_started=turn.decode.handle_started,
     )
 
 

@@ -106,12 +106,17 @@ def restart_seen(main: Stack, index: int, *extra: str) -> SimProc:
     """Restart a D (new process, new engine id) and wait until the router's health loop has
     read its new process start time."""
     d = main.restart("decode", index, *extra)
+    wait_seen(main, d)
+    return d
+
+
+def wait_seen(main: Stack, d: SimProc) -> None:
+    """Wait until the router's health loop has read this D's process start time."""
     started_at = metric(d.url, "process_start_time_seconds")
     wait_until(
         lambda: instance(main.url, "decode", d.url)["started"] == started_at,
         "the router did not see the restart",
     )
-    return d
 
 
 @pytest.mark.timeout(60)
@@ -131,13 +136,17 @@ def test_a_restarted_decodes_old_handles_never_reach_prefill(main: Stack) -> Non
 def test_a_restart_the_router_has_not_seen_yet_is_caught_by_the_engine_id(main: Stack) -> None:
     """Between a restart and the next health interval the old handle may still go to P; P
     refuses it (its engine id is gone) and the prefill is redone as a miss. Once the new D
-    made a handle, the changed engine id alone marks older handles."""
+    made a handle, the changed engine id alone marks older handles; and a handle the new D made
+    before the health loop read its new start time is still used after it has."""
     first, second = on_first_decode(main, "d-fast", 2)
     d = main.restart("decode", 0, "--engine-id", f"restarted-{uuid.uuid4()}")
     assert first.turn().reuse.startswith("miss;reason=")  # whichever was seen first
     assert second.turn().reuse == "miss;reason=decode-restarted"
     assert second.turn().reuse == "hit"
     assert session(main.redis_url, str(second.cid))["decode"] == d.url
+    wait_seen(main, d)
+    assert first.turn().reuse == "hit"
+    assert second.turn().reuse == "hit"
 
 
 @pytest.mark.timeout(60)

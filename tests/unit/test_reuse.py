@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from router.backends import Pool
+from router.backends import Pool, note_engine_id, note_started
 from router.incoming import Incoming
 from router.reuse import Reuse, _placement_reason, _prefix_verdict, tokenize_body
 from router.services import StoreGuard
@@ -159,3 +159,23 @@ def test_a_handle_from_before_a_decode_restart_is_not_used() -> None:
     d1.healthy = False
     assert _placement_reason(pool, made) == "decode-unhealthy"
     assert _placement_reason(pool, sm.SessionState(decode="http://gone")) == "decode-removed"
+
+
+def test_a_handle_from_the_new_process_is_used_whichever_sign_of_the_restart_came_first() -> None:
+    """The new D's first handle can come back before the health loop reads its new start time:
+    stamped with the old time, it would read as made before the restart once the new time is
+    read, and the conversation would miss again on a good handle."""
+    pool = Pool(("http://p1",), ("http://d1",))
+    d1 = pool.instances("decode")[0]
+    note_started(d1, 100.0)
+    note_engine_id(d1, "e1")
+    old = sm.SessionState(decode="http://d1", decode_engine_id="e1", decode_started=100.0)
+    note_engine_id(d1, "e2")  # a turn's handle: the restarted process's engine id
+    assert d1.handle_started == 0.0, "the start time on file is the old process's"
+    new = sm.SessionState(decode="http://d1", decode_engine_id="e2", decode_started=0.0)
+    assert (_placement_reason(pool, old), _placement_reason(pool, new)) == ("decode-restarted", "")
+    note_started(d1, 200.0)  # now the health loop reads the new start time
+    assert (d1.engine_id, d1.restarts, d1.handle_started) == ("e2", 1, 200.0)
+    assert (_placement_reason(pool, old), _placement_reason(pool, new)) == ("decode-restarted", "")
+    stamped = sm.SessionState(decode="http://d1", decode_engine_id="e2", decode_started=200.0)
+    assert _placement_reason(pool, stamped) == ""
