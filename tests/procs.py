@@ -74,12 +74,18 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
             proc.wait(timeout)
 
 
+def log_file(name: str) -> Path:
+    """Where spawn writes the output of the process started as `name`."""
+    return Path(tempfile.gettempdir()) / "kvbaton-test-logs" / f"{name}.log"
+
+
 def spawn(args: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
-    """Start a Python module of this project (args after `python -m`), logging to a temp file."""
-    log_dir = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
-    log_dir.mkdir(exist_ok=True)
+    """Start a Python module of this project (args after `python -m`), logging to a temp file
+    (log_file(log_name), truncated first)."""
+    path = log_file(log_name)
+    path.parent.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log_dir / f"{log_name}.log", "wb") as log:  # the child keeps its own descriptor
+    with open(path, "wb") as log:  # the child keeps its own descriptor
         return subprocess.Popen(
             [sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
         )

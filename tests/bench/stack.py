@@ -25,7 +25,7 @@ import redis
 
 from tests import procs
 from tests.e2e.harness import RouterProc
-from tests.procs import ROOT, SimProc, free_port, redis_server, spawn, stop, wait_http
+from tests.procs import ROOT, SimProc, free_port, log_file, redis_server, spawn, stop, wait_http
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
@@ -58,7 +58,7 @@ def router(
         proc = spawn([*argv, *args], name)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=READY_TIMEOUT, proc=proc)
-        yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
+        yield RouterProc(f"http://127.0.0.1:{port}", port, proc, log_file(name))
     finally:
         stop(proc)
 
@@ -70,7 +70,7 @@ def passthrough(p_url: str, d_url: str, name: str) -> Iterator[RouterProc]:
     proc = spawn(["tests.bench.passthrough", str(port), p_url, d_url], name)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=READY_TIMEOUT, proc=proc)
-        yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
+        yield RouterProc(f"http://127.0.0.1:{port}", port, proc, log_file(name))
     finally:
         stop(proc)
 

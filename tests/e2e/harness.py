@@ -6,8 +6,9 @@ import contextlib
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from tests.procs import free_port, spawn, stop, wait_http
+from tests.procs import free_port, log_file, spawn, stop, wait_http
 
 
 @dataclass
@@ -15,6 +16,7 @@ class RouterProc:
     url: str
     port: int
     proc: subprocess.Popen[bytes]
+    log: Path  # its stdout and stderr
 
     @property
     def base_url(self) -> str:
@@ -50,6 +52,6 @@ def router(
     proc = spawn([*argv, *args], name)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", ready_timeout, proc=proc)
-        yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
+        yield RouterProc(f"http://127.0.0.1:{port}", port, proc, log_file(name))
     finally:
         stop(proc)

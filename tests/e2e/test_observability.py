@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import tempfile
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -71,7 +69,7 @@ def test_one_log_line_per_turn_without_content(stack: Stack) -> None:
     chat_turn(
         client(stack.router.base_url), [{"role": "user", "content": secret}], stream=False, cid=cid
     )
-    log = Path(tempfile.gettempdir()) / "kvbaton-test-logs" / "router.log"
+    log = stack.router.log
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         text = log.read_text()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import pytest
 import redis
 
 from tests.e2e.harness import RouterProc, router
-from tests.procs import SimProc, sim
+from tests.procs import SimProc, log_file, sim
 
 ADMIN_KEY = "ops-admin-key"
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
@@ -63,7 +62,7 @@ def chat(
 
 def log_path(tag: str) -> Path:
     """The log file of the router ops_router(tag=tag) started (tests.procs.spawn writes it)."""
-    return Path(tempfile.gettempdir()) / "kvbaton-test-logs" / f"ops-{tag}.log"
+    return log_file(f"ops-{tag}")
 
 
 def decode_urls(status: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,11 +68,6 @@ ROUTER_FLAGS = (
 SLOW_TOKEN_MS = 500
 
 
-def log_file(name: str) -> Path:
-    """Where tests.procs.spawn writes the output of the process started as `name`."""
-    return Path(tempfile.gettempdir()) / "kvbaton-test-logs" / f"{name}.log"
-
-
 @dataclass
 class Stack:
     """The shared stack. `restart` swaps a simulator for a new process on the same ports."""
@@ -130,7 +124,7 @@ def stack() -> Iterator[Stack]:
         r = exits.enter_context(
             router([p1.url, p2.url], [d1.url, d2.url], *ROUTER_FLAGS, redis_url=url, name=name)
         )
-        s = Stack([p1, p2], [d1, d2], ref, r, redis_port, redis_proc, log_file(name))
+        s = Stack([p1, p2], [d1, d2], ref, r, redis_port, redis_proc, r.log)
         with s.exits:
             try:
                 yield s

@@ -18,7 +18,7 @@ import redis
 
 from tests.e2e.conftest import metric
 from tests.e2e.harness import RouterProc
-from tests.procs import SimProc, free_port, spawn, stop, wait_http
+from tests.procs import SimProc, free_port, log_file, spawn, stop, wait_http
 
 T = TypeVar("T")
 
@@ -284,7 +284,7 @@ def router(
                 raise
             continue
         try:
-            yield RouterProc(f"http://127.0.0.1:{port}", port, proc)
+            yield RouterProc(f"http://127.0.0.1:{port}", port, proc, log_file(name))
         finally:
             stop(proc, timeout=15)
         return
