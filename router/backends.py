@@ -33,7 +33,9 @@ class Instance:
     model: str = ""
     draining: bool = False
     last_error: str = ""
-    engine_id: str = ""  # the KV engine id in this instance's latest handle (a restart changes it)
+    # The KV engine id in this instance's latest handle, without vLLM's data-parallel suffix
+    # (engine_family): a restart changes it unless the operator fixed it in kv-transfer-config.
+    engine_id: str = ""
     started: float = 0.0  # its process_start_time_seconds (0: not known); a restart changes it
     # A handle showed a new engine id before the health loop read the new start time: `started`
     # is still the previous process's, so handles made meanwhile do not record it.
@@ -156,12 +158,24 @@ def note_started(inst: Instance, started: float) -> None:
     inst.started_stale = False
 
 
+# vLLM appends `_dp<rank>` to the engine id of each data-parallel engine of one D process.
+_DP_SUFFIX = re.compile(r"_dp\d+$")
+
+
+def engine_family(engine_id: str) -> str:
+    """The part of an engine id that all data-parallel ranks of one process share: handles from
+    a D with internal data parallelism carry one id per rank, all of the same process."""
+    return _DP_SUFFIX.sub("", engine_id)
+
+
 def note_engine_id(inst: Instance, engine_id: str | None) -> None:
-    """Record the engine id in a D's new handle. Another one than before means the process
-    restarted and the health loop has not read its new start time yet: until it does, the
-    start time on file is the old process's, and a handle made now must not be stamped with
-    it (it would read as made before the restart once the new time is read)."""
-    if not engine_id or engine_id == inst.engine_id:
+    """Record the engine id in a D's new handle. Another one than before (another rank of the
+    same process aside) means the process restarted and the health loop has not read its new
+    start time yet: until it does, the start time on file is the old process's, and a handle
+    made now must not be stamped with it (it would read as made before the restart once the
+    new time is read)."""
+    family = engine_family(engine_id or "")
+    if not family or family == inst.engine_id:
         return
     if inst.engine_id:
         inst.started_stale = True
@@ -170,10 +184,10 @@ def note_engine_id(inst: Instance, engine_id: str | None) -> None:
             "handles made before are not used",
             inst.role,
             inst.url,
-            engine_id,
+            family,
             inst.engine_id,
         )
-    inst.engine_id = engine_id
+    inst.engine_id = family
 
 
 async def read_started(upstream: Upstream, inst: Instance, timeout: float) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from router import handoff
-from router.backends import Pool
+from router.backends import Pool, engine_family
 from router.incoming import Incoming, canonical_items
 from router.rewrite import ids_leg_allowed
 from router.services import Services
@@ -111,7 +111,8 @@ def _placement_reason(pool: Pool, state: SessionState) -> str:
     # engine id.
     if inst.started and state.decode_started and inst.started != state.decode_started:
         return "decode-restarted"
-    if inst.engine_id and state.decode_engine_id and inst.engine_id != state.decode_engine_id:
+    made_by = engine_family(state.decode_engine_id)
+    if inst.engine_id and made_by and inst.engine_id != made_by:
         return "decode-restarted"
     return ""
 

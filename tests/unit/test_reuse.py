@@ -179,3 +179,22 @@ def test_a_handle_from_the_new_process_is_used_whichever_sign_of_the_restart_cam
     assert (_placement_reason(pool, old), _placement_reason(pool, new)) == ("decode-restarted", "")
     stamped = sm.SessionState(decode="http://d1", decode_engine_id="e2", decode_started=200.0)
     assert _placement_reason(pool, stamped) == ""
+
+
+def test_the_data_parallel_ranks_of_one_decode_are_one_process() -> None:
+    """A D with internal data parallelism makes handles on each rank, with vLLM's `_dp<rank>`
+    after the process's engine id: a handle from another rank is not from before a restart."""
+    pool = Pool(("http://p1",), ("http://d1",))
+    d1 = pool.instances("decode")[0]
+    note_started(d1, 100.0)
+    note_engine_id(d1, "4c1f_dp0")
+    note_engine_id(d1, "4c1f_dp1")
+    assert (d1.engine_id, d1.handle_started) == ("4c1f", 100.0), "not a restart"
+    ranks = [
+        sm.SessionState(decode="http://d1", decode_engine_id=f"4c1f_dp{r}", decode_started=100.0)
+        for r in (0, 1, 12)
+    ]
+    assert [_placement_reason(pool, s) for s in ranks] == ["", "", ""]
+    note_engine_id(d1, "9e0a_dp1")  # the restarted process
+    assert d1.handle_started == 0.0
+    assert [_placement_reason(pool, s) for s in ranks] == ["decode-restarted"] * 3
