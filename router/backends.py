@@ -220,8 +220,10 @@ async def health_loop(pool: Pool, upstream: Upstream, interval: float) -> None:
 
 async def check(upstream: Upstream, inst: Instance, timeout: float) -> None:
     if not inst.healthy and await probe(upstream, inst, timeout=timeout):
+        if inst.role == "decode":  # a D back from a restart: no old handle once it is usable
+            await read_started(upstream, inst, timeout)
         inst.healthy = True
         inst.failures = 0
         log.info("re-admitted %s instance %s", inst.role, inst.url)
-    if inst.role == "decode" and inst.healthy:
+    elif inst.role == "decode" and inst.healthy:
         await read_started(upstream, inst, timeout)

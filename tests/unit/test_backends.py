@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from aiohttp import web
 
-from router.backends import AFFINITY_SLACK, Pool, note_started, process_started
+from router.backends import AFFINITY_SLACK, Pool, check, note_started, process_started
+from router.config import Settings
 from router.errors import Unavailable
+from router.upstream import Upstream
 
 
 def pool() -> Pool:
@@ -85,3 +88,38 @@ def test_a_new_start_time_is_a_restart_and_forgets_the_engine_id() -> None:
     d1.engine_id = "engine-b"
     note_started(d1, 180.0)  # an earlier start: another process behind the same port
     assert (d1.started, d1.restarts, d1.engine_id) == (250.5, 1, "engine-b")
+
+
+async def test_a_decode_is_readmitted_only_after_its_new_start_time_is_read() -> None:
+    """A D ejected while it restarted comes back with a new process: its start time is read
+    before it is usable again, so no turn in between can send P a handle from the old one."""
+    d1 = pool().instances("decode")[0]
+    note_started(d1, 100.0)
+    d1.engine_id, d1.healthy = "e1", False
+    usable_when_read: list[bool] = []
+
+    async def metrics(_: web.Request) -> web.Response:
+        usable_when_read.append(d1.usable)
+        return web.Response(body=b"process_start_time_seconds 250.0\n")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    upstream = Upstream(Settings(prefill=("http://p",), decode=("http://d",)))
+    await upstream.open()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        d1.url = f"http://127.0.0.1:{port}"
+        await check(upstream, d1, timeout=5.0)
+    finally:
+        await upstream.close()
+        await runner.cleanup()
+    assert usable_when_read == [False]
+    assert (d1.usable, d1.started, d1.restarts, d1.engine_id) == (True, 250.0, 1, "")
