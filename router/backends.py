@@ -40,6 +40,10 @@ class Instance:
     # A handle showed a new engine id before the health loop read the new start time: `started`
     # is still the previous process's, so handles made meanwhile do not record it.
     started_stale: bool = False
+    # The health loop's last read of its /metrics could not connect: the process may be down or
+    # restarting, and a restarted D whose engine id is fixed by config would serve an old
+    # handle's block ids with whatever they hold now. Its handles wait for a read that connects.
+    unreachable: bool = False
     restarts: int = 0  # restarts seen (a new start time)
 
     @property
@@ -48,8 +52,9 @@ class Instance:
 
     @property
     def handle_started(self) -> float:
-        """The process start time to record with a handle this D makes now (0: not known)."""
-        return 0.0 if self.started_stale else self.started
+        """The process start time to record with a handle this D makes now (0: not known, as
+        when the start time on file may be an earlier process's)."""
+        return 0.0 if self.started_stale or self.unreachable else self.started
 
 
 @dataclass
@@ -191,14 +196,24 @@ def note_engine_id(inst: Instance, engine_id: str | None) -> None:
 
 
 async def read_started(upstream: Upstream, inst: Instance, timeout: float) -> None:
-    """Sample the instance's process start time; a failed read changes nothing (live traffic
-    and /health judge health)."""
+    """Sample the instance's process start time. A read that cannot connect marks it
+    unreachable until one connects; other failures change nothing (live traffic and /health
+    judge health)."""
     try:
         status, metrics = await upstream.get(inst.url + "/metrics", timeout=timeout)
-    except UpstreamFailure:
+    except UpstreamFailure as exc:
+        if not exc.reached and not inst.unreachable:
+            inst.unreachable = True
+            log.warning(
+                "%s instance %s is unreachable (%s): its handles are not used until it answers",
+                inst.role,
+                inst.url,
+                exc,
+            )
         return
     if status == 200:
         note_started(inst, process_started(metrics))
+    inst.unreachable = False
 
 
 async def probe(upstream: Upstream, inst: Instance, timeout: float) -> bool:

@@ -114,6 +114,8 @@ def _placement_reason(pool: Pool, state: SessionState) -> str:
     made_by = engine_family(state.decode_engine_id)
     if inst.engine_id and made_by and inst.engine_id != made_by:
         return "decode-restarted"
+    if inst.unreachable:  # maybe restarting: nothing says the handle's blocks are still its own
+        return "decode-unreachable"
     return ""
 
 

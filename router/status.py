@@ -41,6 +41,7 @@ def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
         "last_error": inst.last_error,
         "started": inst.started,
         "restarts": inst.restarts,
+        "unreachable": inst.unreachable,
         "source": "command-line" if from_flags else "admin",
     }
 

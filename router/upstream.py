@@ -100,7 +100,7 @@ class Upstream:
             ) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise UpstreamFailure(f"{url}: {describe(exc)}") from exc
+            raise failure(url, exc) from exc
 
     async def open_stream(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,11 +93,15 @@ class Stack:
     def engines(self) -> list[SimProc]:
         return [*self.ps, *self.ds]
 
-    def restart(self, role: str, index: int, *extra: str) -> SimProc:
-        """Stop a P or D and start a new one on the same HTTP and side-channel ports."""
+    def restart(
+        self, role: str, index: int, *extra: str, down: Callable[[], None] = lambda: None
+    ) -> SimProc:
+        """Stop a P or D and start a new one on the same HTTP and side-channel ports (`down`
+        runs in between)."""
         group = self.ps if role == "prefill" else self.ds
         old = group[index]
         stop(old.proc)
+        down()
         flags = P_FLAGS[1:] if role == "prefill" else D_FLAGS[1:]
         ports = ("--port", str(old.port), "--kv-port", str(old.kv_port))
         new = retried(lambda: sim(role, *flags, *ports, *extra, name=f"rel-{role}"), self.exits)

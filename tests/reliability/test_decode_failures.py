@@ -5,13 +5,16 @@ late read because the handle carries D's deadline)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
+from tests.e2e.harness import RouterProc
 from tests.procs import SimProc, wait_until
-from tests.reliability.conftest import ADMIN_KEY, FIRST_BYTE_TIMEOUT, Stack
+from tests.reliability.conftest import ADMIN_KEY, FIRST_BYTE_TIMEOUT, ROUTER_FLAGS, Stack
 from tests.reliability.helpers import (
     JSON,
     Conversation,
@@ -22,6 +25,7 @@ from tests.reliability.helpers import (
     new_cid,
     placed,
     post,
+    router,
     running,
     session,
     total,
@@ -30,9 +34,10 @@ from tests.reliability.helpers import (
 pytestmark = pytest.mark.e2e
 
 
-def started(main: Stack, tag: str) -> tuple[Conversation, SimProc]:
-    """A conversation after one committed turn, and the D holding its KV."""
-    conv = Conversation(main.url, main.ref, new_cid(tag))
+def started(main: Stack, tag: str, via: str = "") -> tuple[Conversation, SimProc]:
+    """A conversation after one committed turn (through `via`, a router on main's engines, or
+    main's router), and the D holding its KV."""
+    conv = Conversation(via or main.url, main.ref, new_cid(tag))
     assert conv.turn().reuse == "miss;reason=no-session"
     assert conv.cid is not None
     return conv, placed(main.ds, session(main.redis_url, conv.cid)["decode"])
@@ -90,11 +95,11 @@ def stale_uses(main: Stack) -> float:
     )
 
 
-def on_first_decode(main: Stack, tag: str, count: int) -> list[Conversation]:
+def on_first_decode(main: Stack, tag: str, count: int, via: str = "") -> list[Conversation]:
     """`count` conversations whose last turn ran on main.ds[0]."""
     found: list[Conversation] = []
     for _ in range(6 * count):
-        conv, d = started(main, tag)
+        conv, d = started(main, tag, via)
         if d.url == main.ds[0].url:
             found.append(conv)
             if len(found) == count:
@@ -110,11 +115,11 @@ def restart_seen(main: Stack, index: int, *extra: str) -> SimProc:
     return d
 
 
-def wait_seen(main: Stack, d: SimProc) -> None:
+def wait_seen(main: Stack, d: SimProc, via: str = "") -> None:
     """Wait until the router's health loop has read this D's process start time."""
     started_at = metric(d.url, "process_start_time_seconds")
     wait_until(
-        lambda: instance(main.url, "decode", d.url)["started"] == started_at,
+        lambda: instance(via or main.url, "decode", d.url)["started"] == started_at,
         "the router did not see the restart",
     )
 
@@ -132,21 +137,56 @@ def test_a_restarted_decodes_old_handles_never_reach_prefill(main: Stack) -> Non
     assert second.turn().reuse == "hit"  # reuse resumes on the new engine
 
 
+@contextlib.contextmanager
+def checking_every(main: Stack, interval: float) -> Iterator[RouterProc]:
+    """A second router on main's engines whose health loop runs every `interval` seconds."""
+    args = [*ROUTER_FLAGS]
+    args[args.index("--health-interval") + 1] = str(interval)
+    ps, ds = [p.url for p in main.ps], [d.url for d in main.ds]
+    with router(ps, ds, *args, redis_url=main.redis_url, name=f"rel-health-{interval}") as r:
+        yield r
+
+
 @pytest.mark.timeout(60)
 def test_a_restart_the_router_has_not_seen_yet_is_caught_by_the_engine_id(main: Stack) -> None:
-    """Between a restart and the next health interval the old handle may still go to P; P
-    refuses it (its engine id is gone) and the prefill is redone as a miss. Once the new D
-    made a handle, the changed engine id alone marks older handles; and a handle the new D made
-    before the health loop read its new start time is still used after it has."""
-    first, second = on_first_decode(main, "d-fast", 2)
-    d = main.restart("decode", 0, "--engine-id", f"restarted-{uuid.uuid4()}")
-    assert first.turn().reuse.startswith("miss;reason=")  # whichever was seen first
-    assert second.turn().reuse == "miss;reason=decode-restarted"
-    assert second.turn().reuse == "hit"
-    assert session(main.redis_url, str(second.cid))["decode"] == d.url
-    wait_seen(main, d)
-    assert first.turn().reuse == "hit"
-    assert second.turn().reuse == "hit"
+    """With no health read between a restart and the next turns, the old handle goes to P; P
+    refuses it (its engine id is gone) and the prefill is redone as a miss. Once the new D made
+    a handle, the changed engine id alone marks older handles, and the new ones are used."""
+    with checking_every(main, 600) as blind:
+        first, second = on_first_decode(main, "d-fast", 2, via=blind.url)
+        d = main.restart("decode", 0, "--engine-id", f"restarted-{uuid.uuid4()}")
+        failed = stale_uses(main)
+        assert first.turn().reuse == "miss;reason=handle-rejected"  # and the oracle's answer
+        assert stale_uses(main) == failed + 1, "P tried the old handle once"
+        assert session(main.redis_url, str(first.cid))["decode"] == d.url
+        assert second.turn().reuse == "miss;reason=decode-restarted"
+        assert stale_uses(main) == failed + 1
+        assert [second.turn().reuse, first.turn().reuse] == ["hit", "hit"]
+        assert session(main.redis_url, str(second.cid))["decode"] == d.url
+
+
+@pytest.mark.timeout(60)
+def test_a_restart_with_a_fixed_engine_id_never_reads_an_old_handle(main: Stack) -> None:
+    """An engine id fixed in kv_transfer_config survives a restart: only the start time tells
+    the new process from the old, whose handle's block ids P would read from the new process's
+    memory (a wrong answer with 200). While the health loop cannot connect, handles wait; once
+    it reads the new start time, that marks them; the new process's handles are used. (Health
+    read every 2 s: the first turn after the restart comes before the read.)"""
+    with checking_every(main, 2.0) as slow:
+        first, second = on_first_decode(main, "d-fixed", 2, via=slow.url)
+        old = main.ds[0]
+
+        def unreachable() -> None:
+            wait_until(lambda: instance(slow.url, "decode", old.url)["unreachable"], "not down")
+
+        d = main.restart("decode", 0, "--engine-id", old.engine_id, down=unreachable)
+        assert d.engine_id == old.engine_id
+        reply = first.turn()  # the oracle's answer, or Conversation fails it
+        assert reply.reuse in ("miss;reason=decode-unreachable", "miss;reason=decode-restarted")
+        wait_seen(main, d, via=slow.url)
+        assert not instance(slow.url, "decode", d.url)["unreachable"]
+        assert second.turn().reuse == "miss;reason=decode-restarted"
+        assert [first.turn().reuse, second.turn().reuse] == ["hit", "hit"]
 
 
 @pytest.mark.timeout(60)

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 from aiohttp import web
 
-from router.backends import AFFINITY_SLACK, Pool, check, note_started, process_started
+from router.backends import (
+    AFFINITY_SLACK,
+    Pool,
+    check,
+    note_engine_id,
+    note_started,
+    process_started,
+)
 from router.config import Settings
 from router.errors import Unavailable
+from router.reuse import _placement_reason
 from router.upstream import Upstream
+from sessions import model as sm
 
 
 def pool() -> Pool:
@@ -90,17 +103,14 @@ def test_a_new_start_time_is_a_restart_and_forgets_the_engine_id() -> None:
     assert (d1.started, d1.restarts, d1.engine_id) == (250.5, 1, "engine-b")
 
 
-async def test_a_decode_is_readmitted_only_after_its_new_start_time_is_read() -> None:
-    """A D ejected while it restarted comes back with a new process: its start time is read
-    before it is usable again, so no turn in between can send P a handle from the old one."""
-    d1 = pool().instances("decode")[0]
-    note_started(d1, 100.0)
-    d1.engine_id, d1.healthy = "e1", False
-    usable_when_read: list[bool] = []
+@contextlib.asynccontextmanager
+async def engine(started: float, port: int = 0, seen: Callable[[], None] = lambda: None) -> Any:
+    """A real HTTP server answering /health and /metrics (with this process start time) as an
+    engine does; yields its URL. `seen` runs when /metrics is read."""
 
     async def metrics(_: web.Request) -> web.Response:
-        usable_when_read.append(d1.usable)
-        return web.Response(body=b"process_start_time_seconds 250.0\n")
+        seen()
+        return web.Response(body=f"process_start_time_seconds {started}\n".encode())
 
     async def health(_: web.Request) -> web.Response:
         return web.Response()
@@ -110,16 +120,60 @@ async def test_a_decode_is_readmitted_only_after_its_new_start_time_is_read() ->
     app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
-    upstream = Upstream(Settings(prefill=("http://p",), decode=("http://d",)))
-    await upstream.open()
     try:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        d1.url = f"http://127.0.0.1:{port}"
-        await check(upstream, d1, timeout=5.0)
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
     finally:
-        await upstream.close()
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def upstream() -> Any:
+    client = Upstream(Settings(prefill=("http://p",), decode=("http://d",)))
+    await client.open()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def test_a_decode_is_readmitted_only_after_its_new_start_time_is_read() -> None:
+    """A D ejected while it restarted comes back with a new process: its start time is read
+    before it is usable again, so no turn in between can send P a handle from the old one."""
+    d1 = pool().instances("decode")[0]
+    note_started(d1, 100.0)
+    d1.engine_id, d1.healthy = "e1", False
+    usable_when_read: list[bool] = []
+    async with (
+        upstream() as client,
+        engine(250.0, seen=lambda: usable_when_read.append(d1.usable)) as url,
+    ):
+        d1.url = url
+        await check(client, d1, timeout=5.0)
     assert usable_when_read == [False]
     assert (d1.usable, d1.started, d1.restarts, d1.engine_id) == (True, 250.0, 1, "")
+
+
+async def test_a_decode_whose_metrics_cannot_be_reached_has_its_handles_wait() -> None:
+    """Restarted with an engine id fixed by config, a D is told apart from the old process by
+    its start time only; while the health loop cannot connect, nothing says it did not restart."""
+    p = Pool(("http://p1",), ("http://d1",))
+    d1 = p.instances("decode")[0]
+    async with upstream() as client:
+        async with engine(100.0) as url:
+            d1.url = url
+            made = sm.SessionState(decode=url, decode_engine_id="fixed", decode_started=100.0)
+            await check(client, d1, timeout=5.0)
+            note_engine_id(d1, "fixed")
+        assert (d1.unreachable, _placement_reason(p, made), d1.handle_started) == (False, "", 100.0)
+        await check(client, d1, timeout=5.0)  # stopped: the connection is refused
+        assert (d1.unreachable, d1.healthy) == (True, True), "unreachable is not a failure"
+        assert _placement_reason(p, made) == "decode-unreachable"
+        # The turn placed there anyway made a handle (the new process's): no start time on it.
+        assert d1.handle_started == 0.0
+        new = sm.SessionState(decode=d1.url, decode_engine_id="fixed", decode_started=0.0)
+        async with engine(250.0, port=int(d1.url.rsplit(":", 1)[1])):
+            await check(client, d1, timeout=5.0)
+    assert (d1.unreachable, d1.started, d1.restarts) == (False, 250.0, 1)
+    assert (_placement_reason(p, made), _placement_reason(p, new)) == ("decode-restarted", "")
