@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,7 @@ class Engine:
     ) -> None:
         self.settings = settings
         self.engine_id = settings.engine_id
+        self.agent = uuid.uuid4().hex  # this process's NIXL agent name
         self.block_size = settings.block_size
         self.kv_port = kv_port
         self.tok = Tokenizer()

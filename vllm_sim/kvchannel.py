@@ -1,6 +1,10 @@
 """The KV side channel (NIXL's stand-in): handshake, block read and free notification.
 
 Bodies are msgpack. A read returns whatever the blocks hold now, as an RDMA READ would.
+Each producer process has its own agent name; a reader keeps the agent of an engine id from
+its first handshake and never handshakes that engine id again, as vLLM's NIXL connector
+keeps `_remote_agents` (measured on the vLLM CPU build: after a producer restarted with the
+same engine id, every read from it failed with NIXL_ERR_REMOTE_DISCONNECT, new handles too).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class KVSource(Protocol):
 
     engine_id: str
     block_size: int
+    agent: str  # this process's NIXL agent name: a restart changes it
 
     def now(self) -> float: ...
 
@@ -39,6 +44,7 @@ class Handshake:
     engine_id: str
     block_size: int
     offset: float  # remote clock minus local clock, estimated at the handshake
+    agent: str
 
     def remote_now(self, local_now: float) -> float:
         return local_now + self.offset
@@ -58,18 +64,33 @@ async def _unpack(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _refused(source: KVSource, body: dict[str, Any]) -> web.Response | None:
+    """Another engine, or an agent of another process (the reader's handshake was with the
+    process before a restart): NIXL's remote-disconnect error."""
+    if body.get("engine_id") != source.engine_id:
+        return _pack({"error": "engine id mismatch"}, status=409)
+    if "agent" in body and body["agent"] != source.agent:
+        return _pack({"error": "NIXL_ERR_REMOTE_DISCONNECT: unknown agent"}, status=409)
+    return None
+
+
 def side_channel_app(source: KVSource) -> web.Application:
     """The producer's side-channel server."""
 
     async def handshake(_: web.Request) -> web.Response:
         return _pack(
-            {"engine_id": source.engine_id, "now": source.now(), "block_size": source.block_size}
+            {
+                "engine_id": source.engine_id,
+                "now": source.now(),
+                "block_size": source.block_size,
+                "agent": source.agent,
+            }
         )
 
     async def read(request: web.Request) -> web.Response:
         body = await _unpack(request)
-        if body.get("engine_id") != source.engine_id:
-            return _pack({"error": "engine id mismatch"}, status=409)
+        if (error := _refused(source, body)) is not None:
+            return error
         if body.get("block_size") != source.block_size:
             return _pack({"error": "block size mismatch"}, status=409)
         ids = body.get("block_ids")
@@ -85,8 +106,8 @@ def side_channel_app(source: KVSource) -> web.Application:
 
     async def notify(request: web.Request) -> web.Response:
         body = await _unpack(request)
-        if body.get("engine_id") != source.engine_id:
-            return _pack({"error": "engine id mismatch"}, status=409)
+        if (error := _refused(source, body)) is not None:
+            return error
         request_id = body.get("request_id")
         if not isinstance(request_id, str):
             return _pack({"error": "request_id must be a string"}, status=400)
@@ -106,6 +127,7 @@ class KVChannelClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout, connect=timeout)
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
+        self._agents: dict[str, str] = {}  # engine id -> agent of its first handshake
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=self._timeout)
@@ -142,9 +164,21 @@ class KVChannelClient:
             raise TransferError(f"engine id mismatch: want {engine_id}, got {out.get('engine_id')}")
         remote_now = out.get("now")
         block_size = out.get("block_size")
-        if not isinstance(remote_now, float | int) or not isinstance(block_size, int):
+        agent = out.get("agent")
+        if (
+            not isinstance(remote_now, float | int)
+            or not isinstance(block_size, int)
+            or not isinstance(agent, str)
+        ):
             raise TransferError(f"bad handshake reply {out!r:.200}")
-        return Handshake(engine_id, block_size, float(remote_now) - (t0 + t1) / 2)
+        self._agents.setdefault(engine_id, agent)
+        return Handshake(engine_id, block_size, float(remote_now) - (t0 + t1) / 2, agent)
+
+    async def _agent(self, host: str, port: int, engine_id: str) -> str:
+        """The agent this reader knows for the engine id; an unknown one is handshaken first."""
+        if engine_id not in self._agents:
+            await self.handshake(host, port, engine_id)
+        return self._agents[engine_id]
 
     async def read(
         self,
@@ -159,6 +193,7 @@ class KVChannelClient:
         compatibility check of vLLM's handshake), then frees `notify`'s pin."""
         body = {
             "engine_id": engine_id,
+            "agent": await self._agent(host, port, engine_id),
             "block_size": block_size,
             "block_ids": block_ids,
             "notify": notify,
@@ -170,5 +205,6 @@ class KVChannelClient:
         return blocks
 
     async def notify(self, host: str, port: int, engine_id: str, request_id: str) -> None:
-        body = {"engine_id": engine_id, "request_id": request_id}
+        agent = await self._agent(host, port, engine_id)
+        body = {"engine_id": engine_id, "agent": agent, "request_id": request_id}
         await self._call("POST", f"http://{host}:{port}/notify", body)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import SimProc, free_port, sims
+from tests.procs import SimProc, free_port, sim, sims
 from tests.sim.client import (
     NULL_HANDOFF,
     chat,
@@ -277,3 +277,33 @@ async def test_dead_or_wrong_engine_fails_per_policy(cluster: dict[str, SimProc]
     # Policy recompute: the request succeeds with the from-scratch answer.
     status, body = await decode(prec, msgs, dead, 5)
     assert status == 200 and answer(body) == await scratch(r, msgs, 5)
+
+
+async def test_a_reader_keeps_a_producers_agent_across_its_restart(
+    cluster: dict[str, SimProc],
+) -> None:
+    """As vLLM's NIXL connector (measured on the CPU build): P handshakes an engine id once;
+    after that D restarts with the same engine id, every read from it fails, new handles
+    too (NIXL_ERR_REMOTE_DISCONNECT), while D still pulls from P. A new engine id works."""
+    p, r = cluster["P"], cluster["R"]
+    engine_id, port, kv_port = f"fixed-{free_port()}", str(free_port()), str(free_port())
+    flags = ("--bidirectional", "--port", port, "--kv-port", kv_port)
+
+    async def hit_on_p(d: SimProc, seed: int) -> tuple[int, Any]:
+        """One P->D turn, then P reading the next turn's prefix back from D."""
+        msgs, db = await turn1({"P": p, "D": d}, seed)
+        assert answer(db) == await scratch(r, msgs, 80)
+        msgs2 = turn2_messages(msgs, answer(db)[1], seed + 50)
+        handle = as_p_handle(db["kv_transfer_params"])
+        return await chat(p.url, msgs2, max_tokens=1, kv_transfer_params=handle)
+
+    with sim("decode", *flags, "--engine-id", engine_id, name="pd-fixed") as d:
+        assert (await hit_on_p(d, 81))[0] == 200
+    failed = await metric(p.url, "vllm:nixl_num_failed_transfers_total")
+    with sim("decode", *flags, "--engine-id", engine_id, name="pd-fixed") as d:
+        for seed in (82, 83):  # handles of the new process, not only the old one's
+            status, body = await hit_on_p(d, seed)  # D pulls from P: fine
+            assert status == 500 and body["error"]["type"] == "InternalServerError"
+    assert await metric(p.url, "vllm:nixl_num_failed_transfers_total") == failed + 2
+    with sim("decode", *flags, "--engine-id", f"{engine_id}-new", name="pd-fixed") as d:
+        assert (await hit_on_p(d, 84))[0] == 200
