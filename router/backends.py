@@ -17,9 +17,25 @@ log = logging.getLogger("kvbaton.backends")
 
 Role = Literal["prefill", "decode"]
 
+# A P that refused this many of one D's handles in a row gets none of that D's handles for a
+# while: each refused handle costs a failed P leg (5 s where P cannot reach D's side channel),
+# and some refusals last (a D restarted with a fixed engine id: P keeps its stale NIXL agent).
+REFUSALS_TO_PAUSE = 3
+PAUSE_FIRST_S = 30.0  # then doubled each time the handle tried after a pause is refused too
+PAUSE_MAX_S = 600.0
+
 # A conversation stays on its previous instance unless that one has this many more requests
 # in flight than the least loaded one: its prefix cache is worth a little queueing.
 AFFINITY_SLACK = 8
+
+
+@dataclass
+class Refusals:
+    """One P's refusals of one D's handles since its last read from that D."""
+
+    count: int = 0
+    pause_s: float = 0.0  # the latest pause (0: none since the last read)
+    until: float = 0.0  # monotonic time the pause ends
 
 
 @dataclass
@@ -41,14 +57,44 @@ class Instance:
     # is still the previous process's, so handles made meanwhile do not record it.
     started_stale: bool = False
     # The health loop's last read of its /metrics could not connect: the process may be down or
-    # restarting, and a restarted D whose engine id is fixed by config would serve an old
-    # handle's block ids with whatever they hold now. Its handles wait for a read that connects.
+    # restarting. Restarted with an engine id fixed by config, a D is told apart only by its
+    # start time, and a P that never read from it would read an old handle's block ids from
+    # the new process's memory. Its handles wait for a read that connects.
     unreachable: bool = False
     restarts: int = 0  # restarts seen (a new start time)
+    refused_by: dict[str, Refusals] = field(default_factory=dict)  # a D's, by P URL
 
     @property
     def usable(self) -> bool:
         return self.healthy and not self.draining
+
+    def reads_paused(self, prefill: str, now: float) -> bool:
+        """Whether this D's handles are kept from that P for now."""
+        refusals = self.refused_by.get(prefill)
+        return refusals is not None and now < refusals.until
+
+    def note_read(self, prefill: str) -> None:
+        """That P read one of this D's handles."""
+        self.refused_by.pop(prefill, None)
+
+    def note_refused(self, prefill: str, now: float) -> None:
+        """That P refused one of this D's handles: pause after REFUSALS_TO_PAUSE in a row, and
+        again (twice as long) when the handle tried after a pause is refused too."""
+        refusals = self.refused_by.setdefault(prefill, Refusals())
+        refusals.count += 1
+        if refusals.count < REFUSALS_TO_PAUSE and not refusals.pause_s:
+            return
+        refusals.pause_s = min(PAUSE_MAX_S, refusals.pause_s * 2 or PAUSE_FIRST_S)
+        refusals.until = now + refusals.pause_s
+        log.warning(
+            "prefill %s refused %d handles of decode %s in a row: it gets none for %.0f s "
+            "(a D restarted with an engine id fixed in kv_transfer_config stays unreadable "
+            "to P until P restarts)",
+            prefill,
+            refusals.count,
+            self.url,
+            refusals.pause_s,
+        )
 
     @property
     def handle_started(self) -> float:
@@ -149,6 +195,7 @@ def note_started(inst: Instance, started: float) -> None:
         return
     if inst.started:
         inst.restarts += 1
+        inst.refused_by.clear()  # a new process: P may read from it again
         if not inst.started_stale:  # else the engine id is already the new process's
             inst.engine_id = ""  # learned again from its next handle
         log.warning(
@@ -184,6 +231,7 @@ def note_engine_id(inst: Instance, engine_id: str | None) -> None:
         return
     if inst.engine_id:
         inst.started_stale = True
+        inst.refused_by.clear()
         log.warning(
             "%s instance %s has a new engine id (%s, was %s): it restarted; "
             "handles made before are not used",

@@ -43,7 +43,7 @@ class EngineReply(RouterError):
 class Prefilled:
     instance: Instance
     params: dict[str, Any] | None
-    rejected_handle: bool
+    refused_by: str  # the P that refused the claimed handle ("" if none did)
     prompt_ids: list[int] | None = None  # the prompt as token ids, when P got it that way
 
 
@@ -73,7 +73,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
     svc, inc = turn.svc, turn.inc
     params = turn.claim.params
     ids = turn.claim.prompt_ids if svc.ids_leg_on() else None
-    rejected = False
+    refused_by = ""
     refused_ids = 0
     tried: list[str] = []
     while True:
@@ -116,7 +116,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
                 # P answered without a handoff: D prefills locally (never the P-leg dict).
                 log.info("prefill %s returned no kv_transfer_params; D recomputes", inst.url)
                 p_params = None
-            return Prefilled(inst, p_params, rejected, ids)
+            return Prefilled(inst, p_params, refused_by, ids)
         if params is not None and (status != 0 or reached):
             # P refused the handle (a failed or declined D->P read answers 500 under
             # kv_load_failure_policy=fail, vLLM #34896), or may still be reading it (a
@@ -124,7 +124,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
             log.warning(
                 "prefill %s rejected the handle (%s); retrying as a miss", inst.url, failure
             )
-            params, rejected = None, True
+            params, refused_by = None, inst.url
             if status != 0:
                 continue  # P answered: redo there, as a miss
         if 400 <= status < 500:

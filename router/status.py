@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from importlib import metadata
 from typing import Any
 
@@ -27,6 +28,15 @@ def version() -> str:
         return "unknown"
 
 
+def paused_reads(inst: Instance, now: float) -> dict[str, float]:
+    """The P instances that get none of this D's handles for now: seconds left, by URL."""
+    return {
+        url: round(refusals.until - now, 1)
+        for url, refusals in inst.refused_by.items()
+        if inst.reads_paused(url, now)
+    }
+
+
 def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
     return {
         "url": inst.url,
@@ -42,6 +52,7 @@ def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
         "started": inst.started,
         "restarts": inst.restarts,
         "unreachable": inst.unreachable,
+        "reads_paused": paused_reads(inst, time.monotonic()),
         "source": "command-line" if from_flags else "admin",
     }
 

@@ -92,6 +92,8 @@ async def _route(turn: Turn) -> Response:
     svc, inc = turn.svc, turn.inc
     state = turn.claim.state
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
+    if turn.claim.params is not None:
+        p_inst = _reader(turn, p_inst)
     turn.claim = await verify(svc, inc, turn.claim, p_inst.url, turn.request_id)
     turn.want_token_ids = (
         svc.settings.verify_prefix == "tokens"
@@ -100,11 +102,16 @@ async def _route(turn: Turn) -> Response:
     )
     tried: list[str] = []
     while True:
+        source = handle_source(turn) if turn.claim.params is not None else None
         prefilled = await prefill(turn, p_inst)
         turn.prefill = prefilled.instance
         turn.prefill_ids = prefilled.prompt_ids
-        if prefilled.rejected_handle:
+        if prefilled.refused_by:
             turn.claim = turn.claim.miss("handle-rejected")
+            if source is not None:
+                source.note_refused(prefilled.refused_by, time.monotonic())
+        elif source is not None:
+            source.note_read(prefilled.instance.url)
         d_inst = _pick_decode(svc, state.decode if state else "", tried)
         try:
             return await _decode(turn, d_inst, prefilled)
@@ -119,6 +126,26 @@ async def _route(turn: Turn) -> Response:
             if turn.claim.params is not None:
                 turn.claim = turn.claim.miss("decode-retried")
             p_inst = svc.pool.pick("prefill", prefer=turn.prefill.url)
+
+
+def handle_source(turn: Turn) -> Instance | None:
+    """The D that made the claimed handle, if the router still routes to it."""
+    state = turn.claim.state
+    return turn.svc.pool.find("decode", state.decode) if state is not None else None
+
+
+def _reader(turn: Turn, p_inst: Instance) -> Instance:
+    """A P that has not been refusing the handle's D; none left: the turn is a miss."""
+    source = handle_source(turn)
+    now = time.monotonic()
+    if source is None or not source.reads_paused(p_inst.url, now):
+        return p_inst
+    paused = [url for url in source.refused_by if source.reads_paused(url, now)]
+    try:
+        return turn.svc.pool.pick("prefill", exclude=paused)
+    except Unavailable:
+        turn.claim = turn.claim.miss("reads-paused")
+        return p_inst
 
 
 def _pick_decode(svc: Services, prefer: str, tried: list[str]) -> Instance:

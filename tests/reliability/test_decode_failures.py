@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from router.backends import REFUSALS_TO_PAUSE
 from tests.e2e.harness import RouterProc
 from tests.procs import SimProc, wait_until
 from tests.reliability.conftest import ADMIN_KEY, FIRST_BYTE_TIMEOUT, ROUTER_FLAGS, Stack
@@ -138,11 +139,14 @@ def test_a_restarted_decodes_old_handles_never_reach_prefill(main: Stack) -> Non
 
 
 @contextlib.contextmanager
-def checking_every(main: Stack, interval: float) -> Iterator[RouterProc]:
-    """A second router on main's engines whose health loop runs every `interval` seconds."""
+def checking_every(
+    main: Stack, interval: float, prefill: list[SimProc] | None = None
+) -> Iterator[RouterProc]:
+    """A second router on main's engines (or these P) whose health loop runs every
+    `interval` seconds."""
     args = [*ROUTER_FLAGS]
     args[args.index("--health-interval") + 1] = str(interval)
-    ps, ds = [p.url for p in main.ps], [d.url for d in main.ds]
+    ps, ds = [p.url for p in prefill or main.ps], [d.url for d in main.ds]
     with router(ps, ds, *args, redis_url=main.redis_url, name=f"rel-health-{interval}") as r:
         yield r
 
@@ -165,28 +169,40 @@ def test_a_restart_the_router_has_not_seen_yet_is_caught_by_the_engine_id(main: 
         assert session(main.redis_url, str(second.cid))["decode"] == d.url
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_restart_with_a_fixed_engine_id_never_reads_an_old_handle(main: Stack) -> None:
     """An engine id fixed in kv_transfer_config survives a restart: only the start time tells
-    the new process from the old, whose handle's block ids P would read from the new process's
-    memory (a wrong answer with 200). While the health loop cannot connect, handles wait; once
-    it reads the new start time, that marks them; the new process's handles are used. (Health
-    read every 2 s: the first turn after the restart comes before the read.)"""
-    with checking_every(main, 2.0) as slow:
-        first, second = on_first_decode(main, "d-fixed", 2, via=slow.url)
+    the new process from the old. While the health loop cannot connect, D's handles wait; once
+    it reads the new start time, that marks the old ones. P keeps the old process's NIXL agent
+    (as vLLM does), so it refuses the new process's handles too: after three in a row that P
+    gets none of them for a while, and turns are plain misses without a failed P leg. Every
+    answer is the oracle's. (One P; health read every 2 s, so the turn after the restart comes
+    before the read.)"""
+    with checking_every(main, 2.0, prefill=main.ps[:1]) as slow:
+        (conv,) = on_first_decode(main, "d-fixed", 1, via=slow.url)
+        assert conv.turn().reuse == "hit"  # P reads from D: it now knows D's agent
         old = main.ds[0]
 
         def unreachable() -> None:
             wait_until(lambda: instance(slow.url, "decode", old.url)["unreachable"], "not down")
 
         d = main.restart("decode", 0, "--engine-id", old.engine_id, down=unreachable)
-        assert d.engine_id == old.engine_id
-        reply = first.turn()  # the oracle's answer, or Conversation fails it
-        assert reply.reuse in ("miss;reason=decode-unreachable", "miss;reason=decode-restarted")
-        wait_seen(main, d, via=slow.url)
-        assert not instance(slow.url, "decode", d.url)["unreachable"]
-        assert second.turn().reuse == "miss;reason=decode-restarted"
-        assert [first.turn().reuse, second.turn().reuse] == ["hit", "hit"]
+        try:
+            assert d.engine_id == old.engine_id
+            first = conv.turn().reuse  # the old handle: never sent to P
+            assert first in ("miss;reason=decode-unreachable", "miss;reason=decode-restarted")
+            wait_seen(main, d, via=slow.url)
+            assert not instance(slow.url, "decode", d.url)["unreachable"]
+            failed = stale_uses(main)
+            reasons = [conv.turn().reuse for _ in range(REFUSALS_TO_PAUSE)]
+            assert reasons == ["miss;reason=handle-rejected"] * REFUSALS_TO_PAUSE
+            assert stale_uses(main) == failed + REFUSALS_TO_PAUSE
+            assert conv.turn().reuse == "miss;reason=reads-paused"
+            assert stale_uses(main) == failed + REFUSALS_TO_PAUSE, "no P leg with a handle"
+            paused = instance(slow.url, "decode", d.url)["reads_paused"]
+            assert list(paused) == [main.ps[0].url] and 0 < paused[main.ps[0].url] <= 30
+        finally:  # main's P must not keep the stale agent for the next tests
+            main.restart("decode", 0)
 
 
 @pytest.mark.timeout(60)

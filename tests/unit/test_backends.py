@@ -11,6 +11,9 @@ from aiohttp import web
 
 from router.backends import (
     AFFINITY_SLACK,
+    PAUSE_FIRST_S,
+    PAUSE_MAX_S,
+    REFUSALS_TO_PAUSE,
     Pool,
     check,
     note_engine_id,
@@ -177,3 +180,32 @@ async def test_a_decode_whose_metrics_cannot_be_reached_has_its_handles_wait() -
             await check(client, d1, timeout=5.0)
     assert (d1.unreachable, d1.started, d1.restarts) == (False, 250.0, 1)
     assert (_placement_reason(p, made), _placement_reason(p, new)) == ("decode-restarted", "")
+
+
+def test_a_prefill_that_keeps_refusing_a_decodes_handles_gets_none_for_a_while() -> None:
+    d1 = pool().instances("decode")[0]
+    p1, p2 = "http://p1", "http://p2"
+    for _ in range(REFUSALS_TO_PAUSE - 1):
+        d1.note_refused(p1, 100.0)
+    d1.note_read(p1)  # a read in between: not in a row
+    for _ in range(REFUSALS_TO_PAUSE - 1):
+        d1.note_refused(p1, 100.0)
+    assert not d1.reads_paused(p1, 100.0)
+    d1.note_refused(p1, 100.0)
+    assert d1.reads_paused(p1, 100.0) and d1.reads_paused(p1, 100.0 + PAUSE_FIRST_S - 1)
+    assert not d1.reads_paused(p2, 100.0), "one pair: another P still gets them"
+    at = 100.0 + PAUSE_FIRST_S
+    assert not d1.reads_paused(p1, at), "after the pause one handle is tried"
+    d1.note_refused(p1, at)  # refused again: twice as long, at once
+    assert d1.reads_paused(p1, at + 2 * PAUSE_FIRST_S - 1)
+    assert not d1.reads_paused(p1, at + 2 * PAUSE_FIRST_S)
+    for _ in range(10):
+        d1.note_refused(p1, at)
+    assert d1.refused_by[p1].pause_s == PAUSE_MAX_S
+    d1.note_read(p1)
+    assert not d1.reads_paused(p1, at) and p1 not in d1.refused_by
+    for _ in range(REFUSALS_TO_PAUSE):
+        d1.note_refused(p2, at)
+    note_started(d1, 100.0)
+    note_started(d1, 200.0)  # D restarted: a new process may be readable again
+    assert not d1.reads_paused(p2, at)
