@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
-from router.backends import Pool, note_engine_id, note_started
+from router.backends import REFUSALS_TO_PAUSE, Pool, note_engine_id, note_started
+from router.config import Settings
 from router.incoming import Incoming
-from router.reuse import Reuse, _placement_reason, _prefix_verdict, tokenize_body
-from router.services import StoreGuard
+from router.metrics import Metrics
+from router.reuse import Claim, Reuse, _placement_reason, _prefix_verdict, tokenize_body
+from router.services import Services, StoreGuard
+from router.turn import Turn, _reader
+from router.upstream import Upstream
 from sessions import model as sm
+from sessions.memory_store import MemorySessionStore
 from sessions.store import StoreError
 
 SYSTEM = {"role": "system", "content": "be brief"}
@@ -198,3 +204,33 @@ def test_the_data_parallel_ranks_of_one_decode_are_one_process() -> None:
     note_engine_id(d1, "9e0a_dp1")  # the restarted process
     assert d1.handle_started == 0.0
     assert [_placement_reason(pool, s) for s in ranks] == ["decode-restarted"] * 3
+
+
+def test_a_hit_goes_to_a_prefill_that_has_not_been_refusing_the_decode() -> None:
+    settings = Settings(prefill=("http://p1", "http://p2"), decode=("http://d1",))
+    pool = Pool(settings.prefill, settings.decode)
+    svc = Services(
+        settings,
+        Upstream(settings),
+        pool,
+        MemorySessionStore(),
+        StoreGuard(1),
+        Metrics(pool, lambda: False),
+    )
+    state = sm.SessionState(decode="http://d1", prefill="http://p1")
+    hit = Claim("k", state, Reuse("hit"), params={"remote_engine_id": "e1"}, claimed=True)
+    turn = Turn(
+        svc, Incoming("chat", {"messages": [USER]}, False, "c", "default", False), "r", hit, 0.0
+    )
+    p1, p2 = pool.instances("prefill")
+    d1 = pool.instances("decode")[0]
+    assert _reader(turn, p1) is p1
+    now = time.monotonic()
+    for _ in range(REFUSALS_TO_PAUSE):
+        d1.note_refused(p1.url, now)
+    assert _reader(turn, p1) is p2 and turn.claim.reuse.outcome == "hit"
+    for _ in range(REFUSALS_TO_PAUSE):
+        d1.note_refused(p2.url, now)
+    assert _reader(turn, p1) is p1
+    assert (turn.claim.reuse.outcome, turn.claim.reuse.reason) == ("miss", "reads-paused")
+    assert turn.claim.params is None and turn.claim.claimed, "the handle is used up, not sent"
