@@ -92,8 +92,9 @@ async def _route(turn: Turn) -> Response:
     svc, inc = turn.svc, turn.inc
     state = turn.claim.state
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
-    if turn.claim.params is not None:
-        p_inst = _reader(turn, p_inst)
+    source = _handle_source(turn)
+    if source is not None and turn.claim.params is not None:
+        p_inst = _reader(turn, source, p_inst)
     turn.claim = await verify(svc, inc, turn.claim, p_inst.url, turn.request_id)
     turn.want_token_ids = (
         svc.settings.verify_prefix == "tokens"
@@ -102,16 +103,16 @@ async def _route(turn: Turn) -> Response:
     )
     tried: list[str] = []
     while True:
-        source = handle_source(turn) if turn.claim.params is not None else None
+        sent = source if turn.claim.params is not None else None  # the handle's D, if sent
         prefilled = await prefill(turn, p_inst)
         turn.prefill = prefilled.instance
         turn.prefill_ids = prefilled.prompt_ids
         if prefilled.refused_by:
             turn.claim = turn.claim.miss("handle-rejected")
-            if source is not None:
-                source.note_refused(prefilled.refused_by, time.monotonic())
-        elif source is not None:
-            source.note_read(prefilled.instance.url)
+            if sent is not None:
+                sent.note_refused(prefilled.refused_by, time.monotonic())
+        elif sent is not None:
+            sent.note_read(prefilled.instance.url)
         d_inst = _pick_decode(svc, state.decode if state else "", tried)
         try:
             return await _decode(turn, d_inst, prefilled)
@@ -128,17 +129,18 @@ async def _route(turn: Turn) -> Response:
             p_inst = svc.pool.pick("prefill", prefer=turn.prefill.url)
 
 
-def handle_source(turn: Turn) -> Instance | None:
-    """The D that made the claimed handle, if the router still routes to it."""
+def _handle_source(turn: Turn) -> Instance | None:
+    """The D of the conversation's last turn (the one that made a claimed handle), if the
+    router still routes to it."""
     state = turn.claim.state
     return turn.svc.pool.find("decode", state.decode) if state is not None else None
 
 
-def _reader(turn: Turn, p_inst: Instance) -> Instance:
-    """A P that has not been refusing the handle's D; none left: the turn is a miss."""
-    source = handle_source(turn)
+def _reader(turn: Turn, source: Instance, p_inst: Instance) -> Instance:
+    """A P that has not been refusing the handle's D (`source`); with none left, the turn's
+    claim becomes a miss (reads-paused) and p_inst serves it."""
     now = time.monotonic()
-    if source is None or not source.reads_paused(p_inst.url, now):
+    if not source.reads_paused(p_inst.url, now):
         return p_inst
     paused = [url for url in source.refused_by if source.reads_paused(url, now)]
     try:

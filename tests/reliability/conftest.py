@@ -78,12 +78,15 @@ class Stack:
     router: RouterProc
     redis_port: int
     redis_proc: subprocess.Popen[bytes]
-    log: Path
     exits: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
     def url(self) -> str:
         return self.router.url
+
+    @property
+    def log(self) -> Path:
+        return self.router.log
 
     @property
     def redis_url(self) -> str:
@@ -128,7 +131,7 @@ def stack() -> Iterator[Stack]:
         r = exits.enter_context(
             router([p1.url, p2.url], [d1.url, d2.url], *ROUTER_FLAGS, redis_url=url, name=name)
         )
-        s = Stack([p1, p2], [d1, d2], ref, r, redis_port, redis_proc, r.log)
+        s = Stack([p1, p2], [d1, d2], ref, r, redis_port, redis_proc)
         with s.exits:
             try:
                 yield s

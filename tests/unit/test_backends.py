@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from aiohttp import web
@@ -107,7 +106,9 @@ def test_a_new_start_time_is_a_restart_and_forgets_the_engine_id() -> None:
 
 
 @contextlib.asynccontextmanager
-async def engine(started: float, port: int = 0, seen: Callable[[], None] = lambda: None) -> Any:
+async def engine(
+    started: float, port: int = 0, seen: Callable[[], None] = lambda: None
+) -> AsyncIterator[str]:
     """A real HTTP server answering /health and /metrics (with this process start time) as an
     engine does; yields its URL. `seen` runs when /metrics is read."""
 
@@ -126,13 +127,15 @@ async def engine(started: float, port: int = 0, seen: Callable[[], None] = lambd
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        host, bound = runner.addresses[0][:2]
+        yield f"http://{host}:{bound}"
     finally:
         await runner.cleanup()
 
 
 @contextlib.asynccontextmanager
-async def upstream() -> Any:
+async def upstream() -> AsyncIterator[Upstream]:
+    """The router's engine client, opened."""
     client = Upstream(Settings(prefill=("http://p",), decode=("http://d",)))
     await client.open()
     try:

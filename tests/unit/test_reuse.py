@@ -224,13 +224,13 @@ def test_a_hit_goes_to_a_prefill_that_has_not_been_refusing_the_decode() -> None
     )
     p1, p2 = pool.instances("prefill")
     d1 = pool.instances("decode")[0]
-    assert _reader(turn, p1) is p1
+    assert _reader(turn, d1, p1) is p1
     now = time.monotonic()
     for _ in range(REFUSALS_TO_PAUSE):
         d1.note_refused(p1.url, now)
-    assert _reader(turn, p1) is p2 and turn.claim.reuse.outcome == "hit"
+    assert _reader(turn, d1, p1) is p2 and turn.claim.reuse.outcome == "hit"
     for _ in range(REFUSALS_TO_PAUSE):
         d1.note_refused(p2.url, now)
-    assert _reader(turn, p1) is p1
+    assert _reader(turn, d1, p1) is p1
     assert (turn.claim.reuse.outcome, turn.claim.reuse.reason) == ("miss", "reads-paused")
     assert turn.claim.params is None and turn.claim.claimed, "the handle is used up, not sent"
