@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return sim_main(rest)
     if command == "serve":
-        from router.server import serve_main
+        from router.http.server import serve_main
 
         return serve_main(rest)
     if command == "demo":

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from router.backends import Pool
+from router.engines.pool import Pool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -8,10 +8,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from router.backends import Pool
 from router.config import Settings
+from router.engines.client import Upstream
+from router.engines.pool import Pool
 from router.metrics import Metrics
-from router.upstream import Upstream
 from sessions.store import SessionStore, StoreError
 
 log = logging.getLogger("kvbaton.store")

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from router.handoff import miss_params
+from router.connectors.nixl import miss_params
 
 JSON = {"Content-Type": "application/json"}
 

@@ -25,7 +25,7 @@ Tick = Callable[[str], None]
 # Each sample is charged to the innermost frame of a known group (stdlib frames such as
 # asyncio's socket writes are charged to their caller); the shares add up to 100%.
 GROUPS = (
-    ("SSE relay and capture (router/sse.py)", ("router/sse.py",)),
+    ("SSE relay and capture (router/turn/sse.py)", ("router/turn/sse.py",)),
     ("session store client (redis-py)", ("redis/",)),
     ("session model, digests (sessions/)", ("sessions/",)),
     ("router turn logic (other router/ modules)", ("router/",)),
@@ -35,7 +35,7 @@ GROUPS = (
     ("logging", ("logging/",)),
 )
 # On every stack (the process entry and the server loop): never a sample's group.
-ENTRY = ("router/__main__.py", "router/cli.py", "router/server.py")
+ENTRY = ("router/__main__.py", "router/cli.py", "router/http/server.py")
 IDLE_GROUP = "event loop and stdlib only"
 IDLE_LEAF = "EpollSelector.select ("  # the loop waiting in epoll_wait
 

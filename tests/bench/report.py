@@ -516,7 +516,7 @@ def workers_part(res: dict[str, Any]) -> list[str]:
         "### One worker vs `--workers 2` (nothing pinned)",
         "",
         "`kvbaton serve --workers 2`: two router processes accept on one listening socket",
-        "(router/workers.py). Two workers need two cores, and this machine has two in all, so",
+        "(router/http/workers.py). Two workers need two cores, and this machine has two in all, so",
         "here nothing is pinned: the router(s), the engines, redis-server and the load",
         "generator share both CPUs, and the two rows differ only in the worker count. *Router",
         "CPU* is the workers' and the supervisor's together (100% is one core).",

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from router.identity import tenant_of
+from router.turn.tenant import tenant_of
 from tests.e2e.harness import RouterProc
 from tests.ops.conftest import call, chat, log_path, ops_router
 from tests.procs import SimProc

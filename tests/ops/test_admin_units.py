@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.admin import authorize, conversation_view
 from router.errors import NotFound, Unauthorized
+from router.http.admin import authorize, conversation_view
 from sessions.model import SessionState
 
 

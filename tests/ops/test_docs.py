@@ -8,8 +8,8 @@ from pathlib import Path
 
 from starlette.routing import Route, Router
 
-from router.admin import AdminGate, admin_app
-from router.backends import Pool
+from router.engines.pool import Pool
+from router.http.admin import AdminGate, admin_app
 from router.metrics import Metrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -38,7 +38,12 @@ def test_every_metric_is_documented_with_its_type() -> None:
 
 
 ROOT = DOCS.parent
-REASON_SOURCES = ("router/reuse.py", "router/turn.py", "router/commit.py", "sessions/model.py")
+REASON_SOURCES = (
+    "router/turn/reuse.py",
+    "router/turn/run.py",
+    "router/turn/commit.py",
+    "sessions/model.py",
+)
 REASON_FUNCTIONS = ("handle_unusable_reason", "_placement_reason")
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from router.logs import TURN_LOGGER, JsonFormatter, formatter, setup_logging, turn_fields
 
-# The template router/commit.py logs each turn with (read back when no `extra` is given).
+# The template router/turn/commit.py logs each turn with (read back when no `extra` is given).
 TEMPLATE = (
     "turn request_id=%s conv=%s api=%s stream=%s p=%s d=%s reuse=%s reused_tokens=%d "
     "ttft_ms=%s e2e_ms=%.1f prompt_tokens=%s completion_tokens=%s result=%s"

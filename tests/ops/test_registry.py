@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from router.registry import Entry, MemoryRegistry, desired
+from router.engines.registry import Entry, MemoryRegistry, desired
 from tests.ops.conftest import call, decode_urls, ops_router
 from tests.procs import SimProc
 

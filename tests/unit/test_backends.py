@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
-from router.backends import (
+from router.config import Settings
+from router.engines.client import Upstream
+from router.engines.pool import (
     AFFINITY_SLACK,
     PAUSE_FIRST_S,
     PAUSE_MAX_S,
@@ -19,10 +21,8 @@ from router.backends import (
     note_started,
     process_started,
 )
-from router.config import Settings
 from router.errors import Unavailable
-from router.reuse import _placement_reason
-from router.upstream import Upstream
+from router.turn.reuse import _placement_reason
 from sessions import model as sm
 
 

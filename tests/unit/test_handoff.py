@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from router import handoff
-from router.handoff import (
+from router.connectors import nixl as handoff
+from router.connectors.nixl import (
     NULL_HANDOFF,
     Handoff,
     engine_id,

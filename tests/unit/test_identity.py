@@ -7,7 +7,7 @@ import re
 import pytest
 
 from router.errors import BadRequest
-from router.identity import tenant_of, validate_conversation_id
+from router.turn.tenant import tenant_of, validate_conversation_id
 
 HEX16 = re.compile(r"[0-9a-f]{16}")
 

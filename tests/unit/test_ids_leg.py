@@ -7,17 +7,17 @@ from typing import Any
 
 import pytest
 
-from router.backends import Pool
-from router.commit import next_state
 from router.config import Settings
-from router.incoming import Incoming
+from router.engines.client import Upstream
+from router.engines.pool import Pool
 from router.metrics import Metrics
-from router.reuse import Claim, Reuse
-from router.rewrite import ids_leg_allowed, ids_prefill_body
 from router.services import Services, StoreGuard
-from router.sse import Captured
-from router.turn import Turn
-from router.upstream import Upstream
+from router.turn.commit import next_state
+from router.turn.incoming import Incoming
+from router.turn.reuse import Claim, Reuse
+from router.turn.rewrite import ids_leg_allowed, ids_prefill_body
+from router.turn.run import Turn
+from router.turn.sse import Captured
 from sessions.memory_store import MemorySessionStore
 from tests.unit.test_handoff import D_HANDLE
 

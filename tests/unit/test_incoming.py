@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from router.errors import BadRequest, NotFound, PayloadTooLarge, RouterError, UnsupportedMediaType
-from router.incoming import Api, read_incoming
+from router.turn.incoming import Api, read_incoming
 
 JSON = {"content-type": "application/json"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -121,7 +121,7 @@ def test_responses_refusals(body: dict[str, Any], match: str) -> None:
 
 
 def test_responses_items_and_canonical_form() -> None:
-    from router.incoming import canonical_items
+    from router.turn.incoming import canonical_items
 
     inc = read({"input": "hello", "instructions": "be brief", "store": False}, api="responses")
     assert inc.items == [

@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from router.backends import REFUSALS_TO_PAUSE, Pool, note_engine_id, note_started
 from router.config import Settings
-from router.incoming import Incoming
+from router.engines.client import Upstream
+from router.engines.pool import REFUSALS_TO_PAUSE, Pool, note_engine_id, note_started
 from router.metrics import Metrics
-from router.reuse import Claim, Reuse, _placement_reason, _prefix_verdict, tokenize_body
 from router.services import Services, StoreGuard
-from router.turn import Turn, _reader
-from router.upstream import Upstream
+from router.turn.incoming import Incoming
+from router.turn.reuse import Claim, Reuse, _placement_reason, _prefix_verdict, tokenize_body
+from router.turn.run import Turn, _reader
 from sessions import model as sm
 from sessions.memory_store import MemorySessionStore
 from sessions.store import StoreError

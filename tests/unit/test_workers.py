@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from router.config import Settings
-from router.workers import CRASH_WINDOW, Supervisor, Worker
+from router.http.workers import CRASH_WINDOW, Supervisor, Worker
 
 
 class Exited:

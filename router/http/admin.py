@@ -17,12 +17,12 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router import registry as reg
-from router.backends import Instance, Role
+from router.engines import registry as reg
+from router.engines.pool import Instance, Role
 from router.errors import BadRequest, NotFound, RouterError, Unauthorized, Unavailable
-from router.identity import DEFAULT_TENANT, validate_conversation_id
+from router.http.status import instances_by_role, view
 from router.services import Services
-from router.status import instances_by_role, view
+from router.turn.tenant import DEFAULT_TENANT, validate_conversation_id
 from sessions.admin_ops import ConversationIndex, MemoryConversationIndex, RedisConversationIndex
 from sessions.connect import RedisClient, connect
 from sessions.connect import close as close_client

@@ -12,13 +12,13 @@ from typing import Any
 
 import msgspec
 
-from router import handoff
-from router.backends import Pool, engine_family
-from router.incoming import Incoming, canonical_items
-from router.rewrite import ids_leg_allowed
+from router.connectors import nixl as handoff
+from router.engines.client import UpstreamFailure
+from router.engines.pool import Pool, engine_family
 from router.services import Services
 from router.tracing import span
-from router.upstream import UpstreamFailure
+from router.turn.incoming import Incoming, canonical_items
+from router.turn.rewrite import ids_leg_allowed
 from sessions import model as sm
 from sessions.keys import conversation_key
 from sessions.model import SessionState

@@ -16,21 +16,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from router import registry
-from router.admin import admin_app, open_operations
-from router.backends import Pool, health_loop
 from router.config import Settings
-from router.disconnect import until_disconnect
-from router.discovery import discover
+from router.engines import registry as registry
+from router.engines.client import Upstream, UpstreamFailure
+from router.engines.discovery import discover
+from router.engines.pool import Pool, health_loop
 from router.errors import RouterError, Unavailable, error_body, error_bytes
-from router.incoming import Api, read_incoming
-from router.legs import PATHS
+from router.http.admin import admin_app, open_operations
+from router.http.disconnect import until_disconnect
+from router.http.status import status
 from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
-from router.status import status
 from router.tracing import span
-from router.turn import new_request_id, run_turn
-from router.upstream import Upstream, UpstreamFailure
+from router.turn.incoming import Api, read_incoming
+from router.turn.prefill import PATHS
+from router.turn.run import new_request_id, run_turn
 from sessions.memory_store import MemorySessionStore
 from sessions.redis_store import RedisSessionStore
 from sessions.store import SessionStore, StoreError

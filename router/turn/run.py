@@ -12,17 +12,17 @@ from dataclasses import dataclass
 import aiohttp
 from starlette.responses import Response, StreamingResponse
 
-from router.backends import Instance
-from router.commit import abort, finish
+from router.engines.client import UpstreamFailure, iter_chunks
+from router.engines.pool import Instance
 from router.errors import Unavailable, UpstreamError, sse_error_event
-from router.incoming import Incoming
-from router.legs import PATHS, EngineReply, Prefilled, prefill
-from router.reuse import Claim, claim, verify
-from router.rewrite import decode_body
 from router.services import Services
-from router.sse import SseRelay, capture_body
 from router.tracing import span
-from router.upstream import UpstreamFailure, iter_chunks
+from router.turn.commit import abort, finish
+from router.turn.incoming import Incoming
+from router.turn.prefill import PATHS, EngineReply, Prefilled, prefill
+from router.turn.reuse import Claim, claim, verify
+from router.turn.rewrite import decode_body
+from router.turn.sse import SseRelay, capture_body
 
 log = logging.getLogger("kvbaton.turn")
 

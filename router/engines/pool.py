@@ -10,8 +10,8 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from router.engines.client import Upstream, UpstreamFailure
 from router.errors import Unavailable
-from router.upstream import Upstream, UpstreamFailure
 
 log = logging.getLogger("kvbaton.backends")
 

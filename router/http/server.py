@@ -14,12 +14,12 @@ from typing import Any
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from router.app import create_app
 from router.config import ConfigError, Settings, WorkerSlot, load_settings, worker_slot
-from router.discovery import StartupError, preflight
+from router.engines.discovery import StartupError, preflight
+from router.http.app import create_app
+from router.http.workers import supervise
 from router.logs import setup_logging
 from router.tracing import setup_tracing
-from router.workers import supervise
 
 log = logging.getLogger("kvbaton.server")
 
@@ -29,7 +29,7 @@ ORPHAN_CHECK_INTERVAL = 1.0
 
 def hypercorn_config(settings: Settings, slot: WorkerSlot | None = None) -> Config:
     config = Config()
-    # A worker serves the socket its supervisor opened (router/workers.py).
+    # A worker serves the socket its supervisor opened (router/http/workers.py).
     config.bind = [f"fd://{slot.listen_fd}" if slot else f"{settings.host}:{settings.port}"]
     config.graceful_timeout = settings.shutdown_grace
     config.keep_alive_timeout = 75.0

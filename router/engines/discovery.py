@@ -8,11 +8,11 @@ import re
 
 import msgspec
 
-from router.backends import Instance, Pool, note_started, process_started
 from router.config import Settings
+from router.engines.client import Upstream, UpstreamFailure
+from router.engines.pool import Instance, Pool, note_started, process_started
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
-from router.upstream import Upstream, UpstreamFailure
 from sessions.memory_store import MemorySessionStore
 
 log = logging.getLogger("kvbaton.discovery")

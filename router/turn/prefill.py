@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from router import handoff
-from router.backends import Instance
+from router.connectors import nixl as handoff
+from router.engines.client import UpstreamFailure
+from router.engines.pool import Instance
 from router.errors import RouterError, UpstreamError
-from router.incoming import Incoming
-from router.rewrite import ids_prefill_body, prefill_body
 from router.tracing import span
-from router.upstream import UpstreamFailure
+from router.turn.incoming import Incoming
+from router.turn.rewrite import ids_prefill_body, prefill_body
 
 if TYPE_CHECKING:
-    from router.turn import Turn
+    from router.turn.run import Turn
 
 log = logging.getLogger("kvbaton.legs")
 

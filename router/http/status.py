@@ -15,7 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.backends import Instance, Role
+from router.engines.pool import Instance, Role
 from router.services import Services
 from sessions.store import StoreError
 

@@ -9,16 +9,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from router import handoff
-from router.backends import note_engine_id
-from router.incoming import Incoming, canonical_items
-from router.sse import Captured
+from router.connectors import nixl as handoff
+from router.engines.pool import note_engine_id
 from router.tracing import span
+from router.turn.incoming import Incoming, canonical_items
+from router.turn.sse import Captured
 from sessions import model as sm
 from sessions.store import StoreError
 
 if TYPE_CHECKING:
-    from router.turn import Turn
+    from router.turn.run import Turn
 
 log = logging.getLogger("kvbaton.turn")
 

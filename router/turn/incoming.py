@@ -10,8 +10,8 @@ from typing import Any, Literal
 import msgspec
 
 from router.errors import BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
-from router.identity import tenant_of, validate_conversation_id
-from router.rewrite import client_wants_token_ids, split_client_body
+from router.turn.rewrite import client_wants_token_ids, split_client_body
+from router.turn.tenant import tenant_of, validate_conversation_id
 
 Api = Literal["chat", "completions", "responses"]
 

@@ -15,8 +15,8 @@ from typing import Literal, Protocol, cast
 import msgspec
 from redis.exceptions import RedisError
 
-from router.backends import Instance, Role
-from router.discovery import inspect
+from router.engines.discovery import inspect
+from router.engines.pool import Instance, Role
 from router.services import Services
 from sessions.connect import RedisClient
 from sessions.keys import INSTANCES_KEY
