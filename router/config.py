@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from router.errors import ConfigError
+
 ENV_PREFIX = "KVBATON_"
 
 
@@ -34,6 +36,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     min_reuse_tokens: int = 0
     stream_kv_params: bool = False
+    kv_connector: Literal["nixl"] = "nixl"
     prefill_token_ids: bool = True
     engine_api_key: str = ""
     tenant_header: str = ""
@@ -104,6 +107,11 @@ FLAGS: tuple[Flag, ...] = (
         bool,
     ),
     Flag(
+        "kv_connector",
+        "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse)",
+        choices=("nixl",),
+    ),
+    Flag(
         "prefill_token_ids",
         "on a hit verified by P's /tokenize, send P those token ids on /v1/completions "
         "instead of the chat body: P does not render and tokenize the conversation again",
@@ -138,10 +146,6 @@ FLAGS: tuple[Flag, ...] = (
         "needs the 'otel' extra)",
     ),
 )
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message says which setting and why."""
 
 
 def _cli_name(name: str) -> str:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from router.config import Settings
-from router.engines.client import Upstream
+from router.connectors.base import Connector
+from router.engines.client import EngineClient
 from router.engines.pool import Pool
 from router.metrics import Metrics
 from sessions.store import SessionStore, StoreError
@@ -58,11 +59,12 @@ class StoreGuard:
 @dataclass
 class Services:
     settings: Settings
-    upstream: Upstream
+    engines: EngineClient
     pool: Pool
     store: SessionStore
     guard: StoreGuard
     metrics: Metrics
+    connector: Connector
     model: str = ""
     block_size: int = 0
     clock: Callable[[], float] = time.time

@@ -17,11 +17,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from router.config import Settings
+from router.connectors.base import select
 from router.engines import registry as registry
-from router.engines.client import Upstream, UpstreamFailure
+from router.engines.client import Upstream
 from router.engines.discovery import discover
-from router.engines.pool import Pool, health_loop
-from router.errors import RouterError, Unavailable, error_body, error_bytes
+from router.engines.health import health_loop
+from router.engines.pool import Pool
+from router.errors import RouterError, Unavailable, UpstreamFailure, error_body, error_bytes
 from router.http.admin import admin_app, open_operations
 from router.http.disconnect import until_disconnect
 from router.http.status import status
@@ -29,7 +31,8 @@ from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
 from router.tracing import span
 from router.turn.incoming import Api, read_incoming
-from router.turn.prefill import PATHS
+from router.turn.outcomes import Reason, Reuse
+from router.turn.rewrite import PATHS
 from router.turn.run import new_request_id, run_turn
 from sessions.memory_store import MemorySessionStore
 from sessions.redis_store import RedisSessionStore
@@ -57,7 +60,12 @@ def services(request: Request) -> Services:
 
 
 def error_response(exc: RouterError, request_id: str = "") -> Response:
-    headers = {"X-Request-Id": request_id or new_request_id(), "X-KV-Reuse": "skip;reason=error"}
+    """The one place a RouterError becomes a response: OpenAI's error body, and the request id
+    the turn sent to the engines and logged (a fresh one when no turn had begun)."""
+    headers = {
+        "X-Request-Id": request_id or new_request_id(),
+        "X-KV-Reuse": Reuse.miss(Reason.ERROR).header(),
+    }
     return Response(error_bytes(exc), exc.status, headers=headers, media_type="application/json")
 
 
@@ -66,6 +74,8 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
 
     async def endpoint(request: Request) -> Response:
         svc = services(request)
+        # One id for the whole request: P, D, the turn's log line and the response, errors too.
+        request_id = request.state.request_id = new_request_id()
         try:
             if svc.stopping:
                 raise Unavailable("the router is shutting down")
@@ -79,10 +89,10 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
                 tenant_header=svc.settings.tenant_header,
             )
             with span("kvbaton.request", route=route):
-                response = await until_disconnect(request, run_turn(svc, inc))
+                response = await until_disconnect(request, run_turn(svc, inc, request_id))
         except RouterError as exc:
             svc.metrics.requests.labels(route, str(exc.status)).inc()
-            return error_response(exc, new_request_id())
+            return error_response(exc, request_id)
         svc.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 
@@ -106,7 +116,7 @@ async def models(request: Request) -> Response:
         if not inst.usable:
             continue
         try:
-            status, raw = await svc.upstream.get(
+            status, raw = await svc.engines.get(
                 inst.url + "/v1/models", timeout=svc.settings.connect_timeout + 5
             )
         except UpstreamFailure as exc:
@@ -154,7 +164,7 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
 
 async def on_router_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RouterError)
-    return error_response(exc)
+    return error_response(exc, _request_id(request))
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
@@ -163,9 +173,14 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     return Response(
         error_body("internal router error", "internal_error", 500),
         500,
-        headers={"X-Request-Id": new_request_id()},
+        headers={"X-Request-Id": _request_id(request) or new_request_id()},
         media_type="application/json",
     )
+
+
+def _request_id(request: Request) -> str:
+    """The id the endpoint gave this request, if it got that far."""
+    return str(getattr(request.state, "request_id", ""))
 
 
 def create_app(settings: Settings, *, store: SessionStore | None = None) -> Starlette:
@@ -180,7 +195,9 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
         guard = StoreGuard(settings.store_retry_after)
         metrics = Metrics(pool, lambda: guard.is_open, shared=settings.workers > 1)
         guard.on_failure = metrics.store_errors.inc
-        svc = Services(settings, upstream, pool, session_store, guard, metrics)
+        svc = Services(
+            settings, upstream, pool, session_store, guard, metrics, select(settings.kv_connector)
+        )
         prober: asyncio.Task[None] | None = None
         publisher: asyncio.Task[None] | None = None
         ops = open_operations(svc)

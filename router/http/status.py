@@ -28,15 +28,6 @@ def version() -> str:
         return "unknown"
 
 
-def paused_reads(inst: Instance, now: float) -> dict[str, float]:
-    """The P instances that get none of this D's handles for now: seconds left, by URL."""
-    return {
-        url: round(refusals.until - now, 1)
-        for url, refusals in inst.refused_by.items()
-        if inst.reads_paused(url, now)
-    }
-
-
 def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
     return {
         "url": inst.url,
@@ -49,10 +40,10 @@ def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
         "block_size": inst.block_size,
         "failures": inst.failures,
         "last_error": inst.last_error,
-        "started": inst.started,
-        "restarts": inst.restarts,
-        "unreachable": inst.unreachable,
-        "reads_paused": paused_reads(inst, time.monotonic()),
+        "started": inst.ident.started,
+        "restarts": inst.ident.restarts,
+        "unreachable": inst.ident.unreachable,
+        "reads_paused": inst.ident.paused_for(time.monotonic()),
         "source": "command-line" if from_flags else "admin",
     }
 

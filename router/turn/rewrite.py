@@ -9,6 +9,12 @@ from typing import Any
 ROUTER_FIELDS = ("conversation_id",)
 KV_FIELD = "kv_transfer_params"
 _APIS = ("chat", "completions", "responses")
+# Each API's route, on the router and on the engines alike.
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+}
 # vLLM rejects these on a max_tokens=1, stream=false request ("not supported for P"):
 # stream_options without stream=true is a 400, min_tokens > max_tokens too.
 _NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")

@@ -234,7 +234,13 @@ class SseRelay:
         self._first, self._second = _LF, _CRLF  # the separator seen last is looked for first
 
     @property
+    def done(self) -> bool:
+        """`[DONE]` was seen (cheap: read on every chunk, unlike `captured`)."""
+        return self._capture.cap.done
+
+    @property
     def captured(self) -> Captured:
+        """What was captured so far; joins the output text, so read it once at the end."""
         return self._capture.result()
 
     def _end_of_event(self, data: bytes | bytearray, start: int) -> tuple[int, int]:
