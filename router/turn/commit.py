@@ -11,8 +11,8 @@ from typing import Any
 
 from router.tracing import span
 from router.turn import decide
+from router.turn.capture import Captured
 from router.turn.incoming import Incoming, canonical_items
-from router.turn.sse import Captured
 from router.turn.state import Turn
 from sessions import model as sm
 from sessions.store import StoreError

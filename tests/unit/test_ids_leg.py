@@ -13,12 +13,12 @@ from router.engines.client import Upstream
 from router.engines.pool import Pool
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
+from router.turn.capture import Captured
 from router.turn.claim import Claim
 from router.turn.commit import next_state
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reuse
 from router.turn.rewrite import ids_leg_allowed, ids_prefill_body
-from router.turn.sse import Captured
 from router.turn.state import Turn
 from sessions.memory_store import MemorySessionStore
 from tests.unit.test_handoff import D_HANDLE
