@@ -19,6 +19,10 @@ class Connector(Protocol):
         """P's `kv_transfer_params`: D's claimed handle (a hit), or the null handoff."""
         ...
 
+    def decode_params(self, prefilled: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """D's `kv_transfer_params` from what P returned (None: D computes the prompt)."""
+        ...
+
     def truncate(
         self, params: Mapping[str, Any], num_tokens: int, block_size: int
     ) -> dict[str, Any]:

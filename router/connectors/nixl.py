@@ -143,6 +143,10 @@ class NixlPull:
     def prefill_params(self, handle: Mapping[str, Any] | None) -> dict[str, Any]:
         return hit_params(handle) if handle is not None else miss_params()
 
+    def decode_params(self, prefilled: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        # P's own params, as P returned them: D reads P's blocks with them (P->D).
+        return dict(prefilled) if prefilled is not None else None
+
     def truncate(
         self, params: Mapping[str, Any], num_tokens: int, block_size: int
     ) -> dict[str, Any]:

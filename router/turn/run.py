@@ -140,7 +140,8 @@ def _pick_decode(svc: Services, prefer: str, failed: list[str]) -> Instance:
 async def _open_decode(turn: Turn, d_inst: Instance, prefilled: Prefilled) -> EngineStream:
     """Send the D leg and check its status before our response starts."""
     svc, inc = turn.svc, turn.inc
-    body = decode_body(inc.body, prefilled.params, return_token_ids=turn.want_token_ids)
+    kv = svc.connector.decode_params(prefilled.params)
+    body = decode_body(inc.body, kv, return_token_ids=turn.want_token_ids)
     url = d_inst.url + PATHS[inc.api]
     started = time.monotonic()
     outcome = "error"
