@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from router.config import Settings
@@ -67,7 +67,6 @@ class Services:
     block_size: int = 0
     clock: Callable[[], float] = time.time
     stopping: bool = False
-    inflight: set[object] = field(default_factory=set)
     # Why P no longer gets prompts as token ids in this process ("" while it does).
     ids_leg_off: str = ""
 

@@ -106,7 +106,8 @@ async def admit(svc: Services, inst: Instance) -> str:
     else why not. Also learns its model and KV block size."""
     await inspect(svc, inst)
     if not inst.healthy:
-        error = inst.last_error.removeprefix("start-up check failed: ")
+        # discovery.inspect writes "check failed: <why>"; the reason says it once, not twice.
+        error = inst.last_error.removeprefix("check failed: ")
         return f"{inst.url} did not answer /v1/models: {error}"
     if not inst.model:
         return f"{inst.url}/v1/models lists no model"
