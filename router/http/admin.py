@@ -29,6 +29,7 @@ from sessions.connect import close as close_client
 from sessions.keys import conversation_key
 from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState
+from sessions.registry_store import Entry, MemoryRegistry, RedisRegistry
 from sessions.store import SessionStore, StoreError
 
 log = logging.getLogger("kvbaton.admin")
@@ -73,13 +74,13 @@ def open_operations(svc: Services) -> Operations:
     are, else in this process (one replica: admin changes are lost on restart)."""
     store: SessionStore = svc.store
     if isinstance(store, MemorySessionStore):
-        return Operations(reg.Syncer(svc, reg.MemoryRegistry()), MemoryConversationIndex(store))
+        return Operations(reg.Syncer(svc, MemoryRegistry()), MemoryConversationIndex(store))
     if svc.settings.session_store != "redis":
-        return Operations(reg.Syncer(svc, reg.MemoryRegistry()), None)
+        return Operations(reg.Syncer(svc, MemoryRegistry()), None)
     timeout = max(svc.settings.store_timeout, ADMIN_STORE_TIMEOUT)
     # The same URL forms as the session store: plain, redis+cluster://, redis+sentinel://.
     client = connect(svc.settings.redis_url, socket_timeout=timeout, connect_timeout=timeout)
-    syncer = reg.Syncer(svc, reg.RedisRegistry(client))
+    syncer = reg.Syncer(svc, RedisRegistry(client))
     # Conversation listing pages with SCAN cursors, which a cluster client does not offer
     # (one cursor per node): on Redis Cluster the conversation admin routes are unavailable.
     index = RedisConversationIndex(client) if isinstance(client, Redis) else None
@@ -152,7 +153,7 @@ def _find(svc: Services, url: str, role: Role | None) -> Instance:
     return found[0]
 
 
-async def _record(ops: Operations, url: str, entry: reg.Entry) -> None:
+async def _record(ops: Operations, url: str, entry: Entry) -> None:
     try:
         await ops.syncer.registry.put(url, entry)
     except StoreError as exc:

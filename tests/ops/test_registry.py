@@ -13,10 +13,11 @@ import redis
 from router.config import Settings
 from router.engines.client import Upstream
 from router.engines.pool import Instance, Pool
-from router.engines.registry import Entry, MemoryRegistry, admit, desired
+from router.engines.registry import admit, desired
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
 from sessions.memory_store import MemorySessionStore
+from sessions.registry_store import Entry
 from tests.ops.conftest import call, decode_urls, ops_router
 from tests.procs import SimProc, free_port
 
@@ -115,15 +116,6 @@ def test_registry_applies_on_top_of_the_command_line(
     entries: dict[str, Entry], want: dict[tuple[str, str], bool]
 ) -> None:
     assert desired({"prefill": ["P"], "decode": ["D"]}, entries) == want
-
-
-async def test_memory_registry_lives_in_the_process() -> None:
-    reg = MemoryRegistry()
-    await reg.put("http://d:1", entry("decode", "draining"))
-    loaded = await reg.load()
-    assert loaded == {"http://d:1": entry("decode", "draining")}
-    loaded.clear()
-    assert await reg.load() == {"http://d:1": entry("decode", "draining")}
 
 
 async def test_admit_says_once_why_an_unreachable_instance_cannot_join() -> None:
