@@ -22,7 +22,7 @@ from router.engines.client import Upstream, UpstreamFailure
 from router.engines.discovery import discover
 from router.engines.pool import Pool, health_loop
 from router.errors import RouterError, Unavailable, error_body, error_bytes
-from router.http.admin import admin_app, open_operations
+from router.http.admin import Operations, admin_app
 from router.http.disconnect import until_disconnect
 from router.http.status import status
 from router.metrics import CONTENT_TYPE, Metrics
@@ -31,24 +31,13 @@ from router.tracing import span
 from router.turn.incoming import Api, read_incoming
 from router.turn.prefill import PATHS
 from router.turn.run import new_request_id, run_turn
-from sessions.memory_store import MemorySessionStore
-from sessions.redis_store import RedisSessionStore
-from sessions.store import SessionStore, StoreError
+from sessions.backend import open_backend
+from sessions.store import StoreError
 
 log = logging.getLogger("kvbaton.app")
 
 # With several workers, how often each one writes its in-flight counts for the others' scrapes.
 PUBLISH_INTERVAL = 1.0
-
-
-def make_store(settings: Settings) -> SessionStore:
-    if settings.session_store == "memory":
-        return MemorySessionStore()
-    return RedisSessionStore(
-        settings.redis_url,
-        socket_timeout=settings.store_timeout,
-        connect_timeout=settings.store_timeout,
-    )
 
 
 def services(request: Request) -> Services:
@@ -168,22 +157,25 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     )
 
 
-def create_app(settings: Settings, *, store: SessionStore | None = None) -> Starlette:
-    """The router app. The lifespan checks the engines, opens Redis and the HTTP pool."""
+def create_app(settings: Settings) -> Starlette:
+    """The router app. The lifespan checks the engines, opens Redis (one client for the
+    session store, the instance registry and the conversation index) and the HTTP pool."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         upstream = Upstream(settings)
         await upstream.open()
-        session_store = store or make_store(settings)
+        backend = open_backend(
+            settings.session_store, settings.redis_url, store_timeout=settings.store_timeout
+        )
         pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
         guard = StoreGuard(settings.store_retry_after)
         metrics = Metrics(pool, lambda: guard.is_open, shared=settings.workers > 1)
         guard.on_failure = metrics.store_errors.inc
-        svc = Services(settings, upstream, pool, session_store, guard, metrics)
+        svc = Services(settings, upstream, pool, backend.store, guard, metrics)
         prober: asyncio.Task[None] | None = None
         publisher: asyncio.Task[None] | None = None
-        ops = open_operations(svc)
+        ops = Operations(registry.Syncer(svc, backend.registry), backend.conversations)
         syncing: asyncio.Task[None] | None = None
         try:
             await discover(svc)
@@ -203,8 +195,7 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
                         await task
             if syncing is not None:
                 await registry.stop(syncing)
-            await ops.close()
-            await session_store.close()
+            await backend.close()
             await upstream.close()
 
     routes = [
