@@ -112,23 +112,21 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """Ready when the store answers (or is not needed) and each role has a usable instance."""
+    """Ready while each role has a usable instance: turns are served. A store that does not
+    answer leaves the router ready but degraded (turns run without reuse; docs/operations.md).
+    The ping goes past the store breaker and closes it when the store answers."""
     svc = services(request)
     checks: dict[str, Any] = {}
     try:
-        await svc.store.ping()
+        await svc.guard.ping(svc.store)
         checks["store"] = "ok"
     except StoreError as exc:
         checks["store"] = f"unavailable: {exc}"
     for role in ("prefill", "decode"):
         usable = [i.url for i in svc.pool.instances(role) if i.usable]
         checks[role] = {"usable": len(usable), "total": len(svc.pool.instances(role))}
-    ok = (
-        checks["store"] == "ok"
-        and checks["prefill"]["usable"] > 0
-        and checks["decode"]["usable"] > 0
-        and not svc.stopping
-    )
+    ok = checks["prefill"]["usable"] > 0 and checks["decode"]["usable"] > 0 and not svc.stopping
+    checks["degraded"] = checks["store"] != "ok"
     checks["status"] = "ready" if ok else "not ready"
     return Response(msgspec.json.encode(checks), 200 if ok else 503, media_type="application/json")
 
@@ -175,6 +173,7 @@ def create_app(settings: Settings) -> Starlette:
         svc = Services(settings, upstream, pool, backend.store, guard, metrics)
         prober: asyncio.Task[None] | None = None
         publisher: asyncio.Task[None] | None = None
+        watcher: asyncio.Task[None] | None = None
         ops = Operations(registry.Syncer(svc, backend.registry), backend.conversations)
         syncing: asyncio.Task[None] | None = None
         try:
@@ -183,12 +182,14 @@ def create_app(settings: Settings) -> Starlette:
             app.state.operations = ops
             syncing = await registry.start(ops.syncer, settings.health_interval)
             prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
+            # While the store breaker is open, ping the store so reuse resumes when it is back.
+            watcher = asyncio.create_task(guard.watch(backend.store, settings.health_interval))
             if metrics.published is not None:
                 publisher = asyncio.create_task(metrics.published.every(PUBLISH_INTERVAL))
             yield
         finally:
             svc.stopping = True
-            for task in (prober, publisher):
+            for task in (prober, publisher, watcher):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
