@@ -178,8 +178,11 @@ async def start_router(stack: Stack, port: int, store: list[str], p: str, d: str
     await wait_ready(stack, "router", stack.start("router", argv), url + "/health")
     print(f"  router     {url}")
     async with aiohttp.ClientSession() as http, http.get(url + "/ready") as resp:
-        if resp.status != 200:  # e.g. Redis unreachable: the router serves, without reuse
-            print(f"  router is not ready ({resp.status}): {await resp.text()}")
+        text = await resp.text()
+        if resp.status != 200:
+            print(f"  router is not ready ({resp.status}): {text}")
+        elif '"degraded":true' in text:  # e.g. Redis unreachable: it serves, without reuse
+            print(f"  router is ready, degraded: {text}")
     return url
 
 

@@ -10,7 +10,6 @@ from typing import Any
 from urllib.parse import unquote
 
 import msgspec
-from redis.asyncio import Redis
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
@@ -23,19 +22,15 @@ from router.errors import BadRequest, NotFound, RouterError, Unauthorized, Unava
 from router.http.status import instances_by_role, view
 from router.services import Services
 from router.turn.tenant import DEFAULT_TENANT, validate_conversation_id
-from sessions.admin_ops import ConversationIndex, MemoryConversationIndex, RedisConversationIndex
-from sessions.connect import RedisClient, connect
-from sessions.connect import close as close_client
+from sessions.admin_ops import ConversationIndex
 from sessions.keys import conversation_key
-from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState
-from sessions.store import SessionStore, StoreError
+from sessions.registry_store import Entry
+from sessions.store import StoreError
 
 log = logging.getLogger("kvbaton.admin")
 
 MAX_PAGE = 1000
-# Admin calls may SCAN a page of keys: give them more time than a turn's store calls.
-ADMIN_STORE_TIMEOUT = 2.0
 
 
 class Unprocessable(RouterError):
@@ -57,33 +52,11 @@ class InstanceBody(msgspec.Struct, forbid_unknown_fields=True):
 
 @dataclass
 class Operations:
-    """What the admin API works on, opened and closed by the app's lifespan."""
+    """What the admin API works on, built by the app's lifespan over its sessions.Backend (the
+    registry and the conversation index share the session store's Redis client)."""
 
     syncer: reg.Syncer
     conversations: ConversationIndex | None
-    client: RedisClient | None = None
-
-    async def close(self) -> None:
-        if self.client is not None:
-            await close_client(self.client)
-
-
-def open_operations(svc: Services) -> Operations:
-    """The registry and conversation index beside the session store: in Redis when sessions
-    are, else in this process (one replica: admin changes are lost on restart)."""
-    store: SessionStore = svc.store
-    if isinstance(store, MemorySessionStore):
-        return Operations(reg.Syncer(svc, reg.MemoryRegistry()), MemoryConversationIndex(store))
-    if svc.settings.session_store != "redis":
-        return Operations(reg.Syncer(svc, reg.MemoryRegistry()), None)
-    timeout = max(svc.settings.store_timeout, ADMIN_STORE_TIMEOUT)
-    # The same URL forms as the session store: plain, redis+cluster://, redis+sentinel://.
-    client = connect(svc.settings.redis_url, socket_timeout=timeout, connect_timeout=timeout)
-    syncer = reg.Syncer(svc, reg.RedisRegistry(client))
-    # Conversation listing pages with SCAN cursors, which a cluster client does not offer
-    # (one cursor per node): on Redis Cluster the conversation admin routes are unavailable.
-    index = RedisConversationIndex(client) if isinstance(client, Redis) else None
-    return Operations(syncer, index, client)
 
 
 def authorize(key: str, header: str | None) -> None:
@@ -152,7 +125,7 @@ def _find(svc: Services, url: str, role: Role | None) -> Instance:
     return found[0]
 
 
-async def _record(ops: Operations, url: str, entry: reg.Entry) -> None:
+async def _record(ops: Operations, url: str, entry: Entry) -> None:
     try:
         await ops.syncer.registry.put(url, entry)
     except StoreError as exc:

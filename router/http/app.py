@@ -24,7 +24,7 @@ from router.engines.discovery import discover
 from router.engines.health import health_loop
 from router.engines.pool import Pool
 from router.errors import RouterError, Unavailable, UpstreamFailure, error_body, error_bytes
-from router.http.admin import admin_app, open_operations
+from router.http.admin import Operations, admin_app
 from router.http.disconnect import until_disconnect
 from router.http.status import status
 from router.metrics import CONTENT_TYPE, Metrics
@@ -34,24 +34,13 @@ from router.turn.incoming import Api, read_incoming
 from router.turn.outcomes import Reason, Reuse
 from router.turn.rewrite import PATHS
 from router.turn.run import new_request_id, run_turn
-from sessions.memory_store import MemorySessionStore
-from sessions.redis_store import RedisSessionStore
-from sessions.store import SessionStore, StoreError
+from sessions.backend import open_backend
+from sessions.store import StoreError
 
 log = logging.getLogger("kvbaton.app")
 
 # With several workers, how often each one writes its in-flight counts for the others' scrapes.
 PUBLISH_INTERVAL = 1.0
-
-
-def make_store(settings: Settings) -> SessionStore:
-    if settings.session_store == "memory":
-        return MemorySessionStore()
-    return RedisSessionStore(
-        settings.redis_url,
-        socket_timeout=settings.store_timeout,
-        connect_timeout=settings.store_timeout,
-    )
 
 
 def services(request: Request) -> Services:
@@ -133,23 +122,21 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """Ready when the store answers (or is not needed) and each role has a usable instance."""
+    """Ready while each role has a usable instance: turns are served. A store that does not
+    answer leaves the router ready but degraded (turns run without reuse; docs/operations.md).
+    The ping goes past the store breaker and closes it when the store answers."""
     svc = services(request)
     checks: dict[str, Any] = {}
     try:
-        await svc.store.ping()
+        await svc.guard.ping(svc.store)
         checks["store"] = "ok"
     except StoreError as exc:
         checks["store"] = f"unavailable: {exc}"
     for role in ("prefill", "decode"):
         usable = [i.url for i in svc.pool.instances(role) if i.usable]
         checks[role] = {"usable": len(usable), "total": len(svc.pool.instances(role))}
-    ok = (
-        checks["store"] == "ok"
-        and checks["prefill"]["usable"] > 0
-        and checks["decode"]["usable"] > 0
-        and not svc.stopping
-    )
+    ok = checks["prefill"]["usable"] > 0 and checks["decode"]["usable"] > 0 and not svc.stopping
+    checks["degraded"] = checks["store"] != "ok"
     checks["status"] = "ready" if ok else "not ready"
     return Response(msgspec.json.encode(checks), 200 if ok else 503, media_type="application/json")
 
@@ -183,24 +170,27 @@ def _request_id(request: Request) -> str:
     return str(getattr(request.state, "request_id", ""))
 
 
-def create_app(settings: Settings, *, store: SessionStore | None = None) -> Starlette:
-    """The router app. The lifespan checks the engines, opens Redis and the HTTP pool."""
+def create_app(settings: Settings) -> Starlette:
+    """The router app. The lifespan checks the engines, opens Redis (one client for the
+    session store, the instance registry and the conversation index) and the HTTP pool."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         upstream = Upstream(settings)
         await upstream.open()
-        session_store = store or make_store(settings)
+        backend = open_backend(
+            settings.session_store, settings.redis_url, store_timeout=settings.store_timeout
+        )
         pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
         guard = StoreGuard(settings.store_retry_after)
         metrics = Metrics(pool, lambda: guard.is_open, shared=settings.workers > 1)
         guard.on_failure = metrics.store_errors.inc
-        svc = Services(
-            settings, upstream, pool, session_store, guard, metrics, select(settings.kv_connector)
-        )
+        connector = select(settings.kv_connector)
+        svc = Services(settings, upstream, pool, backend.store, guard, metrics, connector)
         prober: asyncio.Task[None] | None = None
         publisher: asyncio.Task[None] | None = None
-        ops = open_operations(svc)
+        watcher: asyncio.Task[None] | None = None
+        ops = Operations(registry.Syncer(svc, backend.registry), backend.conversations)
         syncing: asyncio.Task[None] | None = None
         try:
             await discover(svc)
@@ -208,20 +198,21 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
             app.state.operations = ops
             syncing = await registry.start(ops.syncer, settings.health_interval)
             prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
+            # While the store breaker is open, ping the store so reuse resumes when it is back.
+            watcher = asyncio.create_task(guard.watch(backend.store, settings.health_interval))
             if metrics.published is not None:
                 publisher = asyncio.create_task(metrics.published.every(PUBLISH_INTERVAL))
             yield
         finally:
             svc.stopping = True
-            for task in (prober, publisher):
+            for task in (prober, publisher, watcher):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             if syncing is not None:
                 await registry.stop(syncing)
-            await ops.close()
-            await session_store.close()
+            await backend.close()
             await upstream.close()
 
     routes = [

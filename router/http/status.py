@@ -62,14 +62,16 @@ def instances_by_role(svc: Services) -> dict[Role, list[dict[str, Any]]]:
 
 
 async def store_view(svc: Services) -> dict[str, Any]:
-    """Ping the store directly (not through the breaker), and say whether the breaker is open."""
-    view: dict[str, Any] = {"kind": svc.settings.session_store, "circuit_open": svc.guard.is_open}
+    """Ping the store directly (past the breaker, which an answer closes), then say whether the
+    breaker is open."""
+    view: dict[str, Any] = {"kind": svc.settings.session_store}
     try:
-        await svc.store.ping()
+        await svc.guard.ping(svc.store)
     except StoreError as exc:
         view.update(status="unavailable", error=str(exc))
     else:
         view.update(status="ok", error="")
+    view["circuit_open"] = svc.guard.is_open
     view["failures"] = svc.guard.failures
     return view
 

@@ -72,6 +72,17 @@ def test_dependencies_point_one_way() -> None:
             assert "vllm_sim" not in tops, f"{name} imports the simulator"
 
 
+def test_redis_is_only_in_sessions() -> None:
+    for name, path in modules().items():
+        if not name.startswith("sessions"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    mods = [node.module]
+                assert not any(m.split(".")[0] == "redis" for m in mods), f"{name} imports redis"
+
+
 def test_no_module_is_more_than_one_concept() -> None:
     for name, path in modules().items():
         if name.startswith(("router", "sessions")):
