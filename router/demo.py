@@ -22,6 +22,8 @@ from typing import Any
 
 import aiohttp
 
+from router.errors import DemoError
+
 Proc = subprocess.Popen[bytes]
 HOST = "127.0.0.1"
 MODEL = "sim-model"  # the simulator's default served model name
@@ -61,10 +63,6 @@ QUESTIONS = (
     "And if it rained this morning, is the forest path still a good idea?",
     "Great. Can we bring the bikes back at eight in the evening?",
 )
-
-
-class DemoError(RuntimeError):
-    """A part of the demo stack failed to start or answer; the message says which."""
 
 
 @dataclass

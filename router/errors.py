@@ -55,6 +55,20 @@ class UnsupportedMediaType(RouterError):
     code = "unsupported_media_type"
 
 
+class Conflict(RouterError):
+    """The request conflicts with the pool as it is (an instance already in another role)."""
+
+    status = 409
+    type = "invalid_request_error"
+
+
+class Unprocessable(RouterError):
+    """A well-formed request the router refuses (an instance that does not fit)."""
+
+    status = 422
+    type = "invalid_request_error"
+
+
 class UpstreamError(RouterError):
     """An engine failed and no other path is left."""
 
@@ -92,6 +106,10 @@ class UpstreamFailure(Exception):
 
 class StartupError(RuntimeError):
     """The engines do not form a valid deployment (e.g. different models)."""
+
+
+class DemoError(RuntimeError):
+    """A part of the `kvbaton demo` stack failed to start or answer; the message says which."""
 
 
 class ConfigError(ValueError):

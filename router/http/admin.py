@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.engines import registry as reg
 from router.engines.pool import Instance, Role
-from router.errors import BadRequest, NotFound, RouterError, Unauthorized, Unavailable
+from router.errors import BadRequest, Conflict, NotFound, Unauthorized, Unavailable, Unprocessable
 from router.http.status import instances_by_role, view
 from router.services import Services
 from router.turn.tenant import DEFAULT_TENANT, validate_conversation_id
@@ -31,18 +31,6 @@ from sessions.store import StoreError
 log = logging.getLogger("kvbaton.admin")
 
 MAX_PAGE = 1000
-
-
-class Unprocessable(RouterError):
-    """A well-formed request the router refuses (an instance that does not fit)."""
-
-    status = 422
-    type = "invalid_request_error"
-
-
-class Conflict(RouterError):
-    status = 409
-    type = "invalid_request_error"
 
 
 class InstanceBody(msgspec.Struct, forbid_unknown_fields=True):
