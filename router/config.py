@@ -38,6 +38,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     engine_api_key: str = ""
     tenant_header: str = ""
     admin_key: str = ""
+    admin_api_key: str = ""
     model: str = ""
     connect_timeout: float = 2.0
     prefill_timeout: float = 120.0
@@ -48,6 +49,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = 16 * 1024 * 1024
     unhealthy_after: int = 3
     health_interval: float = 5.0
+    resolve_dns: bool = False
     shutdown_grace: float = 30.0
     check_models: bool = True
     log_level: str = "info"
@@ -64,11 +66,21 @@ class Flag:
     kind: type = str
     many: bool = False
     choices: tuple[str, ...] = ()
+    # Another variable read when KVBATON_<FLAG> is unset (a convention other proxies use).
+    env_alias: str = ""
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("prefill", "prefill (P) instance base URLs", many=True),
-    Flag("decode", "decode (D) instance base URLs", many=True),
+    Flag(
+        "prefill",
+        "prefill (P) instance base URLs (a bare host:port means http://host:port)",
+        many=True,
+    ),
+    Flag(
+        "decode",
+        "decode (D) instance base URLs (a bare host:port means http://host:port)",
+        many=True,
+    ),
     Flag("host", "address to listen on"),
     Flag("port", "port to listen on", int),
     Flag(
@@ -112,6 +124,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("engine_api_key", "Bearer key sent to the engines (vLLM --api-key)"),
     Flag("tenant_header", "header whose value scopes conversations (default: the bearer token)"),
     Flag("admin_key", "Bearer key for /admin/ (empty: admin API disabled)"),
+    Flag(
+        "admin_api_key",
+        "X-API-Key for POST /instances/add, the demo proxies' convention (empty: --admin-key; "
+        "both empty: the route is disabled)",
+        env_alias="ADMIN_API_KEY",
+    ),
     Flag("model", "served model name the engines must report (empty: take the engines')"),
     Flag("connect_timeout", "seconds to connect to an engine", float),
     Flag("prefill_timeout", "seconds for a whole prefill request", float),
@@ -127,6 +145,13 @@ FLAGS: tuple[Flag, ...] = (
         "process start time (a restart makes its handles unusable), and re-reads of the admin "
         "API's instance registry",
         float,
+    ),
+    Flag(
+        "resolve_dns",
+        "expand each --prefill/--decode host name to one instance per address it resolves to "
+        "(a Kubernetes headless Service), re-resolved every --health-interval: new addresses "
+        "join, vanished ones drain",
+        bool,
     ),
     Flag("shutdown_grace", "seconds in-flight requests get to finish on shutdown", float),
     Flag("check_models", "check every instance's /v1/models at start", bool),
@@ -206,10 +231,13 @@ def build_parser(prog: str = "kvbaton serve") -> argparse.ArgumentParser:
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for flag in FLAGS:
-        raw = env.get(_env_name(flag.name))
+        source = _env_name(flag.name)
+        raw = env.get(source)
+        if raw is None and flag.env_alias:
+            source, raw = flag.env_alias, env.get(flag.env_alias)
         if raw is None:
             continue
-        values[flag.name] = _convert(flag, raw, source=_env_name(flag.name))
+        values[flag.name] = _convert(flag, raw, source=source)
     return values
 
 
@@ -257,12 +285,19 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
     return validate(values)
 
 
+def base_url(raw: str) -> str:
+    """An instance URL without its trailing slash; a bare `host:port` (as the demo proxies
+    take it) is `http://host:port`."""
+    url = raw.strip().rstrip("/")
+    return url if "://" in url or not url else "http://" + url
+
+
 def validate(values: Mapping[str, Any]) -> Settings:
     data = dict(values)
     data.setdefault("prefill", ())
     data.setdefault("decode", ())
     for role in ("prefill", "decode"):
-        urls = tuple(url.rstrip("/") for url in data[role])
+        urls = tuple(base_url(url) for url in data[role])
         if not urls:
             raise ConfigError(f"at least one --{role} URL is required")
         for url in urls:
