@@ -18,6 +18,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.engines import registry as reg
+from router.engines.dns import DnsExpander, Resolver, SystemResolver
 from router.engines.pool import Instance, Role
 from router.errors import BadRequest, NotFound, RouterError, Unauthorized, Unavailable
 from router.http.status import instances_by_role, view
@@ -68,18 +69,21 @@ class Operations:
             await close_client(self.client)
 
 
-def open_operations(svc: Services) -> Operations:
+def open_operations(svc: Services, resolver: Resolver | None = None) -> Operations:
     """The registry and conversation index beside the session store: in Redis when sessions
-    are, else in this process (one replica: admin changes are lost on restart)."""
+    are, else in this process (one replica: admin changes are lost on restart). With
+    --resolve-dns the Syncer also expands host names (`resolver`: the system's by default)."""
     store: SessionStore = svc.store
+    dns = DnsExpander(resolver or SystemResolver()) if svc.settings.resolve_dns else None
     if isinstance(store, MemorySessionStore):
-        return Operations(reg.Syncer(svc, reg.MemoryRegistry()), MemoryConversationIndex(store))
+        syncer = reg.Syncer(svc, reg.MemoryRegistry(), dns)
+        return Operations(syncer, MemoryConversationIndex(store))
     if svc.settings.session_store != "redis":
-        return Operations(reg.Syncer(svc, reg.MemoryRegistry()), None)
+        return Operations(reg.Syncer(svc, reg.MemoryRegistry(), dns), None)
     timeout = max(svc.settings.store_timeout, ADMIN_STORE_TIMEOUT)
     # The same URL forms as the session store: plain, redis+cluster://, redis+sentinel://.
     client = connect(svc.settings.redis_url, socket_timeout=timeout, connect_timeout=timeout)
-    syncer = reg.Syncer(svc, reg.RedisRegistry(client))
+    syncer = reg.Syncer(svc, reg.RedisRegistry(client), dns)
     # Conversation listing pages with SCAN cursors, which a cluster client does not offer
     # (one cursor per node): on Redis Cluster the conversation admin routes are unavailable.
     index = RedisConversationIndex(client) if isinstance(client, Redis) else None
@@ -167,18 +171,17 @@ async def list_instances(request: Request) -> Response:
     except StoreError as exc:
         entries, error = {}, str(exc)
     return _json(
-        {"instances": instances_by_role(svc), "registry": entries, "registry_error": error}
+        {
+            "instances": instances_by_role(svc, ops.syncer.dns),
+            "registry": entries,
+            "registry_error": error,
+        }
     )
 
 
-async def add_instance(request: Request) -> Response:
-    """Validated against the instance's /v1/models (as vLLM's XpYd proxy does) before it joins."""
-    svc, ops = _context(request)
-    body = await _instance_body(request)
-    url = _url(body.url)
-    if body.role is None:
-        raise BadRequest("role is required: 'prefill' or 'decode'", param="role")
-    role: Role = body.role
+async def add(svc: Services, ops: Operations, url: str, role: Role) -> tuple[bool, Instance]:
+    """Add (True) or reactivate (False) an instance, validated against its /v1/models (as
+    vLLM's XpYd proxy does) before it joins, and recorded in the registry."""
     async with ops.syncer.lock:
         other = svc.pool.find("decode" if role == "prefill" else "prefill", url)
         if other is not None:
@@ -187,7 +190,7 @@ async def add_instance(request: Request) -> Response:
         if inst is not None:
             await _record(ops, url, reg.entry(role, "active"))
             inst.draining = False
-            return _json({"status": "active", "instance": view(svc, inst)})
+            return False, inst
         inst = Instance(url, role)
         reason = await reg.admit(svc, inst)
         if reason:
@@ -195,7 +198,18 @@ async def add_instance(request: Request) -> Response:
         await _record(ops, url, reg.entry(role, "active"))
         svc.pool.add(inst)
     log.info("admin: added %s instance %s", role, url)
-    return _json({"status": "added", "instance": view(svc, inst)}, 201)
+    return True, inst
+
+
+async def add_instance(request: Request) -> Response:
+    svc, ops = _context(request)
+    body = await _instance_body(request)
+    url = _url(body.url)
+    if body.role is None:
+        raise BadRequest("role is required: 'prefill' or 'decode'", param="role")
+    added, inst = await add(svc, ops, url, body.role)
+    body_out = {"status": "added" if added else "active", "instance": view(svc, inst)}
+    return _json(body_out, 201 if added else 200)
 
 
 async def drain_instance(request: Request) -> Response:

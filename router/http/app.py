@@ -20,10 +20,12 @@ from router.config import Settings
 from router.engines import registry as registry
 from router.engines.client import Upstream, UpstreamFailure
 from router.engines.discovery import discover
+from router.engines.dns import Resolver
 from router.engines.pool import Pool, health_loop
 from router.errors import RouterError, Unavailable, error_body, error_bytes
 from router.http.admin import admin_app, open_operations
 from router.http.disconnect import until_disconnect
+from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
 from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
@@ -168,8 +170,11 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     )
 
 
-def create_app(settings: Settings, *, store: SessionStore | None = None) -> Starlette:
-    """The router app. The lifespan checks the engines, opens Redis and the HTTP pool."""
+def create_app(
+    settings: Settings, *, store: SessionStore | None = None, resolver: Resolver | None = None
+) -> Starlette:
+    """The router app. The lifespan checks the engines, opens Redis and the HTTP pool.
+    `resolver` answers --resolve-dns look-ups (the system's by default)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -183,7 +188,7 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
         svc = Services(settings, upstream, pool, session_store, guard, metrics)
         prober: asyncio.Task[None] | None = None
         publisher: asyncio.Task[None] | None = None
-        ops = open_operations(svc)
+        ops = open_operations(svc, resolver)
         syncing: asyncio.Task[None] | None = None
         try:
             await discover(svc)
@@ -216,6 +221,7 @@ def create_app(settings: Settings, *, store: SessionStore | None = None) -> Star
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/status", status, methods=["GET"]),
+        Route("/instances/add", seeds_add_instance, methods=["POST"]),
         Mount("/admin", app=admin_app(settings.admin_key)),
     ]
     return Starlette(
