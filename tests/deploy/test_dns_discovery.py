@@ -40,7 +40,8 @@ class Zone:
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[list[SimProc]]:
-    with sims(("prefill",), ("decode",), ("decode",), name="dns") as procs:
+    slow = ("decode", "--decode-ms-per-token", "40")  # a turn stays in flight for seconds
+    with sims(("prefill",), ("decode",), ("decode",), slow, name="dns") as procs:
         yield procs
 
 
@@ -92,7 +93,7 @@ async def decodes_become(url: str, want: list[str], timeout: float = 10.0) -> di
 async def test_a_name_with_two_addresses_is_two_instances_and_a_vanished_one_leaves(
     engines: list[SimProc],
 ) -> None:
-    p, d1, d2 = engines
+    p, d1, d2, _ = engines
     zone = Zone()
     zone.records[NAME] = [("127.0.0.1", d1.port), ("127.0.0.1", d2.port)]
     async with serving(zone, p.url) as url:
@@ -118,3 +119,40 @@ async def test_a_name_with_two_addresses_is_two_instances_and_a_vanished_one_lea
 
         zone.records[NAME] = [("127.0.0.1", d2.port), ("127.0.0.1", d1.port)]  # scaled up
         await decodes_become(url, [d1.url, d2.url])
+
+
+async def stream_turn(url: str) -> int:
+    """A streamed 60-token turn read to the end; returns its status."""
+    body = {
+        "model": "sim-model",
+        "stream": True,
+        "max_tokens": 60,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    }
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + "/v1/chat/completions", json=body) as resp,
+    ):
+        await resp.read()
+        return resp.status
+
+
+async def test_an_address_that_leaves_with_a_turn_on_it_drains_until_the_turn_ends(
+    engines: list[SimProc],
+) -> None:
+    p, d1, _, slow = engines
+    zone = Zone()
+    zone.records[NAME] = [("127.0.0.1", slow.port)]
+    async with serving(zone, p.url) as url:
+        await decodes_become(url, [slow.url])
+        turn = asyncio.create_task(stream_turn(url))
+        deadline = time.monotonic() + 10
+        while not [i for i in (await get_status(url))["instances"]["decode"] if i["outstanding"]]:
+            assert time.monotonic() < deadline, "the turn never reached the slow decode"
+            await asyncio.sleep(0.05)
+        zone.records[NAME] = [("127.0.0.1", d1.port)]  # the slow pod is replaced
+        body = await decodes_become(url, [d1.url, slow.url])
+        (gone,) = [i for i in body["instances"]["decode"] if i["url"] == slow.url]
+        assert gone["draining"] and gone["outstanding"] == 1 and not gone["usable"]
+        assert await turn == 200  # the turn in flight finished on it
+        await decodes_become(url, [d1.url])
