@@ -22,6 +22,8 @@ from typing import Any
 
 import aiohttp
 
+from router.errors import DemoError
+
 Proc = subprocess.Popen[bytes]
 HOST = "127.0.0.1"
 MODEL = "sim-model"  # the simulator's default served model name
@@ -61,10 +63,6 @@ QUESTIONS = (
     "And if it rained this morning, is the forest path still a good idea?",
     "Great. Can we bring the bikes back at eight in the evening?",
 )
-
-
-class DemoError(RuntimeError):
-    """A part of the demo stack failed to start or answer; the message says which."""
 
 
 @dataclass
@@ -178,8 +176,11 @@ async def start_router(stack: Stack, port: int, store: list[str], p: str, d: str
     await wait_ready(stack, "router", stack.start("router", argv), url + "/health")
     print(f"  router     {url}")
     async with aiohttp.ClientSession() as http, http.get(url + "/ready") as resp:
-        if resp.status != 200:  # e.g. Redis unreachable: the router serves, without reuse
-            print(f"  router is not ready ({resp.status}): {await resp.text()}")
+        text = await resp.text()
+        if resp.status != 200:
+            print(f"  router is not ready ({resp.status}): {text}")
+        elif '"degraded":true' in text:  # e.g. Redis unreachable: it serves, without reuse
+            print(f"  router is ready, degraded: {text}")
     return url
 
 

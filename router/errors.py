@@ -1,4 +1,8 @@
-"""The router's exception types and the one place they become OpenAI-format error bodies."""
+"""Every exception type of the router, and the one place they become OpenAI-format error bodies.
+
+`RouterError`s reach the client (mapped by `http/app.py`, with the turn's request id); the
+others are failures the turn handles (an engine that could not be reached, a bad start).
+"""
 
 from __future__ import annotations
 
@@ -51,6 +55,20 @@ class UnsupportedMediaType(RouterError):
     code = "unsupported_media_type"
 
 
+class Conflict(RouterError):
+    """The request conflicts with the pool as it is (an instance already in another role)."""
+
+    status = 409
+    type = "invalid_request_error"
+
+
+class Unprocessable(RouterError):
+    """A well-formed request the router refuses (an instance that does not fit)."""
+
+    status = 422
+    type = "invalid_request_error"
+
+
 class UpstreamError(RouterError):
     """An engine failed and no other path is left."""
 
@@ -63,6 +81,39 @@ class Unavailable(RouterError):
 
     status = 503
     type = "service_unavailable"
+
+
+class EngineReply(RouterError):
+    """An engine's own 4xx answer (the client's request was invalid), relayed as it is."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status = status
+        self.body = body
+
+
+class UpstreamFailure(Exception):
+    """An engine could not be reached, timed out, or broke the connection.
+
+    `reached` is False only when the request cannot have reached the engine (the connection
+    was never made): only then may a single-use handle be sent elsewhere.
+    """
+
+    def __init__(self, message: str, *, reached: bool = True) -> None:
+        super().__init__(message)
+        self.reached = reached
+
+
+class StartupError(RuntimeError):
+    """The engines do not form a valid deployment (e.g. different models)."""
+
+
+class DemoError(RuntimeError):
+    """A part of the `kvbaton demo` stack failed to start or answer; the message says which."""
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message says which setting and why."""
 
 
 def error_body(

@@ -71,7 +71,7 @@ class _StateCollector(Collector):
         )
         for inst in instances:
             healthy.add_metric([inst.role, inst.url], 1.0 if inst.usable else 0.0)
-            restarts.add_metric([inst.role, inst.url], float(inst.restarts))
+            restarts.add_metric([inst.role, inst.url], float(inst.ident.restarts))
         yield healthy
         yield restarts
         if self._shared:

@@ -14,6 +14,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from sessions.connect import RedisClient
 from sessions.keys import CONVERSATION_PATTERN, split_conversation_key
 from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState
@@ -127,6 +128,13 @@ class RedisConversationIndex:
         except (RedisError, OSError) as exc:
             raise StoreError(f"reading the TTL of {key} failed: {exc}") from exc
         return ms / 1000 if ms >= 0 else None
+
+
+def redis_index(client: RedisClient) -> RedisConversationIndex | None:
+    """The index over client; None for a Redis Cluster client: listing pages with SCAN cursors,
+    which a cluster does not offer (one cursor per node), so there the conversation admin
+    routes are unavailable."""
+    return RedisConversationIndex(client) if isinstance(client, aioredis.Redis) else None
 
 
 def _memory_summary(key: str, state: SessionState) -> Summary | None:

@@ -9,7 +9,7 @@ import asyncio
 import inspect
 import math
 from collections.abc import Awaitable, Sequence
-from typing import Any, Self, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import msgspec
 from redis.asyncio.cluster import RedisCluster
@@ -69,6 +69,12 @@ _ENCODE = msgspec.json.Encoder().encode
 _FAILURES = (RedisError, OSError, StateDecodeError)
 
 
+def turn_retry() -> Retry:
+    """One immediate retry on a broken pooled connection; none on a timeout: a slow Redis must
+    not hold up the turn, which proceeds without reuse."""
+    return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
+
 def _decode_pairs(reply: Sequence[bytes] | None) -> SessionState | None:
     if not reply:
         return None
@@ -81,25 +87,21 @@ class RedisSessionStore:
     """SessionStore on Redis (or anything speaking its protocol with Lua scripting).
 
     `url` may name one server, a Redis Cluster or a Sentinel-managed master (sessions.connect).
+    Every call is bounded by `timeout` as a whole (waiting for a pooled connection, the retry
+    and the reply included), so it may share a client whose socket timeout is longer (the
+    process's one client, sessions/backend.py).
     """
 
     def __init__(
-        self,
-        url: str,
-        *,
-        socket_timeout: float = 0.25,
-        connect_timeout: float = 0.25,
-        client: RedisClient | None = None,
+        self, url: str, *, timeout: float = 0.25, client: RedisClient | None = None
     ) -> None:
         self._owns_client = client is None
         if client is None:
-            # One immediate retry on a broken pooled connection; none on a timeout: a slow
-            # Redis must not hold up the turn, which proceeds without reuse.
-            retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
             client = connect.connect(
-                url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, retry=retry
+                url, socket_timeout=timeout, connect_timeout=timeout, retry=turn_retry()
             )
         self._client = client
+        self._timeout = timeout
         # redis-py's cluster client, set up by many concurrent first commands, loses
         # connections ("Connection closed by server", measured with 300 at once) and may
         # retry a script that already ran: it is set up once, before the first command.
@@ -109,10 +111,6 @@ class RedisSessionStore:
         self._commit = client.register_script(_COMMIT)
         self._release = client.register_script(_RELEASE)
 
-    @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> Self:
-        return cls(url, **kwargs)
-
     async def _set_up_cluster(self) -> None:
         async with self._set_up_lock:
             if not self._set_up and isinstance(self._client, RedisCluster):
@@ -121,14 +119,17 @@ class RedisSessionStore:
 
     async def _run(self, what: str, call: Awaitable[T]) -> T:
         try:
-            if not self._set_up:
-                try:
-                    await self._set_up_cluster()
-                except BaseException:
-                    if inspect.iscoroutine(call):
-                        call.close()  # never started: no "never awaited" warning
-                    raise
-            return await call
+            # A timed-out command's connection is dropped, as redis-py drops it on a socket
+            # timeout: its reply would otherwise answer the next command.
+            async with asyncio.timeout(self._timeout):
+                if not self._set_up:
+                    try:
+                        await self._set_up_cluster()
+                    except BaseException:
+                        if inspect.iscoroutine(call):
+                            call.close()  # never started: no "never awaited" warning
+                        raise
+                return await call
         except _FAILURES as exc:
             raise StoreError(f"session store {what} failed: {exc}") from exc
 

@@ -47,6 +47,8 @@ async def serve(settings: SimSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    if settings.log_requests:
+        logging.getLogger("vllm_sim.serving").setLevel(logging.INFO)
     try:
         asyncio.run(serve(settings))
     except (OSError, zmq.ZMQError) as exc:  # a port already in use

@@ -40,6 +40,7 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     kv_events_topic: str = "kv-events"
     api_key: str | None = None
     enable_request_id_headers: bool = False
+    log_requests: bool = False
     sweep_interval: float = 1.0
     handshake_timeout: float = 5.0
 
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-events-topic", default="kv-events")
     a("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 (env VLLM_API_KEY)")
     a("--enable-request-id-headers", action="store_true", help="echo X-Request-Id")
+    a("--log-requests", action="store_true", help="log each request's X-Request-Id (INFO)")
     a("--sweep-interval", type=float, default=1.0, help="seconds between expired-pin sweeps")
     return p
 
@@ -116,6 +118,7 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         kv_events_topic=ns.kv_events_topic,
         api_key=ns.api_key or os.environ.get("VLLM_API_KEY") or None,
         enable_request_id_headers=ns.enable_request_id_headers,
+        log_requests=ns.log_requests,
         sweep_interval=ns.sweep_interval,
     )
     check(settings)

@@ -74,6 +74,18 @@ def _refused(source: KVSource, body: dict[str, Any]) -> web.Response | None:
     return None
 
 
+def _read_refused(source: KVSource, body: dict[str, Any]) -> web.Response | None:
+    """Why a block read cannot be served (None: it can)."""
+    if (error := _refused(source, body)) is not None:
+        return error
+    if body.get("block_size") != source.block_size:
+        return _pack({"error": "block size mismatch"}, status=409)
+    ids = body.get("block_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        return _pack({"error": "block_ids must be a list of ints"}, status=400)
+    return None
+
+
 def side_channel_app(source: KVSource) -> web.Application:
     """The producer's side-channel server."""
 
@@ -89,14 +101,9 @@ def side_channel_app(source: KVSource) -> web.Application:
 
     async def read(request: web.Request) -> web.Response:
         body = await _unpack(request)
-        if (error := _refused(source, body)) is not None:
+        if (error := _read_refused(source, body)) is not None:
             return error
-        if body.get("block_size") != source.block_size:
-            return _pack({"error": "block size mismatch"}, status=409)
-        ids = body.get("block_ids")
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            return _pack({"error": "block_ids must be a list of ints"}, status=400)
-        blocks = source.read_blocks(ids)
+        blocks = source.read_blocks(body["block_ids"])
         if blocks is None:
             return _pack({"error": "block id out of range"}, status=400)
         notify = body.get("notify")

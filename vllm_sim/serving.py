@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 import uuid
@@ -21,6 +22,8 @@ from vllm_sim import api, shapes
 from vllm_sim.engine import Engine, GenRequest, RunResult, Step
 from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
 from vllm_sim.faults import Faults, Injection
+
+logger = logging.getLogger("vllm_sim.serving")
 
 _JSON = "application/json"
 
@@ -65,6 +68,7 @@ class GenerationRoutes:
         self.model = s.model
         self.stream_kv_params = s.stream_kv_params
         self.echo_request_id = s.enable_request_id_headers
+        self.log_requests = s.log_requests
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=True)
@@ -73,6 +77,10 @@ class GenerationRoutes:
         return await self._handle(request, chat=False)
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.log_requests:  # as vLLM's "Received request" line: which id reached it
+            logger.info(
+                "Received request %s on %s", request.headers.get("X-Request-Id"), request.path
+            )
         inj = self.faults.take()
         if inj.fail_status is not None:
             err = ApiError(f"injected fault: HTTP {inj.fail_status}", status=inj.fail_status)

@@ -1,14 +1,11 @@
-"""NixlConnector (pull mode) `kv_transfer_params`: the null handoff, hit params, truncation.
-
-Another connector (push mode, MoRI-IO, a KV store) is a sibling module with the same
-functions; `Handoff` names that seam.
-"""
+"""NixlConnector (pull mode) `kv_transfer_params`: the null handoff, hit params, truncation,
+the handle check. `NixlPull` is this module behind the connector seam (`base.Connector`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -23,20 +20,6 @@ NULL_HANDOFF: Mapping[str, Any] = MappingProxyType(
         "remote_port": None,
     }
 )
-
-
-@runtime_checkable
-class Handoff(Protocol):
-    """What the turn needs from a connector module (this one is NixlConnector pull)."""
-
-    def miss_params(self) -> dict[str, Any]: ...
-    def hit_params(self, handle: Mapping[str, Any]) -> dict[str, Any]: ...
-    def truncate(
-        self, params: Mapping[str, Any], num_tokens: int, block_size: int
-    ) -> dict[str, Any]: ...
-    def is_handle(self, params: object) -> bool: ...
-    def engine_id(self, params: Mapping[str, Any]) -> str | None: ...
-    def num_tokens(self, params: Mapping[str, Any]) -> int: ...
 
 
 def miss_params() -> dict[str, Any]:
@@ -137,17 +120,6 @@ def num_tokens(params: Mapping[str, Any]) -> int:
     return value if _is_int(value) else 0
 
 
-def produced_params(body: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The top-level kv_transfer_params of an engine's JSON body when usable, else None.
-
-    P may answer 200 with `null` (no connector) or D without bidirectional_kv_xfer; the
-    turn then goes on without a handle instead of forwarding a P-leg dict.
-    """
-    if body is None or not is_handle(body.get("kv_transfer_params")):
-        return None
-    return _copy(body["kv_transfer_params"])
-
-
 def prefill_failed(status: int, body: Mapping[str, Any] | None) -> bool:
     """P rejected the request: HTTP >= 400, an error body, or a choice that ended in "error"."""
     if status >= 400:
@@ -160,3 +132,31 @@ def prefill_failed(status: int, body: Mapping[str, Any] | None) -> bool:
     if not isinstance(choices, list):
         return False
     return any(isinstance(c, Mapping) and c.get("finish_reason") == "error" for c in choices)
+
+
+class NixlPull:
+    """NixlConnector in pull mode, with bidirectional D->P reuse (vLLM's toy proxy and its
+    multi-turn variant): P gets D's handle or the null handoff, D gets P's params."""
+
+    name = "nixl"
+
+    def prefill_params(self, handle: Mapping[str, Any] | None) -> dict[str, Any]:
+        return hit_params(handle) if handle is not None else miss_params()
+
+    def decode_params(self, prefilled: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        # P's own params, as P returned them: D reads P's blocks with them (P->D).
+        return dict(prefilled) if prefilled is not None else None
+
+    def truncate(
+        self, params: Mapping[str, Any], num_tokens: int, block_size: int
+    ) -> dict[str, Any]:
+        return truncate(params, num_tokens, block_size)
+
+    def is_handle(self, params: object) -> bool:
+        return is_handle(params)
+
+    def engine_id(self, params: Mapping[str, Any]) -> str | None:
+        return engine_id(params)
+
+    def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
+        return prefill_failed(status, body)

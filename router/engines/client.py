@@ -1,30 +1,103 @@
-"""Upstream HTTP: one pooled aiohttp session to the engines, every call with explicit timeouts."""
+"""The engine seam: what the router asks of an engine (post JSON, open a stream, get), as a
+Protocol, and its aiohttp implementation (one pooled session, every call with explicit
+timeouts). Unit tests drive the turn through an in-process fake of the same Protocol."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
 
 from router.config import Settings
+from router.errors import UpstreamFailure
 from router.tracing import trace_headers
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-class UpstreamFailure(Exception):
-    """An engine could not be reached, timed out, or broke the connection.
+class EngineStream(Protocol):
+    """An engine's response whose status line and headers have arrived; the body follows."""
 
-    `reached` is False only when the request cannot have reached the engine (the connection
-    was never made): only then may a single-use handle be sent elsewhere.
-    """
+    status: int
+    content_type: str
 
-    def __init__(self, message: str, *, reached: bool = True) -> None:
-        super().__init__(message)
-        self.reached = reached
+    async def read(self) -> bytes:
+        """The whole body (an error answer); raises UpstreamFailure."""
+        ...
+
+    def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
+        """The body as it arrives; an engine silent for idle_timeout raises UpstreamFailure."""
+        ...
+
+    def release(self) -> None:
+        """Done with a body read to its end: the connection goes back to the pool."""
+        ...
+
+    def close(self) -> None:
+        """Cut the connection: the engine cancels the request."""
+        ...
+
+
+class EngineClient(Protocol):
+    """What the router asks of the engines. Every call raises UpstreamFailure when the engine
+    cannot be reached, times out or breaks the connection."""
+
+    async def post_json(
+        self,
+        url: str,
+        body: Mapping[str, Any],
+        *,
+        request_id: str,
+        timeout: float,
+        extra_headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, bytes]: ...
+
+    async def get(self, url: str, *, timeout: float) -> tuple[int, bytes]: ...
+
+    async def open_stream(
+        self,
+        url: str,
+        body: Mapping[str, Any],
+        *,
+        request_id: str,
+        extra_headers: Mapping[str, str] | None = None,
+    ) -> EngineStream: ...
+
+
+class _AiohttpStream:
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.status = resp.status
+        self.content_type = resp.headers.get("Content-Type", "text/event-stream")
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise UpstreamFailure(describe(exc)) from exc
+        finally:
+            self._resp.release()
+
+    async def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                # asyncio.timeout, not wait_for: no Task per chunk on the relay's hot path.
+                async with asyncio.timeout(idle_timeout):
+                    chunk = await self._resp.content.readany()
+                if not chunk:
+                    return
+                yield chunk
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise UpstreamFailure(describe(exc)) from exc
+
+    def release(self) -> None:
+        self._resp.release()
+
+    def close(self) -> None:
+        self._resp.close()
 
 
 class Upstream:
@@ -109,32 +182,19 @@ class Upstream:
         *,
         request_id: str,
         extra_headers: Mapping[str, str] | None = None,
-    ) -> aiohttp.ClientResponse:
+    ) -> EngineStream:
         """POST and return the response once its status line and headers have arrived."""
         try:
             # asyncio.timeout, not wait_for: no extra Task on every turn.
             async with asyncio.timeout(self._settings.decode_first_byte_timeout):
-                return await self.session.post(
+                resp = await self.session.post(
                     url,
                     data=msgspec.json.encode(body),
                     headers=self.headers(request_id, extra_headers),
                 )
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise UpstreamFailure(f"{url}: {describe(exc)}") from exc
-
-
-async def iter_chunks(resp: aiohttp.ClientResponse, idle_timeout: float) -> AsyncIterator[bytes]:
-    """The response body as it arrives; an engine silent for idle_timeout is cut off."""
-    try:
-        while True:
-            # asyncio.timeout, not wait_for: no Task per chunk on the relay's hot path.
-            async with asyncio.timeout(idle_timeout):
-                chunk = await resp.content.readany()
-            if not chunk:
-                return
-            yield chunk
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        raise UpstreamFailure(describe(exc)) from exc
+        return _AiohttpStream(resp)
 
 
 def failure(url: str, exc: BaseException) -> UpstreamFailure:

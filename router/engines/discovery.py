@@ -9,8 +9,11 @@ import re
 import msgspec
 
 from router.config import Settings
-from router.engines.client import Upstream, UpstreamFailure
-from router.engines.pool import Instance, Pool, note_started, process_started
+from router.connectors.base import select
+from router.engines.client import Upstream
+from router.engines.identity import process_started
+from router.engines.pool import Instance, Pool
+from router.errors import StartupError, UpstreamFailure
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
 from sessions.memory_store import MemorySessionStore
@@ -21,20 +24,16 @@ log = logging.getLogger("kvbaton.discovery")
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 
 
-class StartupError(RuntimeError):
-    """The engines do not form a valid deployment (e.g. different models)."""
-
-
 async def inspect(svc: Services, inst: Instance) -> None:
     """Fill in the instance's model and block size; mark it unhealthy if it cannot answer."""
     timeout = svc.settings.connect_timeout + 5.0
     try:
-        status, raw = await svc.upstream.get(inst.url + "/v1/models", timeout=timeout)
+        status, raw = await svc.engines.get(inst.url + "/v1/models", timeout=timeout)
         if status != 200:
             raise UpstreamFailure(f"/v1/models answered {status}")
         data = msgspec.json.decode(raw).get("data") or []
         inst.model = str(data[0]["id"]) if data else ""
-        status, metrics = await svc.upstream.get(inst.url + "/metrics", timeout=timeout)
+        status, metrics = await svc.engines.get(inst.url + "/metrics", timeout=timeout)
     except (UpstreamFailure, msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
         inst.healthy = False
         inst.last_error = f"check failed: {exc}"
@@ -43,7 +42,7 @@ async def inspect(svc: Services, inst: Instance) -> None:
     match = _BLOCK_SIZE.search(metrics) if status == 200 else None
     inst.block_size = int(match.group(1)) if match else 0
     if status == 200:
-        note_started(inst, process_started(metrics))
+        inst.ident.note_started(process_started(metrics))
 
 
 async def discover(svc: Services) -> None:
@@ -89,7 +88,13 @@ async def preflight(settings: Settings) -> None:
         pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
         guard = StoreGuard(0.0)
         svc = Services(
-            settings, upstream, pool, MemorySessionStore(), guard, Metrics(pool, lambda: False)
+            settings,
+            upstream,
+            pool,
+            MemorySessionStore(),
+            guard,
+            Metrics(pool, lambda: False),
+            select(settings.kv_connector),
         )
         await discover(svc)
     finally:

@@ -1,6 +1,7 @@
-"""The instance registry: admin changes to the pool (add, drain, remove), kept in Redis so they
-survive a restart and reach every replica. Command-line instances are the base; the registry's
-entries apply on top, and each replica re-reads them every `health_interval`."""
+"""The instance registry: admin changes to the pool (add, drain, remove), stored by
+sessions/registry_store.py (in Redis, so they survive a restart and reach every replica).
+Command-line instances are the base; the registry's entries apply on top, and each replica
+re-reads them every `health_interval`."""
 
 from __future__ import annotations
 
@@ -8,85 +9,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, cast
-
-import msgspec
-from redis.exceptions import RedisError
 
 from router.engines.discovery import inspect
 from router.engines.dns import DnsExpander
 from router.engines.pool import Instance, Role
 from router.services import Services
-from sessions.connect import RedisClient
-from sessions.keys import INSTANCES_KEY
+from sessions.registry_store import Entry, Registry, State
 from sessions.store import StoreError
 
 log = logging.getLogger("kvbaton.registry")
-
-State = Literal["active", "draining", "removed"]
-
-
-class Entry(msgspec.Struct, frozen=True, kw_only=True):
-    """What the admin API decided about one instance URL (the HASH value, as JSON)."""
-
-    role: Role
-    state: State
-    updated_at: float = 0.0
-
-
-_decode_entry = msgspec.json.Decoder(Entry).decode
-_encode = msgspec.json.Encoder().encode
-
-
-class Registry(Protocol):
-    async def load(self) -> dict[str, Entry]:
-        """Every entry by URL; raises StoreError when the backend fails."""
-        ...
-
-    async def put(self, url: str, entry: Entry) -> None:
-        """Record an entry (replacing the URL's previous one); raises StoreError."""
-        ...
-
-
-class RedisRegistry:
-    """One HASH, `kvbaton:instances`: URL -> `{"role", "state", "updated_at"}`."""
-
-    def __init__(self, client: RedisClient) -> None:
-        self._client = client
-
-    async def load(self) -> dict[str, Entry]:
-        try:
-            raw = await cast(Awaitable[dict[bytes, bytes]], self._client.hgetall(INSTANCES_KEY))
-        except (RedisError, OSError) as exc:
-            raise StoreError(f"reading {INSTANCES_KEY} failed: {exc}") from exc
-        entries: dict[str, Entry] = {}
-        for url, value in raw.items():
-            try:
-                entries[url.decode()] = _decode_entry(value)
-            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-                log.warning("ignoring a malformed %s entry %r: %s", INSTANCES_KEY, url, exc)
-        return entries
-
-    async def put(self, url: str, entry: Entry) -> None:
-        try:
-            await self._client.hset(INSTANCES_KEY, url, _encode(entry))
-        except (RedisError, OSError) as exc:
-            raise StoreError(f"writing {INSTANCES_KEY} failed: {exc}") from exc
-
-
-@dataclass
-class MemoryRegistry:
-    """The registry of a single replica without Redis: lost when the process stops."""
-
-    entries: dict[str, Entry] = field(default_factory=dict)
-
-    async def load(self) -> dict[str, Entry]:
-        return dict(self.entries)
-
-    async def put(self, url: str, entry: Entry) -> None:
-        self.entries[url] = entry
 
 
 def desired(
@@ -107,7 +40,8 @@ async def admit(svc: Services, inst: Instance) -> str:
     else why not. Also learns its model and KV block size."""
     await inspect(svc, inst)
     if not inst.healthy:
-        error = inst.last_error.removeprefix("start-up check failed: ")
+        # discovery.inspect writes "check failed: <why>"; the reason says it once, not twice.
+        error = inst.last_error.removeprefix("check failed: ")
         return f"{inst.url} did not answer /v1/models: {error}"
     if not inst.model:
         return f"{inst.url}/v1/models lists no model"

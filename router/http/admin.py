@@ -10,7 +10,6 @@ from typing import Any
 from urllib.parse import unquote
 
 import msgspec
-from redis.asyncio import Redis
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,37 +17,20 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.engines import registry as reg
-from router.engines.dns import DnsExpander, Resolver, SystemResolver
 from router.engines.pool import Instance, Role
-from router.errors import BadRequest, NotFound, RouterError, Unauthorized, Unavailable
+from router.errors import BadRequest, Conflict, NotFound, Unauthorized, Unavailable, Unprocessable
 from router.http.status import instances_by_role, view
 from router.services import Services
 from router.turn.tenant import DEFAULT_TENANT, validate_conversation_id
-from sessions.admin_ops import ConversationIndex, MemoryConversationIndex, RedisConversationIndex
-from sessions.connect import RedisClient, connect
-from sessions.connect import close as close_client
+from sessions.admin_ops import ConversationIndex
 from sessions.keys import conversation_key
-from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState
-from sessions.store import SessionStore, StoreError
+from sessions.registry_store import Entry
+from sessions.store import StoreError
 
 log = logging.getLogger("kvbaton.admin")
 
 MAX_PAGE = 1000
-# Admin calls may SCAN a page of keys: give them more time than a turn's store calls.
-ADMIN_STORE_TIMEOUT = 2.0
-
-
-class Unprocessable(RouterError):
-    """A well-formed request the router refuses (an instance that does not fit)."""
-
-    status = 422
-    type = "invalid_request_error"
-
-
-class Conflict(RouterError):
-    status = 409
-    type = "invalid_request_error"
 
 
 class InstanceBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -58,36 +40,11 @@ class InstanceBody(msgspec.Struct, forbid_unknown_fields=True):
 
 @dataclass
 class Operations:
-    """What the admin API works on, opened and closed by the app's lifespan."""
+    """What the admin API works on, built by the app's lifespan over its sessions.Backend (the
+    registry and the conversation index share the session store's Redis client)."""
 
     syncer: reg.Syncer
     conversations: ConversationIndex | None
-    client: RedisClient | None = None
-
-    async def close(self) -> None:
-        if self.client is not None:
-            await close_client(self.client)
-
-
-def open_operations(svc: Services, resolver: Resolver | None = None) -> Operations:
-    """The registry and conversation index beside the session store: in Redis when sessions
-    are, else in this process (one replica: admin changes are lost on restart). With
-    --resolve-dns the Syncer also expands host names (`resolver`: the system's by default)."""
-    store: SessionStore = svc.store
-    dns = DnsExpander(resolver or SystemResolver()) if svc.settings.resolve_dns else None
-    if isinstance(store, MemorySessionStore):
-        syncer = reg.Syncer(svc, reg.MemoryRegistry(), dns)
-        return Operations(syncer, MemoryConversationIndex(store))
-    if svc.settings.session_store != "redis":
-        return Operations(reg.Syncer(svc, reg.MemoryRegistry(), dns), None)
-    timeout = max(svc.settings.store_timeout, ADMIN_STORE_TIMEOUT)
-    # The same URL forms as the session store: plain, redis+cluster://, redis+sentinel://.
-    client = connect(svc.settings.redis_url, socket_timeout=timeout, connect_timeout=timeout)
-    syncer = reg.Syncer(svc, reg.RedisRegistry(client), dns)
-    # Conversation listing pages with SCAN cursors, which a cluster client does not offer
-    # (one cursor per node): on Redis Cluster the conversation admin routes are unavailable.
-    index = RedisConversationIndex(client) if isinstance(client, Redis) else None
-    return Operations(syncer, index, client)
 
 
 def authorize(key: str, header: str | None) -> None:
@@ -156,7 +113,7 @@ def _find(svc: Services, url: str, role: Role | None) -> Instance:
     return found[0]
 
 
-async def _record(ops: Operations, url: str, entry: reg.Entry) -> None:
+async def _record(ops: Operations, url: str, entry: Entry) -> None:
     try:
         await ops.syncer.registry.put(url, entry)
     except StoreError as exc:

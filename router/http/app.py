@@ -17,13 +17,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from router.config import Settings
+from router.connectors.base import select
 from router.engines import registry as registry
-from router.engines.client import Upstream, UpstreamFailure
+from router.engines.client import Upstream
 from router.engines.discovery import discover
-from router.engines.dns import Resolver
-from router.engines.pool import Pool, health_loop
-from router.errors import RouterError, Unavailable, error_body, error_bytes
-from router.http.admin import admin_app, open_operations
+from router.engines.dns import DnsExpander, Resolver, SystemResolver
+from router.engines.health import health_loop
+from router.engines.pool import Pool
+from router.errors import RouterError, Unavailable, UpstreamFailure, error_body, error_bytes
+from router.http.admin import Operations, admin_app
 from router.http.disconnect import until_disconnect
 from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
@@ -31,26 +33,16 @@ from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
 from router.tracing import span
 from router.turn.incoming import Api, read_incoming
-from router.turn.prefill import PATHS
+from router.turn.outcomes import Reason, Reuse
+from router.turn.rewrite import PATHS
 from router.turn.run import new_request_id, run_turn
-from sessions.memory_store import MemorySessionStore
-from sessions.redis_store import RedisSessionStore
-from sessions.store import SessionStore, StoreError
+from sessions.backend import open_backend
+from sessions.store import StoreError
 
 log = logging.getLogger("kvbaton.app")
 
 # With several workers, how often each one writes its in-flight counts for the others' scrapes.
 PUBLISH_INTERVAL = 1.0
-
-
-def make_store(settings: Settings) -> SessionStore:
-    if settings.session_store == "memory":
-        return MemorySessionStore()
-    return RedisSessionStore(
-        settings.redis_url,
-        socket_timeout=settings.store_timeout,
-        connect_timeout=settings.store_timeout,
-    )
 
 
 def services(request: Request) -> Services:
@@ -59,7 +51,12 @@ def services(request: Request) -> Services:
 
 
 def error_response(exc: RouterError, request_id: str = "") -> Response:
-    headers = {"X-Request-Id": request_id or new_request_id(), "X-KV-Reuse": "skip;reason=error"}
+    """The one place a RouterError becomes a response: OpenAI's error body, and the request id
+    the turn sent to the engines and logged (a fresh one when no turn had begun)."""
+    headers = {
+        "X-Request-Id": request_id or new_request_id(),
+        "X-KV-Reuse": Reuse.miss(Reason.ERROR).header(),
+    }
     return Response(error_bytes(exc), exc.status, headers=headers, media_type="application/json")
 
 
@@ -68,6 +65,8 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
 
     async def endpoint(request: Request) -> Response:
         svc = services(request)
+        # One id for the whole request: P, D, the turn's log line and the response, errors too.
+        request_id = request.state.request_id = new_request_id()
         try:
             if svc.stopping:
                 raise Unavailable("the router is shutting down")
@@ -81,10 +80,10 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
                 tenant_header=svc.settings.tenant_header,
             )
             with span("kvbaton.request", route=route):
-                response = await until_disconnect(request, run_turn(svc, inc))
+                response = await until_disconnect(request, run_turn(svc, inc, request_id))
         except RouterError as exc:
             svc.metrics.requests.labels(route, str(exc.status)).inc()
-            return error_response(exc, new_request_id())
+            return error_response(exc, request_id)
         svc.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 
@@ -108,7 +107,7 @@ async def models(request: Request) -> Response:
         if not inst.usable:
             continue
         try:
-            status, raw = await svc.upstream.get(
+            status, raw = await svc.engines.get(
                 inst.url + "/v1/models", timeout=svc.settings.connect_timeout + 5
             )
         except UpstreamFailure as exc:
@@ -125,23 +124,21 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """Ready when the store answers (or is not needed) and each role has a usable instance."""
+    """Ready while each role has a usable instance: turns are served. A store that does not
+    answer leaves the router ready but degraded (turns run without reuse; docs/operations.md).
+    The ping goes past the store breaker and closes it when the store answers."""
     svc = services(request)
     checks: dict[str, Any] = {}
     try:
-        await svc.store.ping()
+        await svc.guard.ping(svc.store)
         checks["store"] = "ok"
     except StoreError as exc:
         checks["store"] = f"unavailable: {exc}"
     for role in ("prefill", "decode"):
         usable = [i.url for i in svc.pool.instances(role) if i.usable]
         checks[role] = {"usable": len(usable), "total": len(svc.pool.instances(role))}
-    ok = (
-        checks["store"] == "ok"
-        and checks["prefill"]["usable"] > 0
-        and checks["decode"]["usable"] > 0
-        and not svc.stopping
-    )
+    ok = checks["prefill"]["usable"] > 0 and checks["decode"]["usable"] > 0 and not svc.stopping
+    checks["degraded"] = checks["store"] != "ok"
     checks["status"] = "ready" if ok else "not ready"
     return Response(msgspec.json.encode(checks), 200 if ok else 503, media_type="application/json")
 
@@ -156,7 +153,7 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
 
 async def on_router_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RouterError)
-    return error_response(exc)
+    return error_response(exc, _request_id(request))
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
@@ -165,30 +162,40 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     return Response(
         error_body("internal router error", "internal_error", 500),
         500,
-        headers={"X-Request-Id": new_request_id()},
+        headers={"X-Request-Id": _request_id(request) or new_request_id()},
         media_type="application/json",
     )
 
 
-def create_app(
-    settings: Settings, *, store: SessionStore | None = None, resolver: Resolver | None = None
-) -> Starlette:
-    """The router app. The lifespan checks the engines, opens Redis and the HTTP pool.
+def _request_id(request: Request) -> str:
+    """The id the endpoint gave this request, if it got that far."""
+    return str(getattr(request.state, "request_id", ""))
+
+
+def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starlette:
+    """The router app. The lifespan checks the engines, opens Redis (one client for the
+    session store, the instance registry and the conversation index) and the HTTP pool.
     `resolver` answers --resolve-dns look-ups (the system's by default)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         upstream = Upstream(settings)
         await upstream.open()
-        session_store = store or make_store(settings)
+        backend = open_backend(
+            settings.session_store, settings.redis_url, store_timeout=settings.store_timeout
+        )
         pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
         guard = StoreGuard(settings.store_retry_after)
         metrics = Metrics(pool, lambda: guard.is_open, shared=settings.workers > 1)
         guard.on_failure = metrics.store_errors.inc
-        svc = Services(settings, upstream, pool, session_store, guard, metrics)
+        connector = select(settings.kv_connector)
+        svc = Services(settings, upstream, pool, backend.store, guard, metrics, connector)
         prober: asyncio.Task[None] | None = None
         publisher: asyncio.Task[None] | None = None
-        ops = open_operations(svc, resolver)
+        watcher: asyncio.Task[None] | None = None
+        dns = DnsExpander(resolver or SystemResolver()) if settings.resolve_dns else None
+        syncer = registry.Syncer(svc, backend.registry, dns)
+        ops = Operations(syncer, backend.conversations)
         syncing: asyncio.Task[None] | None = None
         try:
             await discover(svc)
@@ -196,20 +203,21 @@ def create_app(
             app.state.operations = ops
             syncing = await registry.start(ops.syncer, settings.health_interval)
             prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
+            # While the store breaker is open, ping the store so reuse resumes when it is back.
+            watcher = asyncio.create_task(guard.watch(backend.store, settings.health_interval))
             if metrics.published is not None:
                 publisher = asyncio.create_task(metrics.published.every(PUBLISH_INTERVAL))
             yield
         finally:
             svc.stopping = True
-            for task in (prober, publisher):
+            for task in (prober, publisher, watcher):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             if syncing is not None:
                 await registry.stop(syncing)
-            await ops.close()
-            await session_store.close()
+            await backend.close()
             await upstream.close()
 
     routes = [

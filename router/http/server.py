@@ -14,8 +14,9 @@ from typing import Any
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from router.config import ConfigError, Settings, WorkerSlot, load_settings, worker_slot
-from router.engines.discovery import StartupError, preflight
+from router.config import Settings, WorkerSlot, load_settings, worker_slot
+from router.engines.discovery import preflight
+from router.errors import ConfigError, StartupError
 from router.http.app import create_app
 from router.http.workers import supervise
 from router.logs import setup_logging

@@ -29,15 +29,6 @@ def version() -> str:
         return "unknown"
 
 
-def paused_reads(inst: Instance, now: float) -> dict[str, float]:
-    """The P instances that get none of this D's handles for now: seconds left, by URL."""
-    return {
-        url: round(refusals.until - now, 1)
-        for url, refusals in inst.refused_by.items()
-        if inst.reads_paused(url, now)
-    }
-
-
 def instance_view(inst: Instance, source: str) -> dict[str, Any]:
     return {
         "url": inst.url,
@@ -50,10 +41,10 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
         "block_size": inst.block_size,
         "failures": inst.failures,
         "last_error": inst.last_error,
-        "started": inst.started,
-        "restarts": inst.restarts,
-        "unreachable": inst.unreachable,
-        "reads_paused": paused_reads(inst, time.monotonic()),
+        "started": inst.ident.started,
+        "restarts": inst.ident.restarts,
+        "unreachable": inst.ident.unreachable,
+        "reads_paused": inst.ident.paused_for(time.monotonic()),
         "source": source,
     }
 
@@ -82,14 +73,16 @@ def instances_by_role(
 
 
 async def store_view(svc: Services) -> dict[str, Any]:
-    """Ping the store directly (not through the breaker), and say whether the breaker is open."""
-    view: dict[str, Any] = {"kind": svc.settings.session_store, "circuit_open": svc.guard.is_open}
+    """Ping the store directly (past the breaker, which an answer closes), then say whether the
+    breaker is open."""
+    view: dict[str, Any] = {"kind": svc.settings.session_store}
     try:
-        await svc.store.ping()
+        await svc.guard.ping(svc.store)
     except StoreError as exc:
         view.update(status="unavailable", error=str(exc))
     else:
         view.update(status="ok", error="")
+    view["circuit_open"] = svc.guard.is_open
     view["failures"] = svc.guard.failures
     return view
 

@@ -7,18 +7,15 @@ import contextlib
 import hashlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from router.connectors import nixl as handoff
-from router.engines.pool import note_engine_id
 from router.tracing import span
+from router.turn import decide
+from router.turn.capture import Captured
 from router.turn.incoming import Incoming, canonical_items
-from router.turn.sse import Captured
+from router.turn.state import Turn
 from sessions import model as sm
 from sessions.store import StoreError
-
-if TYPE_CHECKING:
-    from router.turn.run import Turn
 
 log = logging.getLogger("kvbaton.turn")
 
@@ -75,32 +72,34 @@ async def _commit(turn: Turn, captured: Captured) -> str:
 
 def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     svc, inc = turn.svc, turn.inc
-    params = captured.kv_transfer_params if handoff.is_handle(captured.kv_transfer_params) else None
-    reason = ""
-    if not svc.settings.reuse:
-        params, reason = None, "reuse-disabled"
-    elif captured.tool_calls:
-        params, reason = None, "tool-calls"
-    elif params is None:
-        reason = "stream-no-kv-params" if inc.stream else "no-kv-params"
-    if _ids_differ(turn, captured):
-        params, reason = None, "prompt-ids-differ"
-    prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
+    assert turn.prefill is not None and turn.decode is not None
+    params = captured.kv_transfer_params
+    end = decide.ending(
+        handle=svc.connector.is_handle(params),
+        reuse_on=svc.settings.reuse,
+        tool_calls=captured.tool_calls,
+        stream=inc.stream,
+        sent_ids=turn.prefill_ids,
+        d_prompt_ids=captured.prompt_token_ids,
+        token_ids_wanted=turn.want_token_ids,
+        token_ids_needed=svc.settings.verify_prefix == "tokens" and inc.api != "responses",
+    )
+    if end.ids_differ:
+        _switch_ids_leg_off(turn, captured)
     token_ids: list[int] | None = None
     if turn.want_token_ids and captured.prompt_token_ids is not None:
         token_ids = [*captured.prompt_token_ids, *captured.output_token_ids]
-    elif params is not None and svc.settings.verify_prefix == "tokens" and inc.api != "responses":
-        params, reason = None, "no-token-ids"
-    assert turn.prefill is not None and turn.decode is not None
-    if params is not None:
-        note_engine_id(turn.decode, handoff.engine_id(params))
+    kept = params if end.keep_handle else None
+    if kept is not None:
+        turn.decode.ident.note_engine_id(svc.connector.engine_id(kept))
+    prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
     return sm.next_state(
         turn.claim.state,
         api=inc.api,
         prefill=turn.prefill.url,
         decode=turn.decode.url,
-        kv_transfer_params=params,
-        no_handle_reason=reason,
+        kv_transfer_params=kept,
+        no_handle_reason=str(end.reason or ""),
         prefix_digest=prefix_digest,
         prefix_len=prefix_len,
         prompt_digest=prompt_digest,
@@ -109,22 +108,19 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         block_size=svc.block_size or turn.decode.block_size,
         now=svc.clock(),
         handle_ttl=svc.settings.handle_ttl,
-        decode_started=turn.decode.handle_started,
+        decode_started=turn.decode.ident.handle_started,
     )
 
 
-def _ids_differ(turn: Turn, captured: Captured) -> bool:
+def _switch_ids_leg_off(turn: Turn, captured: Captured) -> None:
     """D rendered the prompt into other token ids than P's /tokenize gave, which P computed:
     D's KV for this turn may be wrong, and P must not get token ids again in this process."""
-    sent, seen = turn.prefill_ids, captured.prompt_token_ids
-    if sent is None or seen is None or seen == sent:
-        return False
+    sent, seen = turn.prefill_ids or [], captured.prompt_token_ids or []
     turn.svc.switch_ids_leg_off(
         f"{turn.decode.url if turn.decode else 'decode'} tokenized a prompt into "
         f"{len(seen)} ids, P's /tokenize into {len(sent)} that differ; check that both run "
         "the same model, tokenizer and chat template (--no-prefill-token-ids keeps this off)"
     )
-    return True
 
 
 def _digests(inc: Incoming, captured: Captured) -> tuple[str, int, str, int]:
@@ -168,7 +164,7 @@ def report(turn: Turn, result: str, captured: Captured | None) -> None:
         "p": turn.prefill.url if turn.prefill else "-",
         "d": turn.decode.url if turn.decode else "-",
         "reuse": reuse.header(),
-        "reused_tokens": reuse.tokens if reuse.outcome == "hit" else 0,
+        "reused_tokens": reuse.tokens if reuse.is_hit else 0,
         "ttft_ms": round((turn.first_byte - turn.started) * 1000, 1) if turn.first_byte else "-",
         "e2e_ms": round((now - turn.started) * 1000, 1),
         "prompt_tokens": usage.get("prompt_tokens", usage.get("input_tokens", "-")),

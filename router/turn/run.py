@@ -1,4 +1,5 @@
-"""One conversation turn: claim, verify, place, prefill on P, decode on D, capture, commit."""
+"""One conversation turn, top to bottom: claim, verify, place, prefill on P, decode on D,
+relay, commit. The decisions are `decide`'s; this module applies them."""
 
 from __future__ import annotations
 
@@ -7,78 +8,40 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-import aiohttp
 from starlette.responses import Response, StreamingResponse
 
-from router.engines.client import UpstreamFailure, iter_chunks
+from router.engines.client import EngineStream
 from router.engines.pool import Instance
-from router.errors import Unavailable, UpstreamError, sse_error_event
+from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure, sse_error_event
 from router.services import Services
 from router.tracing import span
+from router.turn import decide
+from router.turn.claim import claim, verify
 from router.turn.commit import abort, finish
 from router.turn.incoming import Incoming
-from router.turn.prefill import PATHS, EngineReply, Prefilled, prefill
-from router.turn.reuse import Claim, claim, verify
-from router.turn.rewrite import decode_body
+from router.turn.outcomes import Reason
+from router.turn.prefill import Prefilled, prefill
+from router.turn.rewrite import PATHS, decode_body
 from router.turn.sse import SseRelay, capture_body
+from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.turn")
-
-
-@dataclass
-class Turn:
-    """One turn in flight: what was decided so far."""
-
-    svc: Services
-    inc: Incoming
-    request_id: str
-    claim: Claim
-    started: float
-    prefill: Instance | None = None
-    decode: Instance | None = None
-    prefill_ids: list[int] | None = None  # the prompt P got as token ids, if it did
-    want_token_ids: bool = False
-    first_byte: float = 0.0
-    _reuse_counted: bool = False
-
-    def headers(self) -> dict[str, str]:
-        return {"X-Request-Id": self.request_id, "X-KV-Reuse": self.claim.reuse.header()}
-
-    def response_headers(self) -> dict[str, str]:
-        """The headers of the response; the reuse verdict is final now, so count it."""
-        if not self._reuse_counted:
-            self._reuse_counted = True
-            reuse = self.claim.reuse
-            self.svc.metrics.reuse.labels(reuse.outcome, reuse.reason).inc()
-            if reuse.outcome == "hit":
-                self.svc.metrics.reused_tokens.inc(reuse.tokens)
-        return self.headers()
-
-    def mark_first_byte(self) -> None:
-        if not self.first_byte:
-            self.first_byte = time.monotonic()
-            self.svc.metrics.ttft.labels(self.inc.api).observe(self.first_byte - self.started)
 
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-async def run_turn(svc: Services, inc: Incoming) -> Response:
+async def run_turn(svc: Services, inc: Incoming, request_id: str) -> Response:
     """Serve one client request through P and D; the response may still be streaming."""
-    request_id = new_request_id()
     turn = Turn(svc, inc, request_id, await claim(svc, inc, request_id), time.monotonic())
     try:
-        return await _route(turn)
+        return await _serve(turn)
     except EngineReply as reply:
         await abort(turn, f"engine-{reply.status}")
         return Response(
-            reply.body,
-            reply.status,
-            headers=turn.response_headers(),
-            media_type="application/json",
+            reply.body, reply.status, headers=final_headers(turn), media_type="application/json"
         )
     except asyncio.CancelledError:
         await asyncio.shield(abort(turn, "client-disconnected"))
@@ -88,90 +51,103 @@ async def run_turn(svc: Services, inc: Incoming) -> Response:
         raise
 
 
-async def _route(turn: Turn) -> Response:
-    svc, inc = turn.svc, turn.inc
+def final_headers(turn: Turn) -> dict[str, str]:
+    """The response's headers: the reuse verdict is final now, so it is counted (once)."""
+    if not turn.reuse_counted:
+        turn.reuse_counted = True
+        reuse, metrics = turn.claim.reuse, turn.svc.metrics
+        metrics.reuse.labels(*reuse.labels()).inc()
+        if reuse.is_hit:
+            metrics.reused_tokens.inc(reuse.tokens)
+    return turn.headers()
+
+
+async def _serve(turn: Turn) -> Response:
+    svc = turn.svc
     state = turn.claim.state
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
-    source = _handle_source(turn)
+    source = svc.pool.find("decode", state.decode) if state is not None else None
     if source is not None and turn.claim.params is not None:
         p_inst = _reader(turn, source, p_inst)
-    turn.claim = await verify(svc, inc, turn.claim, p_inst.url, turn.request_id)
-    turn.want_token_ids = (
-        svc.settings.verify_prefix == "tokens"
-        and inc.api != "responses"  # vLLM's /tokenize cannot render Responses input: digest
-        and (not inc.stream or svc.settings.stream_kv_params)
-    )
-    tried: list[str] = []
+    turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id)
+    turn.want_token_ids = _wants_token_ids(turn)
+    failed: list[str] = []
     while True:
         sent = source if turn.claim.params is not None else None  # the handle's D, if sent
         prefilled = await prefill(turn, p_inst)
-        turn.prefill = prefilled.instance
-        turn.prefill_ids = prefilled.prompt_ids
-        if prefilled.refused_by:
-            turn.claim = turn.claim.miss("handle-rejected")
-            if sent is not None:
-                sent.note_refused(prefilled.refused_by, time.monotonic())
-        elif sent is not None:
-            sent.note_read(prefilled.instance.url)
-        d_inst = _pick_decode(svc, state.decode if state else "", tried)
+        _note_handle_result(turn, sent, prefilled)
+        d_inst = _pick_decode(svc, state.decode if state else "", failed)
         try:
             return await _decode(turn, d_inst, prefilled)
         except UpstreamFailure as exc:
             # D failed before its first byte: redo the whole turn with a new P leg, since
             # P's params are single use (never send them to a second D).
             svc.pool.record_failure(d_inst, str(exc))
-            tried.append(d_inst.url)
+            failed.append(d_inst.url)
             log.warning("decode on %s failed before the first byte: %s", d_inst.url, exc)
-            if len(tried) >= 2:
+            if not decide.redo_decode(len(failed)):
                 raise UpstreamError(f"decode failed twice; last: {exc}") from None
             if turn.claim.params is not None:
-                turn.claim = turn.claim.miss("decode-retried")
-            p_inst = svc.pool.pick("prefill", prefer=turn.prefill.url)
+                turn.claim = turn.claim.miss(Reason.DECODE_RETRIED)
+            p_inst = svc.pool.pick("prefill", prefer=prefilled.instance.url)
 
 
-def _handle_source(turn: Turn) -> Instance | None:
-    """The D of the conversation's last turn (the one that made a claimed handle), if the
-    router still routes to it."""
-    state = turn.claim.state
-    return turn.svc.pool.find("decode", state.decode) if state is not None else None
+def _wants_token_ids(turn: Turn) -> bool:
+    settings, inc = turn.svc.settings, turn.inc
+    return (
+        settings.verify_prefix == "tokens"
+        and inc.api != "responses"  # vLLM's /tokenize cannot render Responses input: digest
+        and (not inc.stream or settings.stream_kv_params)
+    )
+
+
+def _note_handle_result(turn: Turn, sent: Instance | None, prefilled: Prefilled) -> None:
+    """Record who prefilled, and whether P read or refused the handle's D."""
+    turn.prefill = prefilled.instance
+    turn.prefill_ids = prefilled.prompt_ids
+    if prefilled.refused_by:
+        turn.claim = turn.claim.miss(Reason.HANDLE_REJECTED)
+        if sent is not None:
+            sent.ident.note_refused(prefilled.refused_by, time.monotonic())
+    elif sent is not None:
+        sent.ident.note_read(prefilled.instance.url)
 
 
 def _reader(turn: Turn, source: Instance, p_inst: Instance) -> Instance:
     """A P that has not been refusing the handle's D (`source`); with none left, the turn's
     claim becomes a miss (reads-paused) and p_inst serves it."""
     now = time.monotonic()
-    if not source.reads_paused(p_inst.url, now):
+    if not source.ident.reads_paused(p_inst.url, now):
         return p_inst
-    paused = [url for url in source.refused_by if source.reads_paused(url, now)]
+    paused = list(source.ident.paused_for(now))
     try:
         return turn.svc.pool.pick("prefill", exclude=paused)
     except Unavailable:
-        turn.claim = turn.claim.miss("reads-paused")
+        turn.claim = turn.claim.miss(Reason.READS_PAUSED)
         return p_inst
 
 
-def _pick_decode(svc: Services, prefer: str, tried: list[str]) -> Instance:
+def _pick_decode(svc: Services, prefer: str, failed: list[str]) -> Instance:
     """Another D than the ones that failed this turn, or the same one again if it is alone."""
     try:
-        return svc.pool.pick("decode", prefer=prefer, exclude=tried)
+        return svc.pool.pick("decode", prefer=prefer, exclude=failed)
     except Unavailable:
-        if not tried:
+        if not failed:
             raise
         return svc.pool.pick("decode", prefer=prefer)
 
 
-async def _open_decode(
-    turn: Turn, d_inst: Instance, prefilled: Prefilled
-) -> aiohttp.ClientResponse:
+async def _open_decode(turn: Turn, d_inst: Instance, prefilled: Prefilled) -> EngineStream:
     """Send the D leg and check its status before our response starts."""
     svc, inc = turn.svc, turn.inc
-    body = decode_body(inc.body, prefilled.params, return_token_ids=turn.want_token_ids)
+    kv = svc.connector.decode_params(prefilled.params)
+    body = decode_body(inc.body, kv, return_token_ids=turn.want_token_ids)
     url = d_inst.url + PATHS[inc.api]
     started = time.monotonic()
     outcome = "error"
     try:
         with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream):
-            resp = await svc.upstream.open_stream(
+            resp = await svc.engines.open_stream(
                 url, body, request_id=turn.request_id, extra_headers=inc.forward_headers
             )
         if resp.status >= 500:
@@ -179,7 +155,6 @@ async def _open_decode(
             raise UpstreamFailure(f"{url} answered {resp.status}: {text[:200]!r}")
         if resp.status != 200:
             raw = await resp.read()
-            resp.release()
             outcome = "client-error"
             raise EngineReply(resp.status, raw)
         outcome = "ok"
@@ -190,6 +165,13 @@ async def _open_decode(
         )
 
 
+async def _read_error(resp: EngineStream) -> str:
+    try:
+        return (await resp.read()).decode("utf-8", "replace")
+    except UpstreamFailure:
+        return ""
+
+
 async def _decode(turn: Turn, d_inst: Instance, prefilled: Prefilled) -> Response:
     svc, inc = turn.svc, turn.inc
     turn.decode = d_inst
@@ -198,43 +180,33 @@ async def _decode(turn: Turn, d_inst: Instance, prefilled: Prefilled) -> Respons
     strip = not inc.wants_token_ids and turn.want_token_ids
     if inc.stream:
         return StreamingResponse(
-            _relay(turn, resp, strip),
+            _relay(turn, d_inst, resp, strip),
             200,
-            headers=turn.response_headers(),
-            media_type=resp.headers.get("Content-Type", "text/event-stream"),
+            headers=final_headers(turn),
+            media_type=resp.content_type,
         )
     try:
         with svc.pool.busy(d_inst):
-            chunks = [c async for c in iter_chunks(resp, svc.settings.decode_idle_timeout)]
+            chunks = [c async for c in resp.chunks(svc.settings.decode_idle_timeout)]
     finally:
         resp.release()
     client_bytes, captured = capture_body(b"".join(chunks), strip_token_ids=strip)
     turn.mark_first_byte()
     await finish(turn, captured)
-    return Response(
-        client_bytes, 200, headers=turn.response_headers(), media_type="application/json"
-    )
+    return Response(client_bytes, 200, headers=final_headers(turn), media_type="application/json")
 
 
-async def _read_error(resp: aiohttp.ClientResponse) -> str:
-    try:
-        return (await resp.read()).decode("utf-8", "replace")
-    except aiohttp.ClientError:
-        return ""
-    finally:
-        resp.release()
-
-
-async def _relay(turn: Turn, resp: aiohttp.ClientResponse, strip: bool) -> AsyncIterator[bytes]:
+async def _relay(
+    turn: Turn, d_inst: Instance, resp: EngineStream, strip: bool
+) -> AsyncIterator[bytes]:
     """Relay D's SSE bytes as they come; capture D's handle; commit before `[DONE]` goes out."""
     relay = SseRelay(strip_token_ids=strip)
     ended = False
-    assert turn.decode is not None
-    turn.decode.outstanding += 1
+    d_inst.outstanding += 1
     try:
-        async for chunk in iter_chunks(resp, turn.svc.settings.decode_idle_timeout):
+        async for chunk in resp.chunks(turn.svc.settings.decode_idle_timeout):
             out = relay.feed(chunk)
-            if relay.captured.done and not ended:
+            if relay.done and not ended:
                 ended = True
                 await finish(turn, relay.captured)
             if out:
@@ -248,14 +220,14 @@ async def _relay(turn: Turn, resp: aiohttp.ClientResponse, strip: bool) -> Async
             yield tail
     except UpstreamFailure as exc:
         # After the first byte the status is sent: end with one SSE error event, no commit.
-        log.warning("decode stream from %s broke: %s", turn.decode.url, exc)
-        turn.svc.pool.record_failure(turn.decode, str(exc))
+        log.warning("decode stream from %s broke: %s", d_inst.url, exc)
+        turn.svc.pool.record_failure(d_inst, str(exc))
         ended = True
         await abort(turn, "decode-broke")
         yield sse_error_event(f"the decode engine failed mid-stream: {exc}")
     finally:
-        turn.decode.outstanding -= 1
-        if relay.captured.done:
+        d_inst.outstanding -= 1
+        if relay.done:
             resp.release()
         else:
             resp.close()  # cancels D's request: the client left or D broke

@@ -72,11 +72,6 @@ def test_session_id_body_field_alone_identifies_the_conversation(stack: Stack) -
     assert all(s["header"] is None for s in seen["prefill"] + seen["decode"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hit's P leg by token ids (--prefill-token-ids, on by default) keeps only model, "
-    "cache_salt and priority (router/turn/rewrite.py _IDS_LEG_FIELDS): P loses session_id",
-)
 def test_session_id_body_field_reaches_p_on_the_token_ids_leg_too(stack: Stack) -> None:
     seen = body_sessions(stack, f"vllm-session-{uuid.uuid4().hex[:10]}")
     assert [s["path"] for s in seen["prefill"]] == ["/v1/chat/completions", "/v1/completions"]

@@ -44,7 +44,7 @@ def sample(flag: Flag) -> Any:
     if flag.kind is bool:
         return not default
     if flag.choices:
-        return next(c for c in flag.choices if c != default)
+        return next((c for c in flag.choices if c != default), default)  # one choice yet
     if flag.kind is int:
         return default + 7
     if flag.kind is float:

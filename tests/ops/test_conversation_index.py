@@ -9,16 +9,10 @@ from dataclasses import dataclass
 import pytest
 import redis.asyncio as aioredis
 
-from sessions.admin_ops import (
-    ConversationIndex,
-    MemoryConversationIndex,
-    RedisConversationIndex,
-    Summary,
-)
+from sessions.admin_ops import ConversationIndex, RedisConversationIndex, Summary
+from sessions.backend import open_backend
 from sessions.keys import conversation_key, split_conversation_key
-from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState
-from sessions.redis_store import RedisSessionStore
 from sessions.store import SessionStore
 
 D1, D2 = "http://d1:8200", "http://d2:8200"
@@ -32,19 +26,17 @@ class Setup:
 
 @pytest.fixture(params=["memory", "redis"])
 async def setup(request: pytest.FixtureRequest, redis_url_session: str) -> AsyncIterator[Setup]:
-    if request.param == "memory":
-        store = MemorySessionStore()
-        yield Setup(store, MemoryConversationIndex(store))
-        return
-    client = aioredis.from_url(redis_url_session)
-    await client.flushdb()
+    """The store and the index as the router's lifespan opens them: one Backend, one client."""
+    backend = open_backend(request.param, redis_url_session, store_timeout=1.0)
+    assert backend.conversations is not None
+    if backend.client is not None:
+        await backend.client.flushdb()
     try:
-        yield Setup(
-            RedisSessionStore(redis_url_session, client=client), RedisConversationIndex(client)
-        )
+        yield Setup(backend.store, backend.conversations)
     finally:
-        await client.flushdb()
-        await client.aclose()
+        if backend.client is not None:
+            await backend.client.flushdb()
+        await backend.close()
 
 
 async def fill(store: SessionStore, n: int) -> dict[str, str]:

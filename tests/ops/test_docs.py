@@ -11,6 +11,7 @@ from starlette.routing import Route, Router
 from router.engines.pool import Pool
 from router.http.admin import AdminGate, admin_app
 from router.metrics import Metrics
+from router.turn.outcomes import Reason, docs_table, header_values
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -38,52 +39,42 @@ def test_every_metric_is_documented_with_its_type() -> None:
 
 
 ROOT = DOCS.parent
-REASON_SOURCES = (
-    "router/turn/reuse.py",
-    "router/turn/run.py",
-    "router/turn/commit.py",
-    "sessions/model.py",
-)
-REASON_FUNCTIONS = ("handle_unusable_reason", "_placement_reason")
 
 
-def _strings(node: ast.AST) -> list[str]:
-    return [
-        n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-    ]
-
-
-def reuse_reasons() -> set[str]:
-    """Reason strings the turn can put in X-KV-Reuse, read from the code."""
+def _returned_strings(path: str, function: str) -> set[str]:
+    tree = ast.parse((ROOT / path).read_text())
     found: set[str] = set()
-    for path in REASON_SOURCES:
-        tree = ast.parse((ROOT / path).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call):
-                name = getattr(node.func, "attr", getattr(node.func, "id", ""))
-                if name == "miss":
-                    found.update(_strings(node.args[0]) if node.args else [])
-                elif name == "Reuse" and len(node.args) >= 2:
-                    found.update(_strings(node.args[1]))
-            elif isinstance(node, ast.Assign) and any(
-                "reason" in {getattr(e, "id", "") for e in ast.walk(t)} for t in node.targets
-            ):
-                found.update(_strings(node.value))
-            elif isinstance(node, ast.FunctionDef) and node.name in REASON_FUNCTIONS:
-                for ret in ast.walk(node):
-                    if isinstance(ret, ast.Return) and ret.value is not None:
-                        found.update(_strings(ret.value))
-    return {r for r in found if re.fullmatch(r"[a-z]+(-[a-z]+)*", r)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            for ret in ast.walk(node):
+                if isinstance(ret, ast.Return) and ret.value is not None:
+                    found.update(
+                        n.value
+                        for n in ast.walk(ret.value)
+                        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value
+                    )
+    return found
+
+
+def test_every_reason_the_session_model_gives_is_a_reuse_reason() -> None:
+    """sessions/ cannot import the router: its reasons are strings, which the router reads as
+    `Reason`s (an unknown one would raise on the turn)."""
+    given = _returned_strings("sessions/model.py", "handle_unusable_reason")
+    assert {"no-session", "busy", "no-handle", "api-mismatch", "expired"} <= given
+    assert given <= {str(r) for r in Reason}
+
+
+def test_the_x_kv_reuse_table_is_the_enum() -> None:
+    """docs/architecture.md's table is generated from router/turn/outcomes.py (regenerate it
+    with `python -c 'from router.turn.outcomes import docs_table; print(docs_table())'`)."""
+    assert docs_table() in (DOCS / "architecture.md").read_text()
 
 
 def test_every_reuse_reason_is_explained() -> None:
     text = (DOCS / "troubleshooting.md").read_text()
-    reasons = reuse_reasons()
-    assert {"no-session", "busy", "expired", "prefix-mismatch", "handle-rejected"} <= reasons
-    for reason in reasons:
-        assert f"reason={reason}`" in text, (
-            f"X-KV-Reuse reason {reason!r} is not in troubleshooting"
-        )
+    for value in header_values():
+        if value != "hit":
+            assert f"{value}`" in text, f"X-KV-Reuse {value!r} is not in troubleshooting"
 
 
 def test_every_admin_route_is_in_operations_md() -> None:

@@ -10,9 +10,17 @@ from typing import Any
 import pytest
 import redis
 
-from router.engines.registry import Entry, MemoryRegistry, desired
+from router.config import Settings
+from router.connectors.base import select
+from router.engines.client import Upstream
+from router.engines.pool import Instance, Pool
+from router.engines.registry import admit, desired
+from router.metrics import Metrics
+from router.services import Services, StoreGuard
+from sessions.memory_store import MemorySessionStore
+from sessions.registry_store import Entry
 from tests.ops.conftest import call, decode_urls, ops_router
-from tests.procs import SimProc
+from tests.procs import SimProc, free_port
 
 
 def status(url: str) -> dict[str, Any]:
@@ -111,10 +119,27 @@ def test_registry_applies_on_top_of_the_command_line(
     assert desired({"prefill": ["P"], "decode": ["D"]}, entries) == want
 
 
-async def test_memory_registry_lives_in_the_process() -> None:
-    reg = MemoryRegistry()
-    await reg.put("http://d:1", entry("decode", "draining"))
-    loaded = await reg.load()
-    assert loaded == {"http://d:1": entry("decode", "draining")}
-    loaded.clear()
-    assert await reg.load() == {"http://d:1": entry("decode", "draining")}
+async def test_admit_says_once_why_an_unreachable_instance_cannot_join() -> None:
+    """discovery writes "check failed: <why>"; the admin's 422 reason does not repeat it."""
+    settings = Settings(prefill=("http://p",), decode=("http://d",))
+    pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
+    upstream = Upstream(settings)
+    await upstream.open()
+    url = f"http://127.0.0.1:{free_port()}"
+    inst = Instance(url, "decode")
+    try:
+        svc = Services(
+            settings,
+            upstream,
+            pool,
+            MemorySessionStore(),
+            StoreGuard(1),
+            Metrics(pool, lambda: False),
+            select("nixl"),
+        )
+        reason = await admit(svc, inst)
+    finally:
+        await upstream.close()
+    assert inst.last_error.startswith("check failed: ")  # /status keeps the whole error
+    assert reason.startswith(f"{url} did not answer /v1/models: ")
+    assert "check failed" not in reason, reason

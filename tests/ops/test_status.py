@@ -65,6 +65,18 @@ def test_unknown_admin_path_is_an_openai_404(r: RouterProc) -> None:
     assert body["error"]["type"] == "not_found_error"
 
 
+def test_ready_says_the_store_is_ok_and_not_degraded(r: RouterProc) -> None:
+    status, body = call("GET", r.url + "/ready", key=None)
+    assert status == 200
+    assert body == {
+        "store": "ok",
+        "prefill": {"usable": 1, "total": 1},
+        "decode": {"usable": 1, "total": 1},
+        "degraded": False,
+        "status": "ready",
+    }
+
+
 def test_admin_disabled_answers_404_and_status_shows_a_store_down(p: SimProc, d: SimProc) -> None:
     with router([p.url], [d.url], redis_url="redis://127.0.0.1:1/0", name="ops-noadmin") as r:
         for method, path in (("GET", "/admin/instances"), ("POST", "/admin/instances/drain")):
@@ -72,7 +84,14 @@ def test_admin_disabled_answers_404_and_status_shows_a_store_down(p: SimProc, d:
             assert status == 404
             assert body["error"]["code"] == "admin_disabled"
             assert "admin API is disabled" in body["error"]["message"]
+        ready_status, ready = call("GET", r.url + "/ready", key=None)
         status, body = call("GET", r.url + "/status", key=None)
+    # Turns are served (without reuse), so the router is ready, degraded: a load balancer
+    # acting on /ready must not turn a Redis outage into a full outage.
+    assert ready_status == 200, ready
+    assert ready["status"] == "ready" and ready["degraded"] is True
+    assert ready["store"].startswith("unavailable: ")
+    assert ready["decode"] == {"usable": 1, "total": 1}
     assert status == 200
     assert body["store"]["status"] == "unavailable"
     assert body["store"]["error"]

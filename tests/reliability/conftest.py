@@ -27,8 +27,9 @@ BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 # The shared engines want a key (vLLM --api-key); routers send it from their config.
 ENGINE_KEY = "reliability-engine-key"
 ENGINE_AUTH = ("--api-key", ENGINE_KEY)
-P_FLAGS = ("prefill", *BIDIR, *ENGINE_AUTH)
-D_FLAGS = ("decode", *BIDIR, "--stream-kv-params", *ENGINE_AUTH)
+# --log-requests: each engine logs the X-Request-Id it got (tests/reliability/test_request_ids).
+P_FLAGS = ("prefill", *BIDIR, *ENGINE_AUTH, "--log-requests")
+D_FLAGS = ("decode", *BIDIR, "--stream-kv-params", *ENGINE_AUTH, "--log-requests")
 SLOW_P_FLAGS = ("prefill", *BIDIR)
 SLOW_D_FLAGS = ("decode", *BIDIR, "--stream-kv-params")
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.engines.pool import REFUSALS_TO_PAUSE
+from router.engines.identity import REFUSALS_TO_PAUSE
 from tests.e2e.harness import RouterProc
 from tests.procs import SimProc, wait_until
 from tests.reliability.conftest import ADMIN_KEY, FIRST_BYTE_TIMEOUT, ROUTER_FLAGS, Stack

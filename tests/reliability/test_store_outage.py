@@ -4,16 +4,21 @@ a timeout; reuse resumes once Redis is back."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import metric
-from tests.reliability.conftest import STORE_RETRY_AFTER, Stack
-from tests.reliability.helpers import Conversation, new_cid
+from tests.procs import wait_until
+from tests.reliability.conftest import ROUTER_FLAGS, STORE_RETRY_AFTER, Stack
+from tests.reliability.helpers import Conversation, new_cid, router
 
 pytestmark = pytest.mark.e2e
 
@@ -102,3 +107,40 @@ def test_redis_hung_costs_one_timeout_per_window(main: Stack) -> None:
     # answer, and hits come back.
     seen = run_until_hits(convs)
     assert set(seen) <= {UNAVAILABLE, "miss;reason=busy", "hit"}, set(seen)
+
+
+def ready(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=10) as resp:
+            return int(resp.status), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.timeout(90)
+def test_reuse_resumes_as_soon_as_ready_says_the_store_is_back(main: Stack) -> None:
+    """A breaker window far longer than the outage (60 s), and no background probe within the
+    test (--health-interval 60): the direct ping of /ready, which says the store is back,
+    closes the breaker, so the very next turn uses the store and its commit lands."""
+    flags = (*ROUTER_FLAGS, "--store-retry-after", "60", "--health-interval", "60")
+    ps, ds = [p.url for p in main.ps], [d.url for d in main.ds]
+    with router(ps, ds, *flags, redis_url=main.redis_url, name="rel-breaker") as r:
+        conv = Conversation(r.url, main.ref, new_cid("breaker"))
+        assert conv.turn().reuse == "miss;reason=no-session"
+        assert conv.turn().reuse == "hit"
+        main.stop_redis()
+        assert conv.turn().reuse == UNAVAILABLE  # the breaker opens for 60 s
+        status, body = ready(r.url)
+        # Still ready (turns are served, without reuse), and says why it is degraded.
+        assert status == 200 and body["degraded"] is True, body
+        assert body["store"].startswith("unavailable: "), body
+        main.start_redis()  # same port, empty
+
+        def store_back() -> bool:
+            status, body = ready(r.url)
+            return status == 200 and body["store"] == "ok"
+
+        wait_until(store_back, "/ready did not see the store back")
+        assert conv.turn().reuse == "miss;reason=no-session"  # the store was asked again
+        assert conv.turn().reuse == "hit"  # so the commit of the turn before landed

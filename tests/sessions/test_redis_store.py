@@ -33,7 +33,7 @@ STATE = SessionState(
 
 @pytest.fixture
 async def store(redis_url: str) -> AsyncIterator[RedisSessionStore]:
-    s = RedisSessionStore.from_url(redis_url)
+    s = RedisSessionStore(redis_url)
     yield s
     await s.close()
 
@@ -112,7 +112,7 @@ async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 async def test_stalled_redis_raises_store_error_fast(method: int) -> None:
     server = await asyncio.start_server(_silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    store = RedisSessionStore(f"redis://127.0.0.1:{port}/0", socket_timeout=0.1)
+    store = RedisSessionStore(f"redis://127.0.0.1:{port}/0", timeout=0.1)
     started = time.monotonic()
     with pytest.raises(StoreError):
         await store_calls(store)[method]()

@@ -52,7 +52,7 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     topo: Topology = request.getfixturevalue(request.param)
     raw = connect.connect(topo.url, socket_timeout=5, connect_timeout=5)
     await raw.flushall()
-    store = RedisSessionStore.from_url(topo.url, socket_timeout=5, connect_timeout=5)
+    store = RedisSessionStore(topo.url, timeout=5)
 
     async def ttl(key: str, ttl_s: float) -> None:
         pttl = await raw.pttl(key)
@@ -137,7 +137,7 @@ def _cli(port: int, *args: str) -> str:
 
 async def test_cluster_spreads_conversations_over_masters(cluster: Topology) -> None:
     """Hash-tagged keys land on several masters, and each stays readable through the client."""
-    store = RedisSessionStore.from_url(cluster.url, socket_timeout=5, connect_timeout=5)
+    store = RedisSessionStore(cluster.url, timeout=5)
     keys = [conversation_key("tenant", f"spread-{i}") for i in range(24)]
     try:
         for i, key in enumerate(keys):
@@ -156,7 +156,7 @@ async def test_cluster_spreads_conversations_over_masters(cluster: Topology) -> 
 @pytest.mark.timeout(60)
 async def test_sentinel_failover_moves_the_store_to_the_new_master() -> None:
     with redis_sentinel(replicas=1) as topo:
-        store = RedisSessionStore.from_url(topo.url, socket_timeout=1, connect_timeout=1)
+        store = RedisSessionStore(topo.url, timeout=1)
         key = conversation_key("tenant", "failover")
         try:
             assert await store.commit(key, SessionState(turn=1), 0, 60)
@@ -193,7 +193,7 @@ async def test_many_concurrent_calls_wait_for_a_connection(
     """More turns in flight than redis-py's default pool size (100) must not fail the store
     ("Too many connections" would open the router's circuit and turn reuse off for everyone)."""
     url = redis_url_session if kind == "plain" else request.getfixturevalue(kind).url
-    store = RedisSessionStore.from_url(url, socket_timeout=10, connect_timeout=10)
+    store = RedisSessionStore(url, timeout=10)
     keys = [conversation_key("tenant", f"crowd-{i}") for i in range(150)]
     try:
         results = await asyncio.gather(

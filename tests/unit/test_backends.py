@@ -10,20 +10,17 @@ from aiohttp import web
 
 from router.config import Settings
 from router.engines.client import Upstream
-from router.engines.pool import (
-    AFFINITY_SLACK,
-    PAUSE_FIRST_S,
-    PAUSE_MAX_S,
-    REFUSALS_TO_PAUSE,
-    Pool,
-    check,
-    note_engine_id,
-    note_started,
-    process_started,
-)
+from router.engines.health import check
+from router.engines.identity import PAUSE_FIRST_S, PAUSE_MAX_S, REFUSALS_TO_PAUSE, process_started
+from router.engines.pool import AFFINITY_SLACK, Pool
 from router.errors import Unavailable
-from router.turn.reuse import _placement_reason
+from router.turn.decide import decode_blocker
 from sessions import model as sm
+
+
+def _placement_reason(pool: Pool, state: sm.SessionState) -> str:
+    """Why the decision core keeps the state's handle from P ("" when it may be sent)."""
+    return str(decode_blocker(pool.find("decode", state.decode), state) or "")
 
 
 def pool() -> Pool:
@@ -92,17 +89,17 @@ def test_process_start_time_is_read_from_prometheus_text() -> None:
 
 def test_a_new_start_time_is_a_restart_and_forgets_the_engine_id() -> None:
     d1 = pool().instances("decode")[0]
-    d1.engine_id = "engine-a"
-    note_started(d1, 100.0)  # first sight: not a restart
-    note_started(d1, 100.0)
-    assert (d1.started, d1.restarts, d1.engine_id) == (100.0, 0, "engine-a")
-    note_started(d1, 0.0)  # an engine without the metric: nothing learned
-    assert (d1.started, d1.restarts) == (100.0, 0)
-    note_started(d1, 250.5)
-    assert (d1.started, d1.restarts, d1.engine_id) == (250.5, 1, "")
-    d1.engine_id = "engine-b"
-    note_started(d1, 180.0)  # an earlier start: another process behind the same port
-    assert (d1.started, d1.restarts, d1.engine_id) == (250.5, 1, "engine-b")
+    d1.ident.engine_id = "engine-a"
+    d1.ident.note_started(100.0)  # first sight: not a restart
+    d1.ident.note_started(100.0)
+    assert (d1.ident.started, d1.ident.restarts, d1.ident.engine_id) == (100.0, 0, "engine-a")
+    d1.ident.note_started(0.0)  # an engine without the metric: nothing learned
+    assert (d1.ident.started, d1.ident.restarts) == (100.0, 0)
+    d1.ident.note_started(250.5)
+    assert (d1.ident.started, d1.ident.restarts, d1.ident.engine_id) == (250.5, 1, "")
+    d1.ident.engine_id = "engine-b"
+    d1.ident.note_started(180.0)  # an earlier start: another process behind the same port
+    assert (d1.ident.started, d1.ident.restarts, d1.ident.engine_id) == (250.5, 1, "engine-b")
 
 
 @contextlib.asynccontextmanager
@@ -148,8 +145,8 @@ async def test_a_decode_is_readmitted_only_after_its_new_start_time_is_read() ->
     """A D ejected while it restarted comes back with a new process: its start time is read
     before it is usable again, so no turn in between can send P a handle from the old one."""
     d1 = pool().instances("decode")[0]
-    note_started(d1, 100.0)
-    d1.engine_id, d1.healthy = "e1", False
+    d1.ident.note_started(100.0)
+    d1.ident.engine_id, d1.healthy = "e1", False
     usable_when_read: list[bool] = []
     async with (
         upstream() as client,
@@ -158,7 +155,12 @@ async def test_a_decode_is_readmitted_only_after_its_new_start_time_is_read() ->
         d1.url = url
         await check(client, d1, timeout=5.0)
     assert usable_when_read == [False]
-    assert (d1.usable, d1.started, d1.restarts, d1.engine_id) == (True, 250.0, 1, "")
+    assert (d1.usable, d1.ident.started, d1.ident.restarts, d1.ident.engine_id) == (
+        True,
+        250.0,
+        1,
+        "",
+    )
 
 
 async def test_a_decode_whose_metrics_cannot_be_reached_has_its_handles_wait() -> None:
@@ -171,17 +173,21 @@ async def test_a_decode_whose_metrics_cannot_be_reached_has_its_handles_wait() -
             d1.url = url
             made = sm.SessionState(decode=url, decode_engine_id="fixed", decode_started=100.0)
             await check(client, d1, timeout=5.0)
-            note_engine_id(d1, "fixed")
-        assert (d1.unreachable, _placement_reason(p, made), d1.handle_started) == (False, "", 100.0)
+            d1.ident.note_engine_id("fixed")
+        assert (d1.ident.unreachable, _placement_reason(p, made), d1.ident.handle_started) == (
+            False,
+            "",
+            100.0,
+        )
         await check(client, d1, timeout=5.0)  # stopped: the connection is refused
-        assert (d1.unreachable, d1.healthy) == (True, True), "unreachable is not a failure"
+        assert (d1.ident.unreachable, d1.healthy) == (True, True), "unreachable is not a failure"
         assert _placement_reason(p, made) == "decode-unreachable"
         # The turn placed there anyway made a handle (the new process's): no start time on it.
-        assert d1.handle_started == 0.0
+        assert d1.ident.handle_started == 0.0
         new = sm.SessionState(decode=d1.url, decode_engine_id="fixed", decode_started=0.0)
         async with engine(250.0, port=int(d1.url.rsplit(":", 1)[1])):
             await check(client, d1, timeout=5.0)
-    assert (d1.unreachable, d1.started, d1.restarts) == (False, 250.0, 1)
+    assert (d1.ident.unreachable, d1.ident.started, d1.ident.restarts) == (False, 250.0, 1)
     assert (_placement_reason(p, made), _placement_reason(p, new)) == ("decode-restarted", "")
 
 
@@ -189,26 +195,26 @@ def test_a_prefill_that_keeps_refusing_a_decodes_handles_gets_none_for_a_while()
     d1 = pool().instances("decode")[0]
     p1, p2 = "http://p1", "http://p2"
     for _ in range(REFUSALS_TO_PAUSE - 1):
-        d1.note_refused(p1, 100.0)
-    d1.note_read(p1)  # a read in between: not in a row
+        d1.ident.note_refused(p1, 100.0)
+    d1.ident.note_read(p1)  # a read in between: not in a row
     for _ in range(REFUSALS_TO_PAUSE - 1):
-        d1.note_refused(p1, 100.0)
-    assert not d1.reads_paused(p1, 100.0)
-    d1.note_refused(p1, 100.0)
-    assert d1.reads_paused(p1, 100.0) and d1.reads_paused(p1, 100.0 + PAUSE_FIRST_S - 1)
-    assert not d1.reads_paused(p2, 100.0), "one pair: another P still gets them"
+        d1.ident.note_refused(p1, 100.0)
+    assert not d1.ident.reads_paused(p1, 100.0)
+    d1.ident.note_refused(p1, 100.0)
+    assert d1.ident.reads_paused(p1, 100.0) and d1.ident.reads_paused(p1, 100.0 + PAUSE_FIRST_S - 1)
+    assert not d1.ident.reads_paused(p2, 100.0), "one pair: another P still gets them"
     at = 100.0 + PAUSE_FIRST_S
-    assert not d1.reads_paused(p1, at), "after the pause one handle is tried"
-    d1.note_refused(p1, at)  # refused again: twice as long, at once
-    assert d1.reads_paused(p1, at + 2 * PAUSE_FIRST_S - 1)
-    assert not d1.reads_paused(p1, at + 2 * PAUSE_FIRST_S)
+    assert not d1.ident.reads_paused(p1, at), "after the pause one handle is tried"
+    d1.ident.note_refused(p1, at)  # refused again: twice as long, at once
+    assert d1.ident.reads_paused(p1, at + 2 * PAUSE_FIRST_S - 1)
+    assert not d1.ident.reads_paused(p1, at + 2 * PAUSE_FIRST_S)
     for _ in range(10):
-        d1.note_refused(p1, at)
-    assert d1.refused_by[p1].pause_s == PAUSE_MAX_S
-    d1.note_read(p1)
-    assert not d1.reads_paused(p1, at) and p1 not in d1.refused_by
+        d1.ident.note_refused(p1, at)
+    assert d1.ident.refused_by[p1].pause_s == PAUSE_MAX_S
+    d1.ident.note_read(p1)
+    assert not d1.ident.reads_paused(p1, at) and p1 not in d1.ident.refused_by
     for _ in range(REFUSALS_TO_PAUSE):
-        d1.note_refused(p2, at)
-    note_started(d1, 100.0)
-    note_started(d1, 200.0)  # D restarted: a new process may be readable again
-    assert not d1.reads_paused(p2, at)
+        d1.ident.note_refused(p2, at)
+    d1.ident.note_started(100.0)
+    d1.ident.note_started(200.0)  # D restarted: a new process may be readable again
+    assert not d1.ident.reads_paused(p2, at)

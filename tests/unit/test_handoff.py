@@ -7,17 +7,16 @@ from typing import Any
 
 import pytest
 
-from router.connectors import nixl as handoff
+from router.connectors.base import Connector, select
 from router.connectors.nixl import (
     NULL_HANDOFF,
-    Handoff,
+    NixlPull,
     engine_id,
     hit_params,
     is_handle,
     miss_params,
     num_tokens,
     prefill_failed,
-    produced_params,
     truncate,
 )
 
@@ -50,8 +49,13 @@ P_PARAMS: dict[str, Any] = {
 }
 
 
-def test_module_is_a_handoff() -> None:
-    assert isinstance(handoff, Handoff)
+def test_nixl_pull_is_the_connector_for_nixl() -> None:
+    connector: Connector = select("nixl")
+    assert isinstance(connector, NixlPull)
+    assert connector.prefill_params(None) == miss_params()
+    assert connector.prefill_params(D_HANDLE) == hit_params(D_HANDLE)
+    with pytest.raises(ValueError, match="unknown kv connector"):
+        select("nixl-pull")
 
 
 def test_null_handoff_and_miss_params() -> None:
@@ -206,24 +210,6 @@ def test_is_handle(params: object, ok: bool) -> None:
 def test_engine_id_and_num_tokens(params: dict[str, Any], engine: str | None, tokens: int) -> None:
     assert engine_id(params) == engine
     assert num_tokens(params) == tokens
-
-
-@pytest.mark.parametrize(
-    ("body", "expected"),
-    [
-        ({"kv_transfer_params": P_PARAMS}, P_PARAMS),
-        ({"kv_transfer_params": {**P_PARAMS, "_remote_blocks_processed": 1}}, P_PARAMS),
-        ({"kv_transfer_params": None}, None),
-        ({"kv_transfer_params": {}}, None),
-        ({}, None),
-        (None, None),
-    ],
-)
-def test_produced_params(body: dict[str, Any] | None, expected: dict[str, Any] | None) -> None:
-    out = produced_params(body)
-    assert out == expected
-    if body and out is not None:
-        assert out is not body["kv_transfer_params"]
 
 
 @pytest.mark.parametrize(

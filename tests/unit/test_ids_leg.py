@@ -8,16 +8,18 @@ from typing import Any
 import pytest
 
 from router.config import Settings
+from router.connectors.base import select
 from router.engines.client import Upstream
 from router.engines.pool import Pool
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
+from router.turn.capture import Captured
+from router.turn.claim import Claim
 from router.turn.commit import next_state
 from router.turn.incoming import Incoming
-from router.turn.reuse import Claim, Reuse
+from router.turn.outcomes import Reuse
 from router.turn.rewrite import ids_leg_allowed, ids_prefill_body
-from router.turn.run import Turn
-from router.turn.sse import Captured
+from router.turn.state import Turn
 from sessions.memory_store import MemorySessionStore
 from tests.unit.test_handoff import D_HANDLE
 
@@ -80,9 +82,10 @@ def _turn(*, enabled: bool = True) -> Turn:
     )
     pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
     metrics = Metrics(pool, lambda: False)
-    svc = Services(settings, Upstream(settings), pool, MemorySessionStore(), StoreGuard(1), metrics)
+    store, guard = MemorySessionStore(), StoreGuard(1)
+    svc = Services(settings, Upstream(settings), pool, store, guard, metrics, select("nixl"))
     inc = Incoming("chat", {"messages": TEXT}, False, "c", "default", False)
-    turn = Turn(svc, inc, "req", Claim("k", None, Reuse("miss", "no-session")), 0.0)
+    turn = Turn(svc, inc, "req", Claim("k", None, Reuse.miss("no-session")), 0.0)
     turn.prefill, turn.decode = pool.instances("prefill")[0], pool.instances("decode")[0]
     turn.want_token_ids = True
     return turn

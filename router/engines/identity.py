@@ -1,0 +1,166 @@
+"""Engine identity: which process an instance is (start time, KV engine id), whether a handle
+it made may still be read, and which P instances are paused from reading its handles. Pure:
+the health loop and the turn feed it what they saw."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+log = logging.getLogger("kvbaton.backends")
+
+# A P that refused this many of one D's handles in a row gets none of that D's handles for a
+# while: each refused handle costs a failed P leg (5 s where P cannot reach D's side channel),
+# and some refusals last (a D restarted with a fixed engine id: P keeps its stale NIXL agent).
+REFUSALS_TO_PAUSE = 3
+PAUSE_FIRST_S = 30.0  # then doubled each time the handle tried after a pause is refused too
+PAUSE_MAX_S = 600.0
+
+# prometheus_client's process collector, which vLLM's API server exports (measured on 0.32).
+_STARTED = re.compile(rb"^process_start_time_seconds (\S+)$", re.MULTILINE)
+# vLLM appends `_dp<rank>` to the engine id of each data-parallel engine of one D process.
+_DP_SUFFIX = re.compile(r"_dp\d+$")
+
+
+def process_started(metrics: bytes) -> float:
+    """An engine's process start time (Unix seconds) from its /metrics text; 0 if absent."""
+    match = _STARTED.search(metrics)
+    try:
+        return float(match.group(1)) if match else 0.0
+    except ValueError:
+        return 0.0
+
+
+def engine_family(engine_id: str) -> str:
+    """The part of an engine id that all data-parallel ranks of one process share: handles from
+    a D with internal data parallelism carry one id per rank, all of the same process."""
+    return _DP_SUFFIX.sub("", engine_id)
+
+
+@dataclass
+class Refusals:
+    """One P's refusals of one D's handles since its last read from that D."""
+
+    count: int = 0
+    pause_s: float = 0.0  # the latest pause (0: none since the last read)
+    until: float = 0.0  # monotonic time the pause ends
+
+
+@dataclass
+class EngineIdentity:
+    """What the router knows of the process behind one instance URL."""
+
+    label: str = ""  # "<role> instance <url>", for log lines
+    # The KV engine id in this instance's latest handle, without vLLM's data-parallel suffix
+    # (engine_family): a restart changes it unless the operator fixed it in kv-transfer-config.
+    engine_id: str = ""
+    started: float = 0.0  # its process_start_time_seconds (0: not known); a restart changes it
+    # A handle showed a new engine id before the health loop read the new start time: `started`
+    # is still the previous process's, so handles made meanwhile do not record it.
+    started_stale: bool = False
+    # The health loop's last read of its /metrics could not connect: the process may be down or
+    # restarting. Restarted with an engine id fixed by config, a D is told apart only by its
+    # start time, and a P that never read from it would read an old handle's block ids from
+    # the new process's memory. Its handles wait for a read that connects.
+    unreachable: bool = False
+    restarts: int = 0  # restarts seen (a new start time)
+    refused_by: dict[str, Refusals] = field(default_factory=dict)  # a D's, by P URL
+
+    @property
+    def handle_started(self) -> float:
+        """The process start time to record with a handle this D makes now (0: not known, as
+        when the start time on file may be an earlier process's)."""
+        return 0.0 if self.started_stale or self.unreachable else self.started
+
+    def note_started(self, started: float) -> None:
+        """Record the start time. A later one means the process restarted: a D lost its KV
+        blocks and its engine id, so the handles that name it must not reach P. An earlier one
+        is ignored: several API server processes behind one port may each answer /metrics."""
+        if started <= self.started:
+            return
+        if self.started:
+            self.restarts += 1
+            self.refused_by.clear()  # a new process: P may read from it again
+            if not self.started_stale:  # else the engine id is already the new process's
+                self.engine_id = ""  # learned again from its next handle
+            log.warning(
+                "%s restarted (process start time %.3f, was %.3f): handles made before are "
+                "not used",
+                self.label,
+                started,
+                self.started,
+            )
+        self.started = started
+        self.started_stale = False
+
+    def note_engine_id(self, engine_id: str | None) -> None:
+        """Record the engine id in a D's new handle. Another one than before (another rank of
+        the same process aside) means the process restarted and the health loop has not read
+        its new start time yet: until it does, the start time on file is the old process's,
+        and a handle made now must not be stamped with it."""
+        family = engine_family(engine_id or "")
+        if not family or family == self.engine_id:
+            return
+        if self.engine_id:
+            self.started_stale = True
+            self.refused_by.clear()
+            log.warning(
+                "%s has a new engine id (%s, was %s): it restarted; handles made before are "
+                "not used",
+                self.label,
+                family,
+                self.engine_id,
+            )
+        self.engine_id = family
+
+    def note_reachable(self, reachable: bool, why: str = "") -> None:
+        if not reachable and not self.unreachable:
+            log.warning(
+                "%s is unreachable (%s): its handles are not used until it answers", self.label, why
+            )
+        self.unreachable = not reachable
+
+    def restarted_since(self, made_started: float, made_engine_id: str) -> bool:
+        """Whether a handle made by the process with that start time / engine id is from an
+        earlier process than this one: its blocks and engine id are gone."""
+        if self.started and made_started and self.started != made_started:
+            return True
+        made_by = engine_family(made_engine_id)
+        return bool(self.engine_id and made_by and self.engine_id != made_by)
+
+    def reads_paused(self, prefill: str, now: float) -> bool:
+        """Whether this D's handles are kept from that P for now."""
+        refusals = self.refused_by.get(prefill)
+        return refusals is not None and now < refusals.until
+
+    def paused_for(self, now: float) -> dict[str, float]:
+        """The P instances that get none of this D's handles for now: seconds left, by URL."""
+        return {
+            url: round(r.until - now, 1)
+            for url, r in self.refused_by.items()
+            if self.reads_paused(url, now)
+        }
+
+    def note_read(self, prefill: str) -> None:
+        """That P read one of this D's handles."""
+        self.refused_by.pop(prefill, None)
+
+    def note_refused(self, prefill: str, now: float) -> None:
+        """That P refused one of this D's handles: pause after REFUSALS_TO_PAUSE in a row, and
+        again (twice as long) when the handle tried after a pause is refused too."""
+        refusals = self.refused_by.setdefault(prefill, Refusals())
+        refusals.count += 1
+        if refusals.count < REFUSALS_TO_PAUSE and not refusals.pause_s:
+            return
+        refusals.pause_s = min(PAUSE_MAX_S, refusals.pause_s * 2 or PAUSE_FIRST_S)
+        refusals.until = now + refusals.pause_s
+        log.warning(
+            "prefill %s refused %d handles of %s in a row: it gets none for %.0f s (a D "
+            "restarted with an engine id fixed in kv_transfer_config stays unreadable to P "
+            "until P restarts)",
+            prefill,
+            refusals.count,
+            self.label,
+            refusals.pause_s,
+        )

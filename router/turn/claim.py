@@ -1,0 +1,160 @@
+"""Claim a conversation's handle and verify it against the new prompt before any read.
+
+A read of D's blocks for a prompt that is not an exact token extension of D's sequence
+answers wrongly with HTTP 200 and poisons P's prefix cache (vllm#43094; measured on 0.32).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
+
+from router.errors import UpstreamFailure
+from router.services import Services
+from router.tracing import span
+from router.turn import decide
+from router.turn.incoming import Incoming, canonical_items
+from router.turn.outcomes import Reason, Reuse
+from router.turn.rewrite import ids_leg_allowed
+from sessions.keys import conversation_key
+from sessions.model import SessionState
+from sessions.store import StoreError
+
+log = logging.getLogger("kvbaton.reuse")
+
+# Fields of a chat request that change how /tokenize renders the prompt.
+_TOKENIZE_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A conversation's state as claimed, and what the P leg may read."""
+
+    key: str | None
+    state: SessionState | None
+    reuse: Reuse
+    params: dict[str, Any] | None = None  # D's handle, on a hit
+    claimed: bool = False  # the store marked it in flight for this turn
+    # The new prompt as P's /tokenize rendered it, when the P leg may send it as token ids.
+    prompt_ids: list[int] | None = None
+
+    def miss(self, reason: Reason) -> Claim:
+        return replace(self, reuse=Reuse.miss(reason), params=None)
+
+
+async def claim(svc: Services, inc: Incoming, request_id: str) -> Claim:
+    """Take the conversation's handle from the store (single use), or say why not."""
+    if inc.conversation_id is None:
+        return Claim(None, None, Reuse.miss(Reason.NO_CONVERSATION_ID))
+    key = conversation_key(inc.tenant, inc.conversation_id)
+    try:
+        if not svc.settings.reuse:
+            # Affinity only: read the state for placement, never take or send a handle.
+            state = await svc.guard.call(lambda: svc.store.get(key))
+            return Claim(key, state, Reuse.miss(Reason.REUSE_DISABLED))
+        with span("kvbaton.claim"):
+            state = await svc.guard.call(lambda: svc.store.claim(key, request_id))
+    except StoreError:
+        return Claim(key, None, Reuse.miss(Reason.STORE_UNAVAILABLE))
+    decode = svc.pool.find("decode", state.decode) if state is not None else None
+    reuse = decide.claimed_reuse(state, inc.api, svc.clock(), decode)
+    if not reuse.is_hit:
+        return Claim(key, state, reuse, claimed=state is not None)
+    assert state is not None and state.kv_transfer_params is not None
+    return Claim(key, state, reuse, params=state.kv_transfer_params, claimed=True)
+
+
+def prefix_verdict(inc: Incoming, state: SessionState) -> decide.Prefix:
+    if inc.api in ("chat", "responses"):
+        return decide.item_prefix(inc.api, canonical_items(inc), state)
+    return decide.text_prefix(inc.api, inc.prompt, state)
+
+
+def tokenize_body(inc: Incoming, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": inc.body.get("model") or model}
+    if inc.api == "chat":
+        body["messages"] = inc.messages
+        body["add_generation_prompt"] = True
+        body.update({k: inc.body[k] for k in _TOKENIZE_CHAT_FIELDS if k in inc.body})
+    else:
+        body["prompt"] = inc.prompt
+        if "add_special_tokens" in inc.body:
+            body["add_special_tokens"] = inc.body["add_special_tokens"]
+    return body
+
+
+async def prompt_token_ids(
+    svc: Services, inc: Incoming, prefill_url: str, request_id: str
+) -> list[int] | None:
+    """The new prompt as the chosen P renders it (its own /tokenize), or None on failure."""
+    if inc.api == "completions" and not isinstance(inc.prompt, str):
+        return list(inc.prompt)
+    try:
+        with span("kvbaton.verify", instance=prefill_url):
+            status, raw = await svc.engines.post_json(
+                prefill_url + "/tokenize",
+                tokenize_body(inc, svc.model),
+                request_id=request_id,
+                timeout=svc.settings.prefill_timeout,
+            )
+        tokens = msgspec.json.decode(raw).get("tokens") if status == 200 else None
+    except (UpstreamFailure, msgspec.DecodeError, AttributeError) as exc:
+        log.warning("tokenize on %s failed: %s", prefill_url, exc)
+        return None
+    if not isinstance(tokens, list):
+        return None
+    return tokens
+
+
+def _ids_leg(inc: Incoming) -> bool:
+    """Whether the ids /tokenize just gave are the whole prompt P would build (a token-id
+    prompt is sent as it came: P has its ids already). Whether the process sends ids at all
+    (--prefill-token-ids, or switched off) is the P leg's check."""
+    if inc.api == "completions" and not isinstance(inc.prompt, str):
+        return False
+    return ids_leg_allowed(inc.api, inc.body)
+
+
+async def verify(
+    svc: Services, inc: Incoming, found: Claim, prefill_url: str, request_id: str
+) -> Claim:
+    """Keep the hit only for the longest verified prefix of D's sequence."""
+    if found.params is None or found.state is None:
+        return found
+    state, handle = found.state, found.params
+    # vLLM's /tokenize cannot render Responses input: those turns are checked by digests.
+    by_tokens = svc.settings.verify_prefix == "tokens" and inc.api != "responses"
+    check = decide.digest_check(
+        prefix_verdict(inc, state), found.reuse, by_tokens=by_tokens, state=state
+    )
+    if check.reuse is not None:
+        return found if check.reuse.is_hit else found.miss(_reason(check.reuse))
+    tokens = await prompt_token_ids(svc, inc, prefill_url, request_id)
+    reuse = decide.token_verdict(state, tokens, svc.settings.min_reuse_tokens)
+    if not reuse.is_hit:
+        return found.miss(_reason(reuse))
+    # Only on a hit: /tokenize rendered D's own tokens of this conversation exactly, evidence
+    # that it and P's chat route render it alike (a field that only the route honours, say
+    # tool_choice "none" hiding the tools, shows up as a mismatch above).
+    if _ids_leg(inc):
+        found = replace(found, prompt_ids=tokens)
+    if reuse.tokens >= state.token_count:
+        return found
+    params = svc.connector.truncate(handle, reuse.tokens, state.block_size)
+    return replace(found, params=params, reuse=reuse)
+
+
+def _reason(reuse: Reuse) -> Reason:
+    assert reuse.reason is not None
+    return reuse.reason

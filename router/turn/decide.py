@@ -1,0 +1,209 @@
+"""The turn's decision core: pure functions of data that return decisions as data.
+
+Which handle may be sent, whether the new prompt extends what D holds, what to do after each
+P attempt and after a failed D, whether the turn keeps D's new handle. No I/O, no logging, no
+metrics: `run.py`, `prefill.py`, `claim.py` and `commit.py` apply what these return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+from router.engines.pool import Instance
+from router.turn.outcomes import Reason, Reuse
+from sessions import model as sm
+from sessions.model import SessionState
+
+# A failed D before its first byte is redone once, on another D if there is one.
+DECODE_ATTEMPTS = 2
+
+
+def claimed_reuse(
+    state: SessionState | None, api: str, now: float, decode: Instance | None
+) -> Reuse:
+    """What a claimed state allows: a hit on its handle, or the reason it may not be sent."""
+    unusable = sm.handle_unusable_reason(state, api, now)
+    if unusable:
+        return Reuse.miss(unusable)
+    assert state is not None
+    blocker = decode_blocker(decode, state)
+    if blocker is not None:
+        return Reuse.miss(blocker)
+    return Reuse.hit(state.token_count)
+
+
+def decode_blocker(inst: Instance | None, state: SessionState) -> Reason | None:
+    """Why a handle naming that D must not reach P (None: it may)."""
+    if inst is None:
+        return Reason.DECODE_REMOVED  # the router no longer routes to it
+    if not inst.healthy:
+        return Reason.DECODE_UNHEALTHY
+    # D restarted since this handle was made: its blocks and engine id are gone, and a read
+    # would fail (kv_load_failure_policy=fail) or, worse, hang on a handshake. The health loop
+    # sees a new process start time within one interval; a handle captured since shows a new
+    # engine id.
+    if inst.ident.restarted_since(state.decode_started, state.decode_engine_id):
+        return Reason.DECODE_RESTARTED
+    if inst.ident.unreachable:  # maybe restarting: nothing says its blocks are still its own
+        return Reason.DECODE_UNREACHABLE
+    return None
+
+
+class Prefix(StrEnum):
+    EXTENDS = "extends"  # the new prompt starts with what D holds
+    DIVERGES_LATE = "diverges-late"  # differs inside D's last answer: tokens decide
+    MISMATCH = "mismatch"  # differs earlier (edited history, regenerate, new system prompt)
+
+
+def as_prompt_only(state: SessionState) -> SessionState:
+    """The state seen as covering only the prompt of its last turn (without D's answer)."""
+    return msgspec.structs.replace(
+        state, prefix_digest=state.prompt_digest, prefix_len=state.prompt_len
+    )
+
+
+def item_prefix(api: str, items: Sequence[Any], state: SessionState) -> Prefix:
+    """A chat or Responses conversation (canonical items) against the digests D holds."""
+    if sm.prefix_extends(state, api, items=items):
+        return Prefix.EXTENDS
+    late = (
+        state.prompt_len > 0
+        and len(items) > state.prefix_len
+        and items[state.prompt_len].get("role") == "assistant"
+        and sm.prefix_extends(as_prompt_only(state), api, items=items[: state.prompt_len + 1])
+    )
+    return Prefix.DIVERGES_LATE if late else Prefix.MISMATCH
+
+
+def text_prefix(api: str, prompt: str | list[int], state: SessionState) -> Prefix:
+    """A completions prompt against the digests D holds (token ids are compared by tokens)."""
+    if not isinstance(prompt, str) or sm.prefix_extends(state, api, text=prompt):
+        return Prefix.EXTENDS
+    if (
+        state.prompt_len > 0
+        and len(prompt) > state.prompt_len
+        and sm.prefix_extends(as_prompt_only(state), api, text=prompt[: state.prompt_len + 1])
+    ):
+        return Prefix.DIVERGES_LATE
+    return Prefix.MISMATCH
+
+
+@dataclass(frozen=True)
+class Check:
+    """How a hit is verified after the digest check: done (a verdict), or by P's tokens."""
+
+    reuse: Reuse | None  # the verdict, when no token check is needed
+    by_tokens: bool = False
+
+
+def digest_check(prefix: Prefix, hit: Reuse, *, by_tokens: bool, state: SessionState) -> Check:
+    """The verdict from the digests alone, or that P's /tokenize must decide."""
+    if prefix is Prefix.MISMATCH:
+        return Check(Reuse.miss(Reason.PREFIX_MISMATCH))
+    if not by_tokens:
+        return Check(hit if prefix is Prefix.EXTENDS else Reuse.miss(Reason.PREFIX_MISMATCH))
+    if not state.block_digests and not state.seq_digest:
+        return Check(Reuse.miss(Reason.NO_TOKEN_DIGESTS))
+    return Check(None, by_tokens=True)
+
+
+def token_verdict(state: SessionState, tokens: list[int] | None, min_reuse_tokens: int) -> Reuse:
+    """A hit on the longest block-aligned prefix of D's sequence the new prompt's tokens
+    verify, or a miss when less than a block (or `--min-reuse-tokens`) matches."""
+    if tokens is None:
+        return Reuse.miss(Reason.TOKENIZE_FAILED)
+    verified = sm.verified_tokens(state, tokens)
+    if verified < max(min_reuse_tokens, state.block_size, 1):
+        return Reuse.miss(Reason.PREFIX_MISMATCH)
+    return Reuse.hit(min(verified, state.token_count))
+
+
+class Next(StrEnum):
+    """What the P leg does after one attempt."""
+
+    DONE = "done"  # P prefilled: on to D
+    AS_BODY = "as-body"  # P refused the prompt as token ids (4xx): same P, the client's body
+    AS_MISS = "as-miss"  # P refused the handle: same P, as a miss
+    ANOTHER_P = "another-p"  # P failed: another P
+    RELAY = "relay"  # P's own 4xx to the client's request: relay it
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one P attempt sent and got back."""
+
+    status: int  # 0: no HTTP answer
+    ok: bool  # 200 and a body that does not say it failed
+    reached: bool  # False only when the connection was never made
+    with_handle: bool
+    with_ids: bool
+
+
+@dataclass(frozen=True)
+class AfterPrefill:
+    next: Next
+    handle_used: bool = False  # P may have read the handle: never send it again
+    failed: bool = False  # counts against P's health
+
+
+def after_prefill(a: Attempt) -> AfterPrefill:
+    if a.with_ids and 400 <= a.status < 500:
+        # P validates before reading any KV: the ids were refused, not the handle.
+        return AfterPrefill(Next.AS_BODY)
+    if a.ok:
+        return AfterPrefill(Next.DONE)
+    # A failed or declined D->P read answers 500 under kv_load_failure_policy=fail (vLLM
+    # #34896); a timeout may still be reading. Either way the handle is used up.
+    used = a.with_handle and (a.status != 0 or a.reached)
+    if used and a.status != 0:
+        return AfterPrefill(Next.AS_MISS, handle_used=True)
+    if 400 <= a.status < 500:
+        return AfterPrefill(Next.RELAY)
+    return AfterPrefill(Next.ANOTHER_P, handle_used=used, failed=True)
+
+
+def redo_decode(failed_attempts: int) -> bool:
+    """Whether a turn whose D failed before its first byte is redone (with a new P leg)."""
+    return failed_attempts < DECODE_ATTEMPTS
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What D's finished answer lets the turn keep for the next one."""
+
+    keep_handle: bool
+    reason: Reason | None = None  # why not, for the next turn's X-KV-Reuse
+    ids_differ: bool = False  # D tokenized the prompt otherwise than P computed it
+
+
+def ending(
+    *,
+    handle: bool,
+    reuse_on: bool,
+    tool_calls: bool,
+    stream: bool,
+    sent_ids: list[int] | None,
+    d_prompt_ids: list[int] | None,
+    token_ids_wanted: bool,
+    token_ids_needed: bool,
+) -> Ending:
+    """The handle D returned is kept only when the next turn can verify and read it."""
+    differ = sent_ids is not None and d_prompt_ids is not None and d_prompt_ids != sent_ids
+    reason: Reason | None = None
+    if not reuse_on:
+        reason = Reason.REUSE_DISABLED
+    elif tool_calls:
+        reason = Reason.TOOL_CALLS
+    elif not handle:
+        reason = Reason.STREAM_NO_KV_PARAMS if stream else Reason.NO_KV_PARAMS
+    if differ:
+        reason = Reason.PROMPT_IDS_DIFFER
+    have_ids = token_ids_wanted and d_prompt_ids is not None
+    if reason is None and token_ids_needed and not have_ids:
+        reason = Reason.NO_TOKEN_IDS
+    return Ending(keep_handle=reason is None, reason=reason, ids_differ=differ)

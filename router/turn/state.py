@@ -1,0 +1,34 @@
+"""One turn in flight: what was decided so far, shared by the steps that run it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from router.engines.pool import Instance
+from router.services import Services
+from router.turn.claim import Claim
+from router.turn.incoming import Incoming
+
+
+@dataclass
+class Turn:
+    svc: Services
+    inc: Incoming
+    request_id: str  # sent to P and D, logged, and on every response (errors too)
+    claim: Claim
+    started: float
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    prefill_ids: list[int] | None = None  # the prompt P got as token ids, if it did
+    want_token_ids: bool = False  # D is asked for return_token_ids
+    first_byte: float = 0.0
+    reuse_counted: bool = False
+
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.request_id, "X-KV-Reuse": self.claim.reuse.header()}
+
+    def mark_first_byte(self) -> None:
+        if not self.first_byte:
+            self.first_byte = time.monotonic()
+            self.svc.metrics.ttft.labels(self.inc.api).observe(self.first_byte - self.started)

@@ -1,0 +1,90 @@
+"""The store breaker against a real redis-server stopped and restarted: a direct ping that the
+store answers closes it at once (reuse resumes when Redis is back, not `retry_after` later)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+from sessions.guard import StoreGuard
+from sessions.keys import conversation_key
+from sessions.redis_store import RedisSessionStore
+from sessions.store import StoreError
+from tests.procs import redis_server, restart_redis, stop
+
+KEY = conversation_key("default", "guarded")
+
+
+@dataclass
+class Outage:
+    store: RedisSessionStore
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+    def start(self) -> None:
+        self.proc = restart_redis(self.port)
+
+
+@pytest.fixture
+async def outage() -> AsyncIterator[Outage]:
+    with redis_server() as (url, port, proc):
+        o = Outage(RedisSessionStore(url, timeout=0.5), port, proc)
+        try:
+            yield o
+        finally:
+            await o.store.close()
+            stop(o.proc)
+
+
+async def open_breaker(guard: StoreGuard, o: Outage) -> None:
+    o.stop()
+    with pytest.raises(StoreError):
+        await guard.call(lambda: o.store.get(KEY))
+    assert guard.is_open and guard.failures == 1
+
+
+async def test_a_ping_the_store_answers_closes_the_breaker(outage: Outage) -> None:
+    guard = StoreGuard(retry_after=60.0)
+    await open_breaker(guard, outage)
+    with pytest.raises(StoreError):
+        await guard.ping(outage.store)  # still down: stays open, not counted as a failure
+    assert guard.is_open and guard.failures == 1
+    outage.start()
+    await guard.ping(outage.store)
+    assert not guard.is_open  # 60 s early
+    assert await guard.call(lambda: outage.store.get(KEY)) is None
+
+
+async def test_a_ping_never_closes_a_breaker_a_turn_opened_meanwhile(outage: Outage) -> None:
+    guard = StoreGuard(retry_after=60.0)
+    assert not guard.is_open
+    ping = asyncio.create_task(guard.ping(outage.store))
+    await asyncio.sleep(0)  # the ping is out, waiting for Redis
+    guard.open_until = guard.clock() + 60.0  # a turn's call failed while the ping was out
+    await ping
+    assert guard.is_open
+
+
+async def test_watch_closes_the_breaker_when_the_store_is_back(outage: Outage) -> None:
+    guard = StoreGuard(retry_after=60.0)
+    await open_breaker(guard, outage)
+    watching = asyncio.create_task(guard.watch(outage.store, 0.05))
+    try:
+        await asyncio.sleep(0.3)
+        assert guard.is_open  # Redis still down
+        outage.start()
+        for _ in range(200):  # 10 s at most
+            if not guard.is_open:
+                break
+            await asyncio.sleep(0.05)
+        assert not guard.is_open, "the watch did not close the breaker"
+    finally:
+        watching.cancel()
+    assert guard.failures == 1  # the watch's failed pings were not turn failures

@@ -1,0 +1,226 @@
+"""The whole turn, claim to commit, through the fake engines and the in-memory store: hits,
+failover, refused handles, the ids fallback and the decode retry, in milliseconds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.config import Settings
+from router.connectors.base import select
+from router.engines.identity import REFUSALS_TO_PAUSE
+from router.engines.pool import Pool
+from router.errors import UpstreamError, UpstreamFailure
+from router.metrics import Metrics
+from router.services import Services, StoreGuard
+from router.turn import decide
+from router.turn.decide import AfterPrefill, Attempt, Next
+from router.turn.incoming import read_incoming
+from router.turn.run import run_turn
+from router.turn.tenant import DEFAULT_TENANT
+from sessions.keys import conversation_key
+from sessions.memory_store import MemorySessionStore
+from sessions.model import SessionState
+from tests.unit.fake_engines import BLOCK, Call, FakeEngines, answer_for, render, token_ids
+
+P1, P2, D1, D2 = "http://p1", "http://p2", "http://d1", "http://d2"
+
+
+def services(engines: FakeEngines, **overrides: Any) -> Services:
+    settings = Settings(
+        prefill=(P1, P2), decode=(D1, D2), block_size=BLOCK, check_models=False, **overrides
+    )
+    pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
+    return Services(
+        settings,
+        engines,
+        pool,
+        MemorySessionStore(),
+        StoreGuard(1.0),
+        Metrics(pool, lambda: False),
+        select(settings.kv_connector),
+        model="m",
+        block_size=BLOCK,
+    )
+
+
+async def turn(
+    svc: Services, messages: list[dict[str, Any]], request_id: str = "rid"
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    body = {"model": "m", "messages": messages, "conversation_id": "c1"}
+    inc = read_incoming(
+        msgspec.json.encode(body),
+        {"content-type": "application/json"},
+        api="chat",
+        model="m",
+        max_bytes=1 << 20,
+        tenant_header="",
+    )
+    resp = await run_turn(svc, inc, request_id)
+    raw = bytes(resp.body)
+    return resp.status_code, dict(resp.headers), msgspec.json.decode(raw)
+
+
+def answer(body: dict[str, Any]) -> str:
+    content: str = body["choices"][0]["message"]["content"]
+    return content
+
+
+async def conversation(svc: Services, turns: int) -> list[tuple[int, dict[str, str], str]]:
+    """`turns` turns of one conversation, each answer carried into the next prompt."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    seen = []
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"question number {i}?"})
+        status, headers, body = await turn(svc, messages, request_id=f"r{i}")
+        seen.append((status, headers, answer(body) if status == 200 else ""))
+        if status == 200:
+            messages.append({"role": "assistant", "content": answer(body)})
+    return seen
+
+
+async def state_of(svc: Services) -> SessionState:
+    state = await svc.store.get(conversation_key(DEFAULT_TENANT, "c1"))
+    assert state is not None
+    return state
+
+
+def handle_sent(call: Call) -> bool:
+    return call.body["kv_transfer_params"].get("remote_block_ids") is not None
+
+
+def expected_answer(messages: list[dict[str, Any]]) -> str:
+    return answer_for(token_ids(render(messages)))
+
+
+async def test_a_conversation_hits_from_turn_two_and_p_gets_d_s_handle() -> None:
+    engines = FakeEngines()
+    svc = services(engines)
+    seen = await conversation(svc, 3)
+    assert [h["x-kv-reuse"] for _, h, _ in seen] == ["miss;reason=no-session", "hit", "hit"]
+    p_legs = [c for c in engines.calls if c.url.startswith("http://p") and "/v1/" in c.url]
+    assert [handle_sent(c) for c in p_legs] == [False, True, True]
+    # The hit's P leg is the verified prompt as token ids on /v1/completions.
+    assert p_legs[1].url.endswith("/v1/completions") and isinstance(p_legs[1].body["prompt"], list)
+    # Same request id on P, D and the response.
+    assert {c.request_id for c in engines.calls if c.request_id == "r1"} == {"r1"}
+    assert seen[1][1]["x-request-id"] == "r1"
+    hits = svc.metrics.reuse.labels("hit", "")._value.get()
+    assert hits == 2
+
+
+async def test_a_prefill_that_cannot_be_reached_fails_over_and_keeps_the_handle() -> None:
+    engines = FakeEngines()
+    svc = services(engines)
+    await conversation(svc, 1)
+    state = await state_of(svc)
+    prefer = state.prefill
+    # Its /tokenize answered (the verified prefix is in hand), then its P leg cannot connect.
+    engines.scripts[prefer] = lambda call: (
+        UpstreamFailure("refused", reached=False) if "/v1/" in call.url else None
+    )
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "question number 0?"},
+    ]
+    messages.append({"role": "assistant", "content": expected_answer(messages)})
+    messages.append({"role": "user", "content": "and then?"})
+    status, headers, body = await turn(svc, messages)
+    assert (status, headers["x-kv-reuse"]) == (200, "hit"), "never reached: the handle is intact"
+    other = P2 if prefer == P1 else P1
+    assert handle_sent(engines.calls_to(other, "/v1/")[-1])
+    assert svc.pool.find("prefill", prefer).failures == 1  # type: ignore[union-attr]
+    assert answer(body) == expected_answer(messages)
+
+
+async def test_a_refused_handle_is_redone_as_a_miss_on_the_same_prefill() -> None:
+    engines = FakeEngines()
+    svc = services(engines)
+
+    def refuse_handles(call: Call) -> int | None:
+        if "/v1/" in call.url and handle_sent(call):
+            return 500
+        return None
+
+    engines.scripts[P1] = engines.scripts[P2] = refuse_handles
+    seen = await conversation(svc, 1 + REFUSALS_TO_PAUSE)
+    reuse = [h["x-kv-reuse"] for _, h, _ in seen]
+    assert reuse[1:] == ["miss;reason=handle-rejected"] * REFUSALS_TO_PAUSE
+    assert all(status == 200 for status, _, _ in seen)
+    d = svc.pool.find("decode", (await state_of(svc)).decode)
+    assert d is not None and sum(r.count for r in d.ident.refused_by.values()) >= 1
+    assert all(i.failures == 0 for i in svc.pool.instances("prefill")), "a refusal is no fault"
+
+
+async def test_a_prefill_that_refuses_token_ids_gets_the_body_and_ids_stop() -> None:
+    engines = FakeEngines()
+    svc = services(engines)
+
+    def no_ids(call: Call) -> int | None:
+        return 400 if isinstance(call.body.get("prompt"), list) else None
+
+    engines.scripts[P1] = engines.scripts[P2] = no_ids
+    seen = await conversation(svc, 3)
+    assert [h["x-kv-reuse"] for _, h, _ in seen] == ["miss;reason=no-session", "hit", "hit"]
+    assert not svc.ids_leg_on() and "answered 400" in svc.ids_leg_off
+    ids_legs = [c for c in engines.calls if isinstance(c.body.get("prompt"), list)]
+    assert len(ids_legs) == 1, "after the first refusal P gets the body"
+
+
+async def test_a_decode_that_fails_before_its_first_byte_is_redone_on_another() -> None:
+    engines = FakeEngines()
+    svc = services(engines)
+    await conversation(svc, 1)
+    state = await state_of(svc)
+    engines.scripts[state.decode] = lambda call: 503 if "/v1/" in call.url else None
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "question number 0?"},
+    ]
+    messages.append({"role": "assistant", "content": expected_answer(messages)})
+    messages.append({"role": "user", "content": "more?"})
+    status, headers, body = await turn(svc, messages)
+    assert (status, headers["x-kv-reuse"]) == (200, "miss;reason=decode-retried")
+    assert answer(body) == expected_answer(messages)
+    p_legs = [c for c in engines.calls[-6:] if c.url.startswith("http://p") and "/v1/" in c.url]
+    assert [handle_sent(c) for c in p_legs] == [True, False], "a new P leg, as a miss"
+
+
+async def test_every_prefill_failing_is_a_502_with_the_turn_s_request_id() -> None:
+    engines = FakeEngines()
+    engines.scripts[P1] = engines.scripts[P2] = lambda call: UpstreamFailure("down")
+    svc = services(engines)
+    with pytest.raises(UpstreamError, match="every prefill instance failed"):
+        await turn(svc, [{"role": "user", "content": "hi"}], request_id="r-err")
+    assert {c.request_id for c in engines.calls} == {"r-err"}
+
+
+async def test_a_prefill_4xx_to_the_client_s_body_is_relayed() -> None:
+    engines = FakeEngines()
+    engines.scripts[P1] = engines.scripts[P2] = lambda call: 400
+    svc = services(engines)
+    status, headers, body = await turn(svc, [{"role": "user", "content": "hi"}])
+    assert status == 400 and body["error"]["message"] == "scripted"
+    assert headers["x-request-id"] == "rid"
+
+
+@pytest.mark.parametrize(
+    ("attempt", "after"),
+    [
+        (Attempt(200, True, True, False, False), AfterPrefill(Next.DONE)),
+        (Attempt(400, False, True, True, True), AfterPrefill(Next.AS_BODY)),
+        (Attempt(500, False, True, True, False), AfterPrefill(Next.AS_MISS, handle_used=True)),
+        (Attempt(400, False, True, True, False), AfterPrefill(Next.AS_MISS, handle_used=True)),
+        (Attempt(400, False, True, False, False), AfterPrefill(Next.RELAY)),
+        (
+            Attempt(0, False, True, True, False),
+            AfterPrefill(Next.ANOTHER_P, handle_used=True, failed=True),
+        ),
+        (Attempt(0, False, False, True, False), AfterPrefill(Next.ANOTHER_P, failed=True)),
+        (Attempt(503, False, True, False, False), AfterPrefill(Next.ANOTHER_P, failed=True)),
+    ],
+)
+def test_after_prefill(attempt: Attempt, after: AfterPrefill) -> None:
+    assert decide.after_prefill(attempt) == after
