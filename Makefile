@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { \
 	  echo "redis-server not found: installing it (Debian package redis-server)"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; }
+	@command -v promtool >/dev/null || { \
+	  echo "promtool not found: installing it (Debian package prometheus; checks deploy/prometheus)"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) >/dev/null; }
 	touch $(STAMP)
 
 install: $(STAMP)

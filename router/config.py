@@ -15,8 +15,23 @@ from typing import Any, Literal
 import msgspec
 
 from router.errors import ConfigError
+from router.flags import FLAGS, Flag
 
 ENV_PREFIX = "KVBATON_"
+# FLAGS and Flag live in flags.py; they are part of this module's interface too.
+__all__ = [
+    "ENV_PREFIX",
+    "FLAGS",
+    "WORKER_ENV",
+    "Flag",
+    "Settings",
+    "WorkerSlot",
+    "base_url",
+    "build_parser",
+    "load_settings",
+    "validate",
+    "worker_slot",
+]
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +56,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     engine_api_key: str = ""
     tenant_header: str = ""
     admin_key: str = ""
+    admin_api_key: str = ""
     model: str = ""
     connect_timeout: float = 2.0
     prefill_timeout: float = 120.0
@@ -51,101 +67,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = 16 * 1024 * 1024
     unhealthy_after: int = 3
     health_interval: float = 5.0
+    resolve_dns: bool = False
     shutdown_grace: float = 30.0
     check_models: bool = True
     log_level: str = "info"
     log_format: Literal["text", "json"] = "text"
     otel_endpoint: str = ""
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One setting as the command line, env and file see it."""
-
-    name: str
-    help: str
-    kind: type = str
-    many: bool = False
-    choices: tuple[str, ...] = ()
-
-
-FLAGS: tuple[Flag, ...] = (
-    Flag("prefill", "prefill (P) instance base URLs", many=True),
-    Flag("decode", "decode (D) instance base URLs", many=True),
-    Flag("host", "address to listen on"),
-    Flag("port", "port to listen on", int),
-    Flag(
-        "workers",
-        "router processes sharing the listening socket, each with its own event loop and "
-        "engine connections (more than 1 needs the redis session store)",
-        int,
-    ),
-    Flag("redis_url", "Redis URL for session state"),
-    Flag(
-        "session_store",
-        "where sessions live ('memory': one replica, no Redis)",
-        choices=("redis", "memory"),
-    ),
-    Flag(
-        "handle_ttl",
-        "seconds a captured D handle stays usable; keep it below D's "
-        "decoder_kv_blocks_ttl (480 s by default)",
-        float,
-    ),
-    Flag("session_ttl", "seconds a conversation's affinity and digests are kept", float),
-    Flag("reuse", "send the previous D's handle to P (--no-reuse keeps affinity only)", bool),
-    Flag(
-        "verify_prefix",
-        "how a new prompt is checked against the KV D holds before a read",
-        choices=("tokens", "digest"),
-    ),
-    Flag("block_size", "engine KV block size in tokens (0: read vllm:cache_config_info)", int),
-    Flag("min_reuse_tokens", "smallest verified prefix worth a D->P pull (0: one block)", int),
-    Flag(
-        "stream_kv_params",
-        "the decode engines stream kv_transfer_params in the final SSE chunk (vLLM PR #40186)",
-        bool,
-    ),
-    Flag(
-        "kv_connector",
-        "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse)",
-        choices=("nixl",),
-    ),
-    Flag(
-        "prefill_token_ids",
-        "on a hit verified by P's /tokenize, send P those token ids on /v1/completions "
-        "instead of the chat body: P does not render and tokenize the conversation again",
-        bool,
-    ),
-    Flag("engine_api_key", "Bearer key sent to the engines (vLLM --api-key)"),
-    Flag("tenant_header", "header whose value scopes conversations (default: the bearer token)"),
-    Flag("admin_key", "Bearer key for /admin/ (empty: admin API disabled)"),
-    Flag("model", "served model name the engines must report (empty: take the engines')"),
-    Flag("connect_timeout", "seconds to connect to an engine", float),
-    Flag("prefill_timeout", "seconds for a whole prefill request", float),
-    Flag("decode_first_byte_timeout", "seconds until the decode engine's response starts", float),
-    Flag("decode_idle_timeout", "seconds a decode stream may stay silent", float),
-    Flag("store_timeout", "seconds per session-store call before it counts as down", float),
-    Flag("store_retry_after", "seconds to route without the store after it failed", float),
-    Flag("max_body_bytes", "largest accepted request body", int),
-    Flag("unhealthy_after", "consecutive failures that eject an instance", int),
-    Flag(
-        "health_interval",
-        "seconds between health probes of ejected instances, reads of each decode instance's "
-        "process start time (a restart makes its handles unusable), and re-reads of the admin "
-        "API's instance registry",
-        float,
-    ),
-    Flag("shutdown_grace", "seconds in-flight requests get to finish on shutdown", float),
-    Flag("check_models", "check every instance's /v1/models at start", bool),
-    Flag("log_level", "log level", choices=("debug", "info", "warning", "error")),
-    Flag("log_format", "log lines as plain text or one JSON object each", choices=("text", "json")),
-    Flag(
-        "otel_endpoint",
-        "OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces (empty: no tracing; "
-        "needs the 'otel' extra)",
-    ),
-)
 
 
 def _cli_name(name: str) -> str:
@@ -210,10 +137,13 @@ def build_parser(prog: str = "kvbaton serve") -> argparse.ArgumentParser:
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for flag in FLAGS:
-        raw = env.get(_env_name(flag.name))
+        source = _env_name(flag.name)
+        raw = env.get(source)
+        if raw is None and flag.env_alias:
+            source, raw = flag.env_alias, env.get(flag.env_alias)
         if raw is None:
             continue
-        values[flag.name] = _convert(flag, raw, source=_env_name(flag.name))
+        values[flag.name] = _convert(flag, raw, source=source)
     return values
 
 
@@ -261,12 +191,19 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
     return validate(values)
 
 
+def base_url(raw: str) -> str:
+    """An instance URL without its trailing slash; a bare `host:port` (as the demo proxies
+    take it) is `http://host:port`."""
+    url = raw.strip().rstrip("/")
+    return url if "://" in url or not url else "http://" + url
+
+
 def validate(values: Mapping[str, Any]) -> Settings:
     data = dict(values)
     data.setdefault("prefill", ())
     data.setdefault("decode", ())
     for role in ("prefill", "decode"):
-        urls = tuple(url.rstrip("/") for url in data[role])
+        urls = tuple(base_url(url) for url in data[role])
         if not urls:
             raise ConfigError(f"at least one --{role} URL is required")
         for url in urls:

@@ -62,11 +62,16 @@ def _description(flag: Flag) -> str:
     return text.replace("|", "\\|")
 
 
+def _env(flag: Flag) -> str:
+    name = f"`{ENV_PREFIX}{flag.name.upper()}`"
+    return f"{name} (or `{flag.env_alias}`)" if flag.env_alias else name
+
+
 def render() -> str:
     """The whole of docs/configuration.md."""
     defaults = Settings(prefill=(), decode=())
     rows = [
-        f"| {_cli(flag)} | `{ENV_PREFIX}{flag.name.upper()}` | `{flag.name}` "
+        f"| {_cli(flag)} | {_env(flag)} | `{flag.name}` "
         f"| {_default(flag, defaults)} | {_description(flag)} |"
         for flag in FLAGS
     ]

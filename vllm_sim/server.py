@@ -6,6 +6,7 @@ The lifespan starts the KV side channel, the KV-events publisher and the pin swe
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -51,6 +52,8 @@ class Sim:
         self.responses = ResponsesRoute(self.engine, self.faults)
         self.started = time.time()  # process_start_time_seconds
         self.created = int(self.started)
+        # vLLM's session identity as the last generation requests carried it (/sim/state).
+        self.sessions: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
 
     def _publish(self, events: list[CacheEvent]) -> None:
         bs = self.settings.block_size
@@ -172,6 +175,7 @@ class Sim:
             "running": e.running,
             "waiting": e.waiting,
             "faults": self.faults.state(),
+            "sessions": list(self.sessions),
             "settings": {k: getattr(s, k) for k in s.__struct_fields__ if k != "api_key"},
         }
         return json_response(body)
@@ -224,7 +228,26 @@ def _middlewares(sim: Sim) -> list[Any]:
             key = (path, request.method, f"{status // 100}xx")
             counts[key] = counts.get(key, 0) + 1
 
-    return [count, errors]
+    @web.middleware
+    async def sessions(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # What a proxy forwarded of vLLM's session identity: the X-Session-ID header and
+        # the `session_id` body field (read here; aiohttp keeps the body for the handler).
+        if request.method == "POST" and request.path.startswith("/v1/"):
+            raw = await request.read()
+            field: Any = None
+            if b"session_id" in raw:
+                with contextlib.suppress(ApiError):
+                    field = api.decode_body(raw).get("session_id")
+            sim.sessions.append(
+                {
+                    "path": request.path,
+                    "header": request.headers.get("X-Session-ID"),
+                    "body": field,
+                }
+            )
+        return await handler(request)
+
+    return [count, errors, sessions]
 
 
 def build_app(sim: Sim) -> web.Application:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from router.engines.discovery import inspect
+from router.engines.dns import DnsExpander
 from router.engines.pool import Instance, Role
 from router.services import Services
 from sessions.registry_store import Entry, Registry, State
@@ -60,41 +61,76 @@ def entry(role: Role, state: State, clock: Callable[[], float] = time.time) -> E
 
 @dataclass
 class Syncer:
-    """Keeps one replica's pool equal to the command line plus the registry."""
+    """Keeps one replica's pool equal to the command line (each host name expanded to its
+    addresses with `dns`) plus the registry."""
 
     svc: Services
     registry: Registry
+    dns: DnsExpander | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _refused: dict[str, str] = field(default_factory=dict)
+    _entries: dict[str, Entry] = field(default_factory=dict)
 
     def base(self) -> dict[Role, tuple[str, ...]]:
         settings = self.svc.settings
         return {"prefill": settings.prefill, "decode": settings.decode}
 
+    async def _base_urls(self) -> dict[Role, tuple[str, ...]]:
+        base = self.base()
+        if self.dns is None:
+            return base
+        return {role: await self.dns.expand(urls) for role, urls in base.items()}
+
     async def sync(self) -> None:
-        """Re-read the registry and apply it; raises StoreError when it cannot be read."""
+        """Re-resolve the names, re-read the registry and apply both; raises StoreError when
+        the registry cannot be read (with DNS on, after applying the names to the last
+        registry read: an address change does not wait for Redis)."""
+        base = await self._base_urls()
+        error: StoreError | None = None
+        try:
+            self._entries = await self.registry.load()
+        except StoreError as exc:
+            if self.dns is None:
+                raise
+            error = exc
         async with self.lock:
-            want = desired(self.base(), await self.registry.load())
-            pool = self.svc.pool
-            for inst in pool.instances():
-                key = (inst.role, inst.url)
-                if key not in want:
-                    pool.remove(inst)
-                    log.info("removed %s instance %s (registry)", inst.role, inst.url)
-                elif inst.draining != want[key]:
-                    inst.draining = want[key]
-                    log.info(
-                        "%s instance %s %s (registry)",
-                        inst.role,
-                        inst.url,
-                        "draining" if inst.draining else "active again",
-                    )
-            joining = [
-                Instance(url, role, draining=draining)
-                for (role, url), draining in want.items()
-                if pool.find(role, url) is None
-            ]
-            await asyncio.gather(*(self._join(inst) for inst in joining))
+            await self._apply(desired(base, self._entries))
+        if error is not None:
+            raise error
+
+    def _drain_vanished(self, inst: Instance) -> bool:
+        """An address gone from DNS with turns still on it drains until they finish."""
+        removed = (e := self._entries.get(inst.url)) is not None and e.state == "removed"
+        if self.dns is None or not inst.outstanding or removed:
+            return False
+        if not inst.draining:
+            inst.draining = True
+            log.info("%s instance %s draining (its address left DNS)", inst.role, inst.url)
+        return True
+
+    async def _apply(self, want: dict[tuple[Role, str], bool]) -> None:
+        pool = self.svc.pool
+        for inst in pool.instances():
+            key = (inst.role, inst.url)
+            if key not in want:
+                if self._drain_vanished(inst):
+                    continue
+                pool.remove(inst)
+                log.info("removed %s instance %s (registry or DNS)", inst.role, inst.url)
+            elif inst.draining != want[key]:
+                inst.draining = want[key]
+                log.info(
+                    "%s instance %s %s (registry)",
+                    inst.role,
+                    inst.url,
+                    "draining" if inst.draining else "active again",
+                )
+        joining = [
+            Instance(url, role, draining=draining)
+            for (role, url), draining in want.items()
+            if pool.find(role, url) is None
+        ]
+        await asyncio.gather(*(self._join(inst) for inst in joining))
 
     async def _join(self, inst: Instance) -> None:
         """An instance another replica added (or this one before a restart)."""

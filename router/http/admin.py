@@ -128,18 +128,17 @@ async def list_instances(request: Request) -> Response:
     except StoreError as exc:
         entries, error = {}, str(exc)
     return _json(
-        {"instances": instances_by_role(svc), "registry": entries, "registry_error": error}
+        {
+            "instances": instances_by_role(svc, ops.syncer.dns),
+            "registry": entries,
+            "registry_error": error,
+        }
     )
 
 
-async def add_instance(request: Request) -> Response:
-    """Validated against the instance's /v1/models (as vLLM's XpYd proxy does) before it joins."""
-    svc, ops = _context(request)
-    body = await _instance_body(request)
-    url = _url(body.url)
-    if body.role is None:
-        raise BadRequest("role is required: 'prefill' or 'decode'", param="role")
-    role: Role = body.role
+async def add(svc: Services, ops: Operations, url: str, role: Role) -> tuple[bool, Instance]:
+    """Add (True) or reactivate (False) an instance, validated against its /v1/models (as
+    vLLM's XpYd proxy does) before it joins, and recorded in the registry."""
     async with ops.syncer.lock:
         other = svc.pool.find("decode" if role == "prefill" else "prefill", url)
         if other is not None:
@@ -148,7 +147,7 @@ async def add_instance(request: Request) -> Response:
         if inst is not None:
             await _record(ops, url, reg.entry(role, "active"))
             inst.draining = False
-            return _json({"status": "active", "instance": view(svc, inst)})
+            return False, inst
         inst = Instance(url, role)
         reason = await reg.admit(svc, inst)
         if reason:
@@ -156,7 +155,18 @@ async def add_instance(request: Request) -> Response:
         await _record(ops, url, reg.entry(role, "active"))
         svc.pool.add(inst)
     log.info("admin: added %s instance %s", role, url)
-    return _json({"status": "added", "instance": view(svc, inst)}, 201)
+    return True, inst
+
+
+async def add_instance(request: Request) -> Response:
+    svc, ops = _context(request)
+    body = await _instance_body(request)
+    url = _url(body.url)
+    if body.role is None:
+        raise BadRequest("role is required: 'prefill' or 'decode'", param="role")
+    added, inst = await add(svc, ops, url, body.role)
+    body_out = {"status": "added" if added else "active", "instance": view(svc, inst)}
+    return _json(body_out, 201 if added else 200)
 
 
 async def drain_instance(request: Request) -> Response:

@@ -21,11 +21,13 @@ from router.connectors.base import select
 from router.engines import registry as registry
 from router.engines.client import Upstream
 from router.engines.discovery import discover
+from router.engines.dns import DnsExpander, Resolver, SystemResolver
 from router.engines.health import health_loop
 from router.engines.pool import Pool
 from router.errors import RouterError, Unavailable, UpstreamFailure, error_body, error_bytes
 from router.http.admin import Operations, admin_app
 from router.http.disconnect import until_disconnect
+from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
 from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
@@ -170,9 +172,10 @@ def _request_id(request: Request) -> str:
     return str(getattr(request.state, "request_id", ""))
 
 
-def create_app(settings: Settings) -> Starlette:
+def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starlette:
     """The router app. The lifespan checks the engines, opens Redis (one client for the
-    session store, the instance registry and the conversation index) and the HTTP pool."""
+    session store, the instance registry and the conversation index) and the HTTP pool.
+    `resolver` answers --resolve-dns look-ups (the system's by default)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -190,7 +193,9 @@ def create_app(settings: Settings) -> Starlette:
         prober: asyncio.Task[None] | None = None
         publisher: asyncio.Task[None] | None = None
         watcher: asyncio.Task[None] | None = None
-        ops = Operations(registry.Syncer(svc, backend.registry), backend.conversations)
+        dns = DnsExpander(resolver or SystemResolver()) if settings.resolve_dns else None
+        syncer = registry.Syncer(svc, backend.registry, dns)
+        ops = Operations(syncer, backend.conversations)
         syncing: asyncio.Task[None] | None = None
         try:
             await discover(svc)
@@ -224,6 +229,7 @@ def create_app(settings: Settings) -> Starlette:
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/status", status, methods=["GET"]),
+        Route("/instances/add", seeds_add_instance, methods=["POST"]),
         Mount("/admin", app=admin_app(settings.admin_key)),
     ]
     return Starlette(

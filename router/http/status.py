@@ -15,6 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from router.engines.dns import DnsExpander
 from router.engines.pool import Instance, Role
 from router.services import Services
 from sessions.store import StoreError
@@ -28,7 +29,7 @@ def version() -> str:
         return "unknown"
 
 
-def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
+def instance_view(inst: Instance, source: str) -> dict[str, Any]:
     return {
         "url": inst.url,
         "role": inst.role,
@@ -44,20 +45,30 @@ def instance_view(inst: Instance, from_flags: bool) -> dict[str, Any]:
         "restarts": inst.ident.restarts,
         "unreachable": inst.ident.unreachable,
         "reads_paused": inst.ident.paused_for(time.monotonic()),
-        "source": "command-line" if from_flags else "admin",
+        "source": source,
     }
 
 
-def view(svc: Services, inst: Instance) -> dict[str, Any]:
-    """An instance as /status shows it; `source` says whether the command line named it."""
+def view(svc: Services, inst: Instance, dns: DnsExpander | None = None) -> dict[str, Any]:
+    """An instance as /status shows it; `source` says whether the command line named it
+    (`command-line`), one of its names resolved to it (`dns`, --resolve-dns), or the admin API."""
     settings = svc.settings
     flags = settings.prefill if inst.role == "prefill" else settings.decode
-    return instance_view(inst, inst.url in flags)
+    if inst.url in flags:
+        source = "command-line"
+    elif dns is not None and inst.url in dns.expanded:
+        source = "dns"
+    else:
+        source = "admin"
+    return instance_view(inst, source)
 
 
-def instances_by_role(svc: Services) -> dict[Role, list[dict[str, Any]]]:
+def instances_by_role(
+    svc: Services, dns: DnsExpander | None = None
+) -> dict[Role, list[dict[str, Any]]]:
     return {
-        role: [view(svc, i) for i in svc.pool.instances(role)] for role in ("prefill", "decode")
+        role: [view(svc, i, dns) for i in svc.pool.instances(role)]
+        for role in ("prefill", "decode")
     }
 
 
@@ -78,6 +89,9 @@ async def store_view(svc: Services) -> dict[str, Any]:
 
 async def status(request: Request) -> Response:
     svc: Services = request.app.state.services
+    instances = instances_by_role(svc, request.app.state.operations.syncer.dns)
+    prefill_nodes = [i["url"] for i in instances["prefill"]]
+    decode_nodes = [i["url"] for i in instances["decode"]]
     body = {
         "version": version(),
         "model": svc.model,
@@ -89,7 +103,12 @@ async def status(request: Request) -> Response:
         # With --workers N, one of N processes answered: the instances' health, load and the
         # breaker below are this worker's view.
         "worker": {"pid": os.getpid(), "workers": svc.settings.workers},
-        "instances": instances_by_role(svc),
+        "instances": instances,
         "store": await store_view(svc),
+        # The demo proxies' /status fields (every instance in the pool, usable or not).
+        "prefill_node_count": len(prefill_nodes),
+        "decode_node_count": len(decode_nodes),
+        "prefill_nodes": prefill_nodes,
+        "decode_nodes": decode_nodes,
     }
     return Response(msgspec.json.encode(body), 200, media_type="application/json")

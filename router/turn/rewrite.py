@@ -51,7 +51,8 @@ def prefill_body(
 # A P leg sent as token ids (/v1/completions) keeps only what changes P's KV: the model
 # (and LoRA), the cache salt (part of every block hash) and the scheduling priority. The
 # rest shapes sampling or output, and P's one token is discarded.
-_IDS_LEG_FIELDS = ("model", "cache_salt", "priority")
+# vLLM's session identity (`session_id`, 0.32) is forwarded untouched, on this leg too.
+_IDS_LEG_FIELDS = ("model", "cache_salt", "priority", "session_id")
 # Fields that change the prompt P's own route would build from the body but that /tokenize
 # does not take (or that carry more than token ids): with any of them P gets the body.
 _NOT_RENDERED_BY_TOKENIZE = (

@@ -51,7 +51,7 @@ def test_env_then_cli_precedence(tmp_path: Path) -> None:
     ("argv", "env", "message"),
     [
         (["--decode", "http://d:1"], {}, "--prefill"),
-        (["--prefill", "p:1", "--decode", "http://d:1"], {}, "http://"),
+        (["--prefill", "ftp://p:1", "--decode", "http://d:1"], {}, "http://"),
         ([*URLS, "--handle-ttl", "500", "--session-ttl", "100"], {}, "handle-ttl"),
         (URLS, {"KVBATON_PORT": "eighty"}, "KVBATON_PORT"),
         (URLS, {"KVBATON_VERIFY_PREFIX": "maybe"}, "KVBATON_VERIFY_PREFIX"),
@@ -66,6 +66,22 @@ def test_invalid_settings_say_which_and_why(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings(argv, env=env)
+
+
+def test_bare_host_port_is_an_http_url_as_the_demo_proxies_take_it() -> None:
+    s = load_settings(["--prefill", "p1:8100", "10.0.0.2:8101/", "--decode", "d:8200"], env={})
+    assert s.prefill == ("http://p1:8100", "http://10.0.0.2:8101")
+    assert s.decode == ("http://d:8200",)
+    s = load_settings([], env={"KVBATON_PREFILL": "p:1, https://q:2", "KVBATON_DECODE": "d:1"})
+    assert s.prefill == ("http://p:1", "https://q:2")
+
+
+def test_admin_api_key_reads_the_demo_proxies_variable_below_its_own() -> None:
+    assert load_settings(URLS, env={"ADMIN_API_KEY": "seed"}).admin_api_key == "seed"
+    both = {"ADMIN_API_KEY": "seed", "KVBATON_ADMIN_API_KEY": "ours"}
+    assert load_settings(URLS, env=both).admin_api_key == "ours"
+    assert load_settings([*URLS, "--admin-api-key", "cli"], env=both).admin_api_key == "cli"
+    assert load_settings(URLS, env={}).admin_api_key == ""
 
 
 def test_unknown_and_broken_config_file(tmp_path: Path) -> None:

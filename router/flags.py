@@ -1,0 +1,119 @@
+"""Every setting as the command line, the environment and a TOML file see it: name, help,
+type, choices. `config.py` builds `Settings` from these; `config_docs.py` documents them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One setting as the command line, env and file see it."""
+
+    name: str
+    help: str
+    kind: type = str
+    many: bool = False
+    choices: tuple[str, ...] = ()
+    # Another variable read when KVBATON_<FLAG> is unset (a convention other proxies use).
+    env_alias: str = ""
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "prefill",
+        "prefill (P) instance base URLs (a bare host:port means http://host:port)",
+        many=True,
+    ),
+    Flag(
+        "decode",
+        "decode (D) instance base URLs (a bare host:port means http://host:port)",
+        many=True,
+    ),
+    Flag("host", "address to listen on"),
+    Flag("port", "port to listen on", int),
+    Flag(
+        "workers",
+        "router processes sharing the listening socket, each with its own event loop and "
+        "engine connections (more than 1 needs the redis session store)",
+        int,
+    ),
+    Flag("redis_url", "Redis URL for session state"),
+    Flag(
+        "session_store",
+        "where sessions live ('memory': one replica, no Redis)",
+        choices=("redis", "memory"),
+    ),
+    Flag(
+        "handle_ttl",
+        "seconds a captured D handle stays usable; keep it below D's "
+        "decoder_kv_blocks_ttl (480 s by default)",
+        float,
+    ),
+    Flag("session_ttl", "seconds a conversation's affinity and digests are kept", float),
+    Flag("reuse", "send the previous D's handle to P (--no-reuse keeps affinity only)", bool),
+    Flag(
+        "verify_prefix",
+        "how a new prompt is checked against the KV D holds before a read",
+        choices=("tokens", "digest"),
+    ),
+    Flag("block_size", "engine KV block size in tokens (0: read vllm:cache_config_info)", int),
+    Flag("min_reuse_tokens", "smallest verified prefix worth a D->P pull (0: one block)", int),
+    Flag(
+        "stream_kv_params",
+        "the decode engines stream kv_transfer_params in the final SSE chunk (vLLM PR #40186)",
+        bool,
+    ),
+    Flag(
+        "kv_connector",
+        "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse)",
+        choices=("nixl",),
+    ),
+    Flag(
+        "prefill_token_ids",
+        "on a hit verified by P's /tokenize, send P those token ids on /v1/completions "
+        "instead of the chat body: P does not render and tokenize the conversation again",
+        bool,
+    ),
+    Flag("engine_api_key", "Bearer key sent to the engines (vLLM --api-key)"),
+    Flag("tenant_header", "header whose value scopes conversations (default: the bearer token)"),
+    Flag("admin_key", "Bearer key for /admin/ (empty: admin API disabled)"),
+    Flag(
+        "admin_api_key",
+        "X-API-Key for POST /instances/add, the demo proxies' convention (empty: --admin-key; "
+        "both empty: the route is disabled)",
+        env_alias="ADMIN_API_KEY",
+    ),
+    Flag("model", "served model name the engines must report (empty: take the engines')"),
+    Flag("connect_timeout", "seconds to connect to an engine", float),
+    Flag("prefill_timeout", "seconds for a whole prefill request", float),
+    Flag("decode_first_byte_timeout", "seconds until the decode engine's response starts", float),
+    Flag("decode_idle_timeout", "seconds a decode stream may stay silent", float),
+    Flag("store_timeout", "seconds per session-store call before it counts as down", float),
+    Flag("store_retry_after", "seconds to route without the store after it failed", float),
+    Flag("max_body_bytes", "largest accepted request body", int),
+    Flag("unhealthy_after", "consecutive failures that eject an instance", int),
+    Flag(
+        "health_interval",
+        "seconds between health probes of ejected instances, reads of each decode instance's "
+        "process start time (a restart makes its handles unusable), and re-reads of the admin "
+        "API's instance registry",
+        float,
+    ),
+    Flag(
+        "resolve_dns",
+        "expand each --prefill/--decode host name to one instance per address it resolves to "
+        "(a Kubernetes headless Service), re-resolved every --health-interval: new addresses "
+        "join, vanished ones drain",
+        bool,
+    ),
+    Flag("shutdown_grace", "seconds in-flight requests get to finish on shutdown", float),
+    Flag("check_models", "check every instance's /v1/models at start", bool),
+    Flag("log_level", "log level", choices=("debug", "info", "warning", "error")),
+    Flag("log_format", "log lines as plain text or one JSON object each", choices=("text", "json")),
+    Flag(
+        "otel_endpoint",
+        "OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces (empty: no tracing; "
+        "needs the 'otel' extra)",
+    ),
+)
