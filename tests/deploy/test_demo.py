@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 
 from router.demo import demo_main
-from tests.procs import free_port
+from tests.support.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TURN_ROW = re.compile(r"^\s+(\d)\s+\d+ ms\s+(\S+)\s+(\d+)\s+(\d+)\s", re.MULTILINE)
-
-pytestmark = pytest.mark.e2e
 
 
 def demo(*args: str) -> subprocess.Popen[str]:

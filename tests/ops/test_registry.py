@@ -12,7 +12,7 @@ import redis
 
 from router.engines.registry import Entry, MemoryRegistry, desired
 from tests.ops.conftest import call, decode_urls, ops_router
-from tests.procs import SimProc
+from tests.support.procs import SimProc
 
 
 def status(url: str) -> dict[str, Any]:
@@ -29,7 +29,6 @@ def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.e2e
 def test_changes_reach_a_second_router_and_survive_a_restart(
     p: SimProc, d: SimProc, d2: SimProc, ops_redis: str
 ) -> None:
@@ -64,7 +63,6 @@ def test_changes_reach_a_second_router_and_survive_a_restart(
             eventually(lambda: not decode_urls(status(b.url))[d.url]["draining"])
 
 
-@pytest.mark.e2e
 def test_an_entry_whose_instance_is_down_joins_unhealthy(
     p: SimProc, d: SimProc, ops_redis: str
 ) -> None:
@@ -87,6 +85,7 @@ def entry(role: str, state: str) -> Entry:
     return Entry(role=role, state=state)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("entries", "want"),
     [
@@ -111,6 +110,7 @@ def test_registry_applies_on_top_of_the_command_line(
     assert desired({"prefill": ["P"], "decode": ["D"]}, entries) == want
 
 
+@pytest.mark.unit
 async def test_memory_registry_lives_in_the_process() -> None:
     reg = MemoryRegistry()
     await reg.put("http://d:1", entry("decode", "draining"))

@@ -8,11 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import RouterProc
 from tests.reliability.conftest import ENGINE_KEY, Stack
 from tests.reliability.helpers import Conversation, new_cid, router, session
-
-pytestmark = pytest.mark.e2e
+from tests.support.router import RouterProc
 
 HANDLE_TTL = 1.0
 

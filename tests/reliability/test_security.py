@@ -14,19 +14,8 @@ import pytest
 import redis
 
 from tests.reliability.conftest import ENGINE_KEY, TENANT_HEADER, Stack
-from tests.reliability.helpers import (
-    JSON,
-    Conversation,
-    Reply,
-    chat_body,
-    new_cid,
-    post,
-    reference,
-    router,
-    total,
-)
-
-pytestmark = pytest.mark.e2e
+from tests.reliability.helpers import Conversation, new_cid, reference, router, total
+from tests.support.chat import JSON, Reply, chat_body, post
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -11,11 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.conftest import metric
 from tests.reliability.conftest import STORE_RETRY_AFTER, Stack
 from tests.reliability.helpers import Conversation, new_cid
-
-pytestmark = pytest.mark.e2e
+from tests.support.metrics import metric
 
 UNAVAILABLE = "miss;reason=store-unavailable"
 
