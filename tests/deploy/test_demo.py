@@ -60,7 +60,7 @@ def test_demo_runs_four_turns_with_reuse_from_turn_two(capsys: pytest.CaptureFix
     assert "private redis-server" in out
     reuse = reuse_by_turn(out)
     assert list(reuse) == [1, 2, 3, 4], out
-    assert reuse[1].startswith("miss;reason="), out
+    assert reuse[1] == "miss;reason=no-session", out
     assert [reuse[turn] for turn in (2, 3, 4)] == ["hit", "hit", "hit"], out
     cached = [int(row[3]) for row in TURN_ROW.findall(out)]
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]), out

@@ -30,8 +30,8 @@ def test_concurrent_turns_use_the_handle_at_most_once(stack: Stack) -> None:
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(turn, range(4)))
     reuses = [r for _, r, _ in results]
-    assert reuses.count("hit") <= 1, reuses
-    assert all(r == "hit" or r.startswith("miss;reason=") for r in reuses), reuses
+    # The first claim takes the handle; the other three find the turn in flight.
+    assert sorted(reuses) == ["hit", *["miss;reason=busy"] * 3], reuses
     for text, _, msgs in results:
         assert text == reference_chat(stack, msgs, 24)
     r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
