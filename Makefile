@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck check demo bench clean
+.PHONY: install test test-unit test-component test-e2e lint typecheck check demo bench load clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,9 +23,19 @@ install: $(STAMP)
 test: install
 	$(BIN)/pytest --cov --cov-report=term
 
+# One tier at a time (markers set per folder in tests/conftest.py; README, "Tests").
+test-unit: install
+	$(BIN)/pytest -m unit
+
+test-component: install
+	$(BIN)/pytest -m component
+
+test-e2e: install
+	$(BIN)/pytest -m e2e
+
 lint: install
-	$(BIN)/ruff check router sessions vllm_sim tests
-	$(BIN)/ruff format --check router sessions vllm_sim tests
+	$(BIN)/ruff check router sessions vllm_sim tests bench
+	$(BIN)/ruff format --check router sessions vllm_sim tests bench
 
 typecheck: install
 	$(BIN)/mypy
@@ -36,7 +46,11 @@ demo: install
 	$(BIN)/kvbaton demo
 
 bench: install
-	$(BIN)/python -m tests.bench
+	$(BIN)/python -m bench $(ARGS)
+
+# The reliability load test (bench/load): `make load ARGS=--quick` for 40 x 3 turns.
+load: install
+	$(BIN)/python -m bench.load $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage htmlcov

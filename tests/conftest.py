@@ -1,13 +1,67 @@
-"""Shared fixtures: one private redis-server per test session, flushed before each test."""
+"""Shared fixtures: one private redis-server per test session, flushed before each test; and
+the test tiers (markers unit, component, e2e), set here by folder or file."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from tests.procs import redis_server
+from tests.support.procs import redis_server
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "component", "e2e")
+# A test's tier is that of the longest path here that holds its file (relative to tests/).
+# unit: in-process and pure (no redis-server, no socket, no subprocess); component: a real
+# redis-server, real sockets or servers inside the test process; e2e: real processes (the
+# router under Hypercorn, simulators, engines, the tooling's own runs).
+TIER_BY_PATH = {
+    "unit": "unit",
+    "unit/test_backends.py": "component",  # aiohttp servers on loopback
+    "unit/test_workers.py": "component",  # binds sockets
+    "sessions": "component",
+    "sessions/test_codec.py": "unit",
+    "sessions/test_digests.py": "unit",
+    "sessions/test_keys.py": "unit",
+    "sessions/test_memory_store.py": "unit",
+    "sessions/test_model.py": "unit",
+    "sim": "component",  # the simulator app in the test's event loop
+    "sim/test_units.py": "unit",
+    "sim/test_features.py": "e2e",
+    "sim/test_pd.py": "e2e",
+    "sim/test_responses_pd.py": "e2e",
+    "sim_events": "component",
+    "sim_events/test_decode.py": "unit",
+    "deploy": "e2e",
+    "deploy/test_compose.py": "unit",
+    "e2e": "e2e",
+    "ops": "e2e",
+    "reliability": "e2e",
+    "tooling": "e2e",
+    "vllm": "e2e",
+}
+
+
+def tier_of(path: Path) -> str:
+    rel = path.resolve().relative_to(TESTS).as_posix()
+    best = max(
+        (key for key in TIER_BY_PATH if rel == key or rel.startswith(key + "/")),
+        key=len,
+        default=None,
+    )
+    if best is None:
+        raise pytest.UsageError(f"tests/{rel} has no tier: add it to TIER_BY_PATH")
+    return TIER_BY_PATH[best]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its tier (`pytest -m unit`, `make test-unit`...); a test marked
+    with a tier itself (a pure test in an e2e file) keeps that one."""
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(getattr(pytest.mark, tier_of(item.path)))
 
 
 @pytest.fixture(scope="session")

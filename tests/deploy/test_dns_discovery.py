@@ -17,7 +17,7 @@ from hypercorn.config import Config
 
 from router.config import load_settings
 from router.http.app import create_app
-from tests.procs import SimProc, free_port, sims
+from tests.support.procs import SimProc, free_port, sims
 
 pytestmark = pytest.mark.e2e
 

@@ -3,44 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import re
-import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e.harness import RouterProc, router
-from tests.procs import SimProc, sim
+from tests.support.chat import post, reference_answer
+from tests.support.metrics import metric
+from tests.support.stack import Stack, start_stack
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 
 
-@dataclass
-class Stack:
-    p: SimProc
-    d: SimProc
-    ref: SimProc
-    router: RouterProc
-    redis_url: str
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus sample on an instance's /metrics, filtered by labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        match = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$", line)
-        if not match or match.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(match.group(3))
-    return total
+def reference_chat(stack: Stack, messages: list[dict[str, str]], max_tokens: int) -> str:
+    """The answer of the stack's from-scratch reference engine."""
+    return reference_answer(stack.ref.url, messages, max_tokens)
 
 
 def p_route_calls(url: str) -> tuple[float, float]:
@@ -66,20 +42,16 @@ def pd_stack(
 ) -> Iterator[Stack]:
     """Simulator P and D (bidirectional; `engines` on all three, `decode` on D only), a
     from-scratch reference engine, and a router on Redis."""
-    with (
-        sim("prefill", *BIDIR, *engines, name=f"{name}-p") as p,
-        sim("decode", *BIDIR, *engines, *decode, name=f"{name}-d") as d,
-        sim("decode", *engines, name=f"{name}-ref") as ref,
-        router(
-            [p.url],
-            [d.url],
-            *router_args,
-            redis_url=redis_url,
-            name=f"{name}-router",
-            ready_timeout=ready_timeout,
-        ) as r,
-    ):
-        yield Stack(p, d, ref, r, redis_url)
+    with start_stack(
+        prefill=[(*BIDIR, *engines)],
+        decode=[(*BIDIR, *engines, *decode)],
+        reference=engines,
+        routers=[router_args],
+        redis=redis_url,
+        name=name,
+        router_timeout=ready_timeout,
+    ) as st:
+        yield st
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +70,13 @@ def stack_reasoning(redis_url_session: str) -> Iterator[Stack]:
 
 def post_json(url: str, body: dict[str, object]) -> int:
     """A plain JSON POST (fault injection, admin calls); returns the status."""
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return int(resp.status)
+    reply = post(url, body, timeout=5)
+    assert reply.status < 400, (url, reply.status, reply.body[:300])
+    return reply.status
 
 
 @pytest.fixture(scope="module")
 def stock_responses(redis_url_session: str) -> Iterator[Stack]:
     """Stock-vLLM-like engines (no kv_transfer_params in chat streams)."""
-    with (
-        sim("prefill", *BIDIR, name="resp-p") as p,
-        sim("decode", *BIDIR, name="resp-d") as d,
-        sim("decode", name="resp-ref") as ref,
-        router([p.url], [d.url], redis_url=redis_url_session, name="resp-router") as r,
-    ):
-        yield Stack(p, d, ref, r, redis_url_session)
+    with pd_stack(redis_url_session, "resp") as st:
+        yield st

@@ -10,54 +10,10 @@ import openai
 import pytest
 import redis
 
-from tests.e2e.conftest import Stack, p_route_calls, pulled
-
-pytestmark = pytest.mark.e2e
+from tests.e2e.conftest import Stack, p_route_calls, pulled, reference_chat
+from tests.support.chat import chat_turn, client
 
 SYSTEM = "You are a terse assistant that answers in short words about the weather and tea."
-
-
-def client(url: str, **kw: Any) -> openai.OpenAI:
-    kw.setdefault("api_key", "test-key")
-    return openai.OpenAI(base_url=url, max_retries=0, **kw)
-
-
-def reference_chat(stack: Stack, messages: list[dict[str, str]], max_tokens: int) -> str:
-    ref = client(stack.ref.url + "/v1")
-    out = ref.chat.completions.create(model="sim-model", messages=messages, max_tokens=max_tokens)  # type: ignore[arg-type]
-    return out.choices[0].message.content or ""
-
-
-def chat_turn(
-    api: openai.OpenAI,
-    messages: list[dict[str, str]],
-    *,
-    stream: bool,
-    cid: str | None,
-    max_tokens: int = 24,
-) -> tuple[str, str]:
-    """One turn; returns (answer, X-KV-Reuse)."""
-    extra = {"conversation_id": cid} if cid else None
-    if stream:
-        with api.chat.completions.with_streaming_response.create(
-            model="sim-model",
-            messages=messages,
-            max_tokens=max_tokens,
-            stream=True,  # type: ignore[arg-type]
-            extra_body=extra,
-        ) as resp:
-            reuse = resp.headers["x-kv-reuse"]
-            text = "".join(
-                chunk.choices[0].delta.content or "" for chunk in resp.parse() if chunk.choices
-            )
-        return text, reuse
-    raw = api.chat.completions.with_raw_response.create(
-        model="sim-model",
-        messages=messages,
-        max_tokens=max_tokens,
-        extra_body=extra,  # type: ignore[arg-type]
-    )
-    return raw.parse().choices[0].message.content or "", raw.headers["x-kv-reuse"]
 
 
 def checked_turn(
@@ -68,7 +24,7 @@ def checked_turn(
     /v1/completions: it does not render the chat again); the answer equals the reference
     engine's and joins `messages`."""
     before, (chats, ids_legs) = pulled(stack.p.url), p_route_calls(stack.p.url)
-    answer, reuse = chat_turn(api, messages, **kw)
+    answer, reuse, _ = chat_turn(api, messages, **kw)
     assert answer == reference_chat(stack, messages, 24), f"turn {turn}"
     if turn == 1:
         assert reuse == "miss;reason=no-session"
@@ -94,17 +50,19 @@ def test_conversation_id_by_header(stack: Stack) -> None:
     cid = f"hdr-{uuid.uuid4().hex[:8]}"
     api = client(stack.router.base_url, default_headers={"X-Conversation-Id": cid})
     messages = [{"role": "user", "content": "Tell me about tea and the weather please."}]
-    answer, reuse = chat_turn(api, messages, stream=False, cid=None)
+    answer, reuse, _ = chat_turn(api, messages, stream=False, cid=None)
     assert reuse == "miss;reason=no-session"
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "More?"}]
-    answer2, reuse2 = chat_turn(api, messages, stream=False, cid=None)
+    answer2, reuse2, _ = chat_turn(api, messages, stream=False, cid=None)
     assert reuse2 == "hit"
     assert answer2 == reference_chat(stack, messages, 24)
 
 
 def test_without_conversation_id_is_skip(stack: Stack) -> None:
     api = client(stack.router.base_url)
-    answer, reuse = chat_turn(api, [{"role": "user", "content": "hello"}], stream=False, cid=None)
+    answer, reuse, _ = chat_turn(
+        api, [{"role": "user", "content": "hello"}], stream=False, cid=None
+    )
     assert reuse == "skip;reason=no-conversation-id"
     assert answer == reference_chat(stack, [{"role": "user", "content": "hello"}], 24)
 

@@ -12,12 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import Stack, metric, p_route_calls, pd_stack, post_json, pulled
-from tests.e2e.harness import router
-from tests.e2e.test_conversation import chat_turn, client, reference_chat
-from tests.procs import ROOT, free_port, sim
-
-pytestmark = pytest.mark.e2e
+from tests.e2e.conftest import Stack, p_route_calls, pd_stack, post_json, pulled, reference_chat
+from tests.support.chat import chat_turn, client
+from tests.support.metrics import metric
+from tests.support.procs import ROOT, free_port, sim
+from tests.support.router import router
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +31,7 @@ def test_streaming_on_stock_engines_keeps_affinity_and_says_why(stock: Stack) ->
     cid = f"stock-{uuid.uuid4().hex[:8]}"
     messages = [{"role": "user", "content": "Stream me the weather for the tea gardens."}]
     for turn in range(1, 4):
-        answer, reuse = chat_turn(api, messages, stream=True, cid=cid)
+        answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
         assert answer == reference_chat(stock, messages, 24)
         assert reuse == (
             "miss;reason=no-session" if turn == 1 else "miss;reason=stream-no-kv-params"
@@ -42,11 +41,11 @@ def test_streaming_on_stock_engines_keeps_affinity_and_says_why(stock: Stack) ->
             {"role": "user", "content": f"and at hour {turn}?"},
         ]
     # A non-streaming turn captures D's handle; the turn after it hits.
-    answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+    answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid)
     assert reuse == "miss;reason=stream-no-kv-params"
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "ok?"}]
     before = pulled(stock.p.url)
-    answer, reuse = chat_turn(api, messages, stream=True, cid=cid)
+    answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
     assert reuse == "hit"
     assert pulled(stock.p.url) > before
     assert answer == reference_chat(stock, messages, 24)
@@ -56,11 +55,11 @@ def test_prefill_rejecting_the_handle_is_retried_as_a_miss(stock: Stack) -> None
     api = client(stock.router.base_url)
     cid = f"reject-{uuid.uuid4().hex[:8]}"
     messages = [{"role": "user", "content": "What is the forecast for the valley?"}]
-    answer, _ = chat_turn(api, messages, stream=False, cid=cid)
+    answer, _, _ = chat_turn(api, messages, stream=False, cid=cid)
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Sure?"}]
     # kv_load_failure_policy=fail answers 500 for a failed D->P read (vLLM #34896).
     post_json(stock.p.url + "/sim/faults", {"fail_next": 1, "status": 500})
-    answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+    answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid)
     assert reuse == "miss;reason=handle-rejected"
     assert answer == reference_chat(stock, messages, 24)
 
@@ -78,7 +77,7 @@ def test_prefill_refusing_token_ids_gets_the_body_and_ids_stay_off(stock: Stack)
                 post_json(stock.p.url + "/sim/faults", {"fail_next": 1, "status": 404})
             calls = p_route_calls(stock.p.url)
             refused = metric(stock.p.url, "http_requests_total", status="4xx")
-            answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+            answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid)
             assert answer == reference_chat(stock, messages, 24), turn
             assert reuse == ("miss;reason=no-session" if turn == 1 else "hit"), turn
             # Turn 2: the ids leg is refused, then P gets the chat body; turn 3: the body only.
@@ -105,7 +104,7 @@ def test_no_prefill_token_ids_sends_p_the_body_on_hits(stock: Stack) -> None:
         messages = [{"role": "user", "content": "Which way does the wind turn tonight?"}]
         for turn in range(1, 3):
             calls = p_route_calls(stock.p.url)
-            answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+            answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid)
             assert answer == reference_chat(stock, messages, 24), turn
             assert reuse == ("miss;reason=no-session" if turn == 1 else "hit"), turn
             assert p_route_calls(stock.p.url) == (calls[0] + 1, calls[1]), turn
@@ -119,7 +118,7 @@ def test_decode_failing_before_first_byte_redoes_the_turn(stock: Stack, stream: 
     api = client(stock.router.base_url)
     messages = [{"role": "user", "content": f"Is the harbour calm? ({stream})"}]
     post_json(stock.d.url + "/sim/faults", {"fail_next": 1, "status": 503})
-    answer, reuse = chat_turn(api, messages, stream=stream, cid=None)
+    answer, reuse, _ = chat_turn(api, messages, stream=stream, cid=None)
     assert answer == reference_chat(stock, messages, 24)
     assert reuse == "skip;reason=no-conversation-id"
 
@@ -131,7 +130,7 @@ def test_redis_down_routes_without_reuse(stock: Stack) -> None:
         cid = f"noredis-{uuid.uuid4().hex[:8]}"
         messages = [{"role": "user", "content": "Any storms tonight?"}]
         for _ in range(3):
-            answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+            answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid)
             assert reuse == "miss;reason=store-unavailable"
             assert answer == reference_chat(stock, messages, 24)
             messages += [
@@ -180,7 +179,7 @@ def test_no_reuse_keeps_affinity_without_handles(stock: Stack) -> None:
         messages = [{"role": "user", "content": "Only affinity, please."}]
         before = pulled(stock.p.url)
         for _ in range(3):
-            answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+            answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid)
             assert reuse == "skip;reason=reuse-disabled"
             assert answer == reference_chat(stock, messages, 24)
             messages += [

@@ -6,13 +6,10 @@ import time
 import urllib.request
 import uuid
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import Stack
-from tests.e2e.test_conversation import chat_turn, client
-
-pytestmark = pytest.mark.e2e
+from tests.support.chat import chat_turn, client
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -42,7 +39,7 @@ def test_metrics_after_a_conversation(stack: Stack) -> None:
     cid = f"metrics-{uuid.uuid4().hex[:8]}"
     messages = [{"role": "user", "content": "Count my turns please."}]
     for _ in range(3):
-        answer, _ = chat_turn(api, messages, stream=False, cid=cid)
+        answer, _, _ = chat_turn(api, messages, stream=False, cid=cid)
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "go"}]
     after = scrape(stack.router.url)
 

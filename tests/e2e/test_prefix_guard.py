@@ -8,11 +8,10 @@ import uuid
 
 import pytest
 
-from tests.e2e.conftest import Stack, p_route_calls, pulled
-from tests.e2e.harness import router
-from tests.e2e.test_conversation import SYSTEM, chat_turn, client, reference_chat
-
-pytestmark = pytest.mark.e2e
+from tests.e2e.conftest import Stack, p_route_calls, pulled, reference_chat
+from tests.e2e.test_conversation import SYSTEM
+from tests.support.chat import chat_turn, client
+from tests.support.router import router
 
 
 def two_turns(stack: Stack, cid: str) -> list[dict[str, str]]:
@@ -22,7 +21,7 @@ def two_turns(stack: Stack, cid: str) -> list[dict[str, str]]:
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "What is the weather like in the hills this morning?"},
     ]
-    answer, reuse = chat_turn(api, messages, stream=False, cid=cid, max_tokens=40)
+    answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid, max_tokens=40)
     assert reuse == "miss;reason=no-session"
     return [*messages, {"role": "assistant", "content": answer}]
 
@@ -40,7 +39,7 @@ def test_edited_history_is_a_prefix_mismatch(stack: Stack, edit: str) -> None:
     else:
         messages = history[:2]  # regenerate: the same prompt again
     before = pulled(stack.p.url)
-    answer, reuse = chat_turn(
+    answer, reuse, _ = chat_turn(
         client(stack.router.base_url), messages, stream=False, cid=cid, max_tokens=40
     )
     assert reuse == "miss;reason=prefix-mismatch"
@@ -59,14 +58,14 @@ def test_late_divergence_reuses_only_the_verified_prefix(stack: Stack) -> None:
         {"role": "user", "content": "Thanks. And in the evening?"},
     ]
     calls = p_route_calls(stack.p.url)
-    answer, reuse = chat_turn(
+    answer, reuse, _ = chat_turn(
         client(stack.router.base_url), messages, stream=False, cid=cid, max_tokens=40
     )
     assert reuse == "hit"
     assert answer == reference_chat(stack, messages, 40)
     assert p_route_calls(stack.p.url) == (calls[0], calls[1] + 1)  # the verified ids
     # The same prompt again, without any handle: P's prefix cache must not be poisoned.
-    again, reuse2 = chat_turn(
+    again, reuse2, _ = chat_turn(
         client(stack.router.base_url), messages, stream=False, cid=None, max_tokens=40
     )
     assert reuse2 == "skip;reason=no-conversation-id"
@@ -83,10 +82,10 @@ def test_a_prefix_mismatch_found_by_tokens_sends_p_the_body(stack: Stack) -> Non
         cid = f"floor-{uuid.uuid4().hex[:8]}"
         api = client(r.base_url)
         messages = [{"role": "user", "content": "Is the pass open after the snow?"}]
-        answer, _ = chat_turn(api, messages, stream=False, cid=cid)
+        answer, _, _ = chat_turn(api, messages, stream=False, cid=cid)
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]
         calls = p_route_calls(stack.p.url)
-        answer, reuse = chat_turn(api, messages, stream=False, cid=cid)
+        answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid)
         assert reuse == "miss;reason=prefix-mismatch"
         assert answer == reference_chat(stack, messages, 24)
         assert p_route_calls(stack.p.url) == (calls[0] + 1, calls[1])
@@ -103,10 +102,10 @@ def test_reasoning_template_is_caught_by_tokens(stack_reasoning: Stack) -> None:
         {"role": "user", "content": "Will it rain on the tea fields tonight?"},
     ]
     for turn in range(1, 4):
-        answer, reuse = chat_turn(api, messages, stream=False, cid=cid, max_tokens=40)
+        answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid, max_tokens=40)
         assert answer == reference_chat(stack, messages, 40), f"turn {turn}"
         if turn > 1:
-            assert reuse in ("hit", "miss;reason=prefix-mismatch")
+            assert reuse == "hit", f"turn {turn}: {reuse}"
         messages += [
             {"role": "assistant", "content": answer},
             {"role": "user", "content": f"And after {turn} hours?"},

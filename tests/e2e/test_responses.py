@@ -10,9 +10,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Stack, pulled
-from tests.e2e.test_conversation import chat_turn, client
-
-pytestmark = pytest.mark.e2e
+from tests.support.chat import chat_turn, client
 
 INSTRUCTIONS = "Answer like a weather station: short words only."
 
@@ -85,7 +83,7 @@ def test_chat_and_responses_never_share_a_handle(stock_responses: Stack) -> None
         {"role": "system", "content": INSTRUCTIONS},
         {"role": "user", "content": "Any fog this morning?"},
     ]
-    answer, _ = chat_turn(api, messages, stream=False, cid=cid)
+    answer, _, _ = chat_turn(api, messages, stream=False, cid=cid)
     items = [
         {"role": "user", "content": "Any fog this morning?"},
         {"role": "assistant", "content": answer},

@@ -5,27 +5,24 @@ from __future__ import annotations
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import redis
 
 from sessions.model import conversation_digest
-from tests.e2e.conftest import Stack, post_json
-from tests.e2e.harness import router
-from tests.e2e.test_conversation import chat_turn, client, reference_chat
-
-pytestmark = pytest.mark.e2e
+from tests.e2e.conftest import Stack, post_json, reference_chat
+from tests.support.chat import chat_turn, client
+from tests.support.router import router
 
 
 def test_concurrent_turns_use_the_handle_at_most_once(stack: Stack) -> None:
     cid = f"race-{uuid.uuid4().hex[:8]}"
     api = client(stack.router.base_url)
     messages = [{"role": "user", "content": "Describe the rain on the hills."}]
-    answer, _ = chat_turn(api, messages, stream=False, cid=cid)
+    answer, _, _ = chat_turn(api, messages, stream=False, cid=cid)
     follow = [*messages, {"role": "assistant", "content": answer}]
 
     def turn(i: int) -> tuple[str, str, list[dict[str, str]]]:
         msgs = [*follow, {"role": "user", "content": f"Variant {i}: and the tea?"}]
-        text, reuse = chat_turn(client(stack.router.base_url), msgs, stream=False, cid=cid)
+        text, reuse, _ = chat_turn(client(stack.router.base_url), msgs, stream=False, cid=cid)
         return text, reuse, msgs
 
     # D stalls before its first byte, so all four turns claim before any of them commits.
@@ -33,8 +30,8 @@ def test_concurrent_turns_use_the_handle_at_most_once(stack: Stack) -> None:
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(turn, range(4)))
     reuses = [r for _, r, _ in results]
-    assert reuses.count("hit") <= 1, reuses
-    assert all(r == "hit" or r.startswith("miss;reason=") for r in reuses), reuses
+    # The first claim takes the handle; the other three find the turn in flight.
+    assert sorted(reuses) == ["hit", *["miss;reason=busy"] * 3], reuses
     for text, _, msgs in results:
         assert text == reference_chat(stack, msgs, 24)
     r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
@@ -57,12 +54,12 @@ def test_two_routers_share_sessions(stack: Stack) -> None:
     ) as second:
         cid = f"pair-{uuid.uuid4().hex[:8]}"
         messages = [{"role": "user", "content": "What about the weather at sea?"}]
-        answer, reuse = chat_turn(client(stack.router.base_url), messages, stream=False, cid=cid)
+        answer, reuse, _ = chat_turn(client(stack.router.base_url), messages, stream=False, cid=cid)
         assert reuse == "miss;reason=no-session"
         messages += [
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "And on land?"},
         ]
-        answer2, reuse2 = chat_turn(client(second.base_url), messages, stream=False, cid=cid)
+        answer2, reuse2, _ = chat_turn(client(second.base_url), messages, stream=False, cid=cid)
         assert reuse2 == "hit"
         assert answer2 == reference_chat(stack, messages, 24)

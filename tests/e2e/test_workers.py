@@ -21,12 +21,13 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import Stack, metric, pd_stack
-from tests.e2e.harness import RouterProc, router
-from tests.e2e.test_conversation import chat_turn, checked_turn
-from tests.procs import ROOT, free_port, redis_server, sim, stop, wait_until
-
-pytestmark = pytest.mark.e2e
+from tests.e2e.conftest import Stack, pd_stack
+from tests.e2e.test_conversation import checked_turn
+from tests.support import metrics
+from tests.support.chat import chat_turn
+from tests.support.metrics import metric
+from tests.support.procs import ROOT, free_port, redis_server, sim, stop, wait_until
+from tests.support.router import RouterProc, router
 
 REQUESTS = "kvbaton_requests_total"
 
@@ -39,20 +40,15 @@ class Pinned:
     http: httpx.Client
     pid: int
 
-    def sample(self, name: str, label: str = "") -> float:
-        """The sum of a metric's samples on this worker's /metrics (those with `label`)."""
-        total = 0.0
-        for line in self.http.get("/metrics").text.splitlines():
-            key, _, value = line.rpartition(" ")
-            if key.split("{")[0] == name and label in key:
-                total += float(value)
-        return total
+    def sample(self, name: str, **labels: str) -> float:
+        """The sum of a metric's samples on this worker's /metrics (those with `labels`)."""
+        return metrics.total(self.http.get("/metrics").text, name, **labels)
 
     def requests_total(self) -> float:
         return self.sample(REQUESTS)
 
     def decode_in_flight(self) -> float:
-        return self.sample("kvbaton_backend_inflight_requests", 'role="decode"')
+        return self.sample("kvbaton_backend_inflight_requests", role="decode")
 
 
 def pin(url: str, stack: ExitStack) -> Pinned:
@@ -142,7 +138,7 @@ def test_a_killed_worker_is_replaced_and_its_counts_are_kept(stack: Stack) -> No
         before = a.requests_total()
         os.kill(b.pid, signal.SIGKILL)
         # The other worker serves meanwhile.
-        answer, reuse = chat_turn(
+        answer, reuse, _ = chat_turn(
             a.api, [{"role": "user", "content": "still there?"}], stream=False, cid=None
         )
         assert answer and reuse == "skip;reason=no-conversation-id"
@@ -219,7 +215,7 @@ def test_one_workers_open_store_breaker_shows_on_the_other(redis_url_session: st
         assert b.sample("kvbaton_store_circuit_open") == 0
         stop(redis_proc)
         messages = [{"role": "user", "content": "Redis is gone"}]
-        _, reuse = chat_turn(a.api, messages, stream=False, cid="workers-circuit")
+        _, reuse, _ = chat_turn(a.api, messages, stream=False, cid="workers-circuit")
         assert reuse == "miss;reason=store-unavailable"
         # Only a's breaker opened; b answers the scrape with a's published value.
         wait_until(lambda: b.sample("kvbaton_store_circuit_open") == 1, "a's open breaker", 5)

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import redis
 
-from tests.e2e.harness import RouterProc, router
-from tests.procs import SimProc, log_file, sim
+from tests.support.chat import CHAT, JSON, chat_body, post
+from tests.support.procs import SimProc, log_file, sim
+from tests.support.router import RouterProc, router
 
 ADMIN_KEY = "ops-admin-key"
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
@@ -43,25 +44,18 @@ def call(
 def chat(
     router_url: str, cid: str, content: str, *, max_tokens: int = 8, bearer: str = ""
 ) -> tuple[int, str]:
-    """One non-streaming chat turn of conversation cid; returns (status, X-KV-Reuse)."""
-    body = {
-        "model": "sim-model",
-        "conversation_id": cid,
-        "max_tokens": max_tokens,
-        "messages": [{"role": "user", "content": content}],
-    }
-    headers = {"Content-Type": "application/json"}
+    """One non-streaming chat turn of conversation cid; returns (status, X-KV-Reuse); an
+    error status is returned too."""
+    body = chat_body([{"role": "user", "content": content}], cid=cid, max_tokens=max_tokens)
+    headers = dict(JSON)
     if bearer:
         headers["Authorization"] = f"Bearer {bearer}"
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(router_url + "/v1/chat/completions", data, headers)
-    with urllib.request.urlopen(req, timeout=20) as resp:
-        resp.read()
-        return int(resp.status), resp.headers["X-KV-Reuse"]
+    reply = post(router_url + CHAT, body, headers=headers, timeout=20)
+    return reply.status, reply.reuse
 
 
 def log_path(tag: str) -> Path:
-    """The log file of the router ops_router(tag=tag) started (tests.procs.spawn writes it)."""
+    """The log file of the router ops_router(tag=tag) started (spawn() writes it)."""
     return log_file(f"ops-{tag}")
 
 

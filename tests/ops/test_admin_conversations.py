@@ -14,11 +14,9 @@ import pytest
 import redis
 
 from router.turn.tenant import tenant_of
-from tests.e2e.harness import RouterProc
 from tests.ops.conftest import call, chat, log_path, ops_router
-from tests.procs import SimProc
-
-pytestmark = pytest.mark.e2e
+from tests.support.procs import SimProc
+from tests.support.router import RouterProc
 
 TAG = "conversations"
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,12 +13,11 @@ from typing import Any
 import pytest
 import redis
 
-from tests.e2e.conftest import metric
-from tests.e2e.harness import RouterProc
 from tests.ops.conftest import BIDIR, call, chat, decode_urls, ops_router
-from tests.procs import SimProc, sim
-
-pytestmark = pytest.mark.e2e
+from tests.support.chat import CHAT, chat_body, post
+from tests.support.metrics import metric
+from tests.support.procs import SimProc, sim
+from tests.support.router import RouterProc
 
 
 @pytest.fixture(scope="module")
@@ -69,21 +66,12 @@ class SlowStream(threading.Thread):
         self.text = ""
 
     def run(self) -> None:
-        body = {
-            "model": "sim-model",
-            "conversation_id": f"slow-{uuid.uuid4().hex[:8]}",
-            "max_tokens": 60,
-            "stream": True,
-            "messages": [{"role": "user", "content": "Tell me a long story."}],
-        }
-        req = urllib.request.Request(
-            self.router_url + "/v1/chat/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            self.status = resp.status
-            self.text = resp.read().decode()
+        messages = [{"role": "user", "content": "Tell me a long story."}]
+        cid = f"slow-{uuid.uuid4().hex[:8]}"
+        body = chat_body(messages, cid=cid, max_tokens=60, stream=True)
+        reply = post(self.router_url + CHAT, body, timeout=30)
+        self.status = reply.status
+        self.text = reply.body.decode()
 
 
 def in_flight(r: RouterProc, url: str) -> int:
@@ -119,10 +107,7 @@ def test_drain_lets_the_turn_in_flight_finish_and_takes_no_new_ones(
     assert code == 200 and body["status"] == "draining"
     assert body["instance"]["draining"] is True and body["instance"]["outstanding"] == 1
     # The only decode instance drains: a new turn has nowhere to go.
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        chat(r.url, "ops-refused", "hello")
-    assert refused.value.code == 503
-    refused.value.close()
+    assert chat(r.url, "ops-refused", "hello")[0] == 503
     stream.join(20)
     assert stream.status == 200 and "data: [DONE]" in stream.text
     assert in_flight(r, slow_d.url) == 0

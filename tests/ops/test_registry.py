@@ -20,7 +20,7 @@ from router.services import Services, StoreGuard
 from sessions.memory_store import MemorySessionStore
 from sessions.registry_store import Entry
 from tests.ops.conftest import call, decode_urls, ops_router
-from tests.procs import SimProc, free_port
+from tests.support.procs import SimProc, free_port
 
 
 def status(url: str) -> dict[str, Any]:
@@ -37,7 +37,6 @@ def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.e2e
 def test_changes_reach_a_second_router_and_survive_a_restart(
     p: SimProc, d: SimProc, d2: SimProc, ops_redis: str
 ) -> None:
@@ -72,7 +71,6 @@ def test_changes_reach_a_second_router_and_survive_a_restart(
             eventually(lambda: not decode_urls(status(b.url))[d.url]["draining"])
 
 
-@pytest.mark.e2e
 def test_an_entry_whose_instance_is_down_joins_unhealthy(
     p: SimProc, d: SimProc, ops_redis: str
 ) -> None:
@@ -95,6 +93,7 @@ def entry(role: str, state: str) -> Entry:
     return Entry(role=role, state=state)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("entries", "want"),
     [

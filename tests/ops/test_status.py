@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import RouterProc, router
 from tests.ops.conftest import ADMIN_KEY, call, ops_router
-from tests.procs import SimProc
+from tests.support.procs import SimProc
+from tests.support.router import RouterProc, router
 
 
 @pytest.fixture(scope="module")

@@ -4,24 +4,15 @@ slow stack whose decode emits one token every half second."""
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e.harness import RouterProc
-from tests.procs import SimProc, redis_server, restart_redis, sim, sims, stop, wait_until
-from tests.reliability.helpers import (
-    clear_faults,
-    get_json,
-    retried,
-    router,
-    running,
-    started,
-)
+from tests.reliability.helpers import clear_faults, running
+from tests.support.chat import get_json
+from tests.support.procs import SimProc, sims, wait_until
+from tests.support.stack import Stack, start_stack, started
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 # The shared engines want a key (vLLM --api-key); routers send it from their config.
@@ -69,75 +60,18 @@ ROUTER_FLAGS = (
 SLOW_TOKEN_MS = 500
 
 
-@dataclass
-class Stack:
-    """The shared stack. `restart` swaps a simulator for a new process on the same ports."""
-
-    ps: list[SimProc]
-    ds: list[SimProc]
-    ref: SimProc
-    router: RouterProc
-    redis_port: int
-    redis_proc: subprocess.Popen[bytes]
-    exits: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-
-    @property
-    def url(self) -> str:
-        return self.router.url
-
-    @property
-    def log(self) -> Path:
-        return self.router.log
-
-    @property
-    def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
-
-    @property
-    def engines(self) -> list[SimProc]:
-        return [*self.ps, *self.ds]
-
-    def restart(
-        self, role: str, index: int, *extra: str, down: Callable[[], None] = lambda: None
-    ) -> SimProc:
-        """Stop a P or D and start a new one on the same HTTP and side-channel ports (`down`
-        runs in between)."""
-        group = self.ps if role == "prefill" else self.ds
-        old = group[index]
-        stop(old.proc)
-        down()
-        flags = P_FLAGS[1:] if role == "prefill" else D_FLAGS[1:]
-        ports = ("--port", str(old.port), "--kv-port", str(old.kv_port))
-        new = retried(lambda: sim(role, *flags, *ports, *extra, name=f"rel-{role}"), self.exits)
-        group[index] = new
-        return new
-
-    def stop_redis(self) -> None:
-        stop(self.redis_proc)
-
-    def start_redis(self) -> None:
-        if self.redis_proc.poll() is None:
-            return
-        self.redis_proc = restart_redis(self.redis_port)
-
-
 @pytest.fixture(scope="package")
 def stack() -> Iterator[Stack]:
-    with contextlib.ExitStack() as exits:
-        _url, redis_port, redis_proc = exits.enter_context(redis_server())
-        engines = (P_FLAGS, P_FLAGS, D_FLAGS, D_FLAGS, ("decode",))
-        p1, p2, d1, d2, ref = retried(lambda: sims(*engines, name="rel"), exits)
-        url = f"redis://127.0.0.1:{redis_port}/0"
-        name = "rel-router"
-        r = exits.enter_context(
-            router([p1.url, p2.url], [d1.url, d2.url], *ROUTER_FLAGS, redis_url=url, name=name)
-        )
-        s = Stack([p1, p2], [d1, d2], ref, r, redis_port, redis_proc)
-        with s.exits:
-            try:
-                yield s
-            finally:
-                stop(s.redis_proc)
+    with start_stack(
+        prefill=[P_FLAGS[1:]] * 2,
+        decode=[D_FLAGS[1:]] * 2,
+        reference=(),
+        routers=[ROUTER_FLAGS],
+        name="rel",
+        router_timeout=60,
+        router_attempts=2,
+    ) as s:
+        yield s
 
 
 def settle(s: Stack) -> None:

@@ -6,121 +6,20 @@ import contextlib
 import json
 import socket
 import time
-import urllib.error
-import urllib.request
 import uuid
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
 
-from tests.e2e.conftest import metric
-from tests.e2e.harness import RouterProc
-from tests.procs import SimProc, free_port, log_file, spawn, stop, wait_http
+from tests.support.chat import JSON, Reply, chat_body, get_json, post
+from tests.support.metrics import metric
+from tests.support.procs import SimProc
+from tests.support.router import RouterProc
+from tests.support.router import router as support_router
 
 T = TypeVar("T")
-
-MODEL = "sim-model"
-JSON = {"Content-Type": "application/json"}
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: Mapping[str, str]  # names in lower case
-    body: bytes
-
-    @property
-    def reuse(self) -> str:
-        return self.headers.get("x-kv-reuse", "")
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-    def events(self) -> list[bytes]:
-        """The `data:` payloads of an SSE body, in order (`[DONE]` included)."""
-        out = []
-        for block in self.body.replace(b"\r\n", b"\n").split(b"\n\n"):
-            for line in block.split(b"\n"):
-                if line.startswith(b"data:"):
-                    out.append(line[5:].strip())
-        return out
-
-    def answer(self) -> str:
-        """The generated text of a chat or completions reply, streamed or not."""
-        if self.headers.get("content-type", "").startswith("text/event-stream"):
-            text = []
-            for data in self.events():
-                if data == b"[DONE]":
-                    continue
-                chunk = json.loads(data)
-                for choice in chunk.get("choices") or []:
-                    text.append((choice.get("delta") or {}).get("content") or "")
-                    text.append(choice.get("text") or "")
-            return "".join(text)
-        choice = self.json()["choices"][0]
-        return choice["message"]["content"] if "message" in choice else choice["text"]
-
-    def error_events(self) -> list[dict[str, Any]]:
-        found = []
-        for data in self.events():
-            if data != b"[DONE]":
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    found.append(chunk["error"])
-        return found
-
-
-def post(
-    url: str,
-    body: Any = None,
-    *,
-    raw: bytes | None = None,
-    headers: Mapping[str, str] | None = None,
-    timeout: float = 30.0,
-    method: str = "POST",
-) -> Reply:
-    """One request; an HTTP error status is a Reply too."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    all_headers = dict(JSON if headers is None else headers)
-    req = urllib.request.Request(url, data, all_headers, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return Reply(int(resp.status), _lower(resp.headers.items()), resp.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return Reply(exc.code, _lower(exc.headers.items()), exc.read())
-
-
-def _lower(items: Iterable[tuple[str, str]]) -> dict[str, str]:
-    return {name.lower(): value for name, value in items}
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def chat_body(
-    messages: list[dict[str, str]],
-    *,
-    cid: str | None = None,
-    stream: bool = False,
-    max_tokens: int = 8,
-    **extra: Any,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "stream": stream,
-        **extra,
-    }
-    if cid is not None:
-        body["conversation_id"] = cid
-    return body
 
 
 def reference(ref: SimProc, messages: list[dict[str, str]], max_tokens: int = 8) -> str:
@@ -263,46 +162,18 @@ def advance_clock(engine: SimProc, seconds: float) -> int:
     return expired
 
 
-@contextlib.contextmanager
 def router(
     prefill: Sequence[str], decode: Sequence[str], *args: str, redis_url: str, name: str
-) -> Iterator[RouterProc]:
-    """`kvbaton serve` as tests.e2e.harness.router starts it, with a start-up wait long enough
-    for a machine loaded by other engines, and one more try on a fresh port if it is not up."""
-    for attempt in range(2):
-        port = free_port()
-        argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), "--redis-url"]
-        argv += [redis_url, "--prefill", *prefill, "--decode", *decode, *args]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)  # spawn() hands its log file over
-            proc = spawn(argv, name)
-        try:
-            wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc)
-        except (TimeoutError, RuntimeError):
-            stop(proc, timeout=15)
-            if attempt:
-                raise
-            continue
-        try:
-            yield RouterProc(f"http://127.0.0.1:{port}", port, proc, log_file(name))
-        finally:
-            stop(proc, timeout=15)
-        return
-
-
-def retried(
-    make: Callable[[], contextlib.AbstractContextManager[T]], exits: contextlib.ExitStack
-) -> T:
-    """Enter make() in exits; a start that timed out (other engines load this machine, and
-    several processes start at once) is tried once more."""
-    try:
-        return exits.enter_context(make())
-    except (TimeoutError, RuntimeError):
-        return exits.enter_context(make())
-
-
-@contextlib.contextmanager
-def started(make: Callable[[], contextlib.AbstractContextManager[T]]) -> Iterator[T]:
-    """retried() as a context manager of its own."""
-    with contextlib.ExitStack() as exits:
-        yield retried(make, exits)
+) -> contextlib.AbstractContextManager[RouterProc]:
+    """tests.support.router.router with a start-up wait long enough for a machine loaded by
+    other engines, and one more try on a fresh port if it is not up."""
+    return support_router(
+        prefill,
+        decode,
+        *args,
+        redis_url=redis_url,
+        name=name,
+        ready_timeout=60,
+        attempts=2,
+        stop_timeout=15,
+    )

@@ -11,9 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.reliability.conftest import MAX_BODY, TENANT_HEADER, Stack
-from tests.reliability.helpers import JSON, MODEL, Reply, get_json, post
-
-pytestmark = pytest.mark.e2e
+from tests.support.chat import JSON, MODEL, Reply, get_json, post
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -13,11 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from router.engines.identity import REFUSALS_TO_PAUSE
-from tests.e2e.harness import RouterProc
-from tests.procs import SimProc, wait_until
 from tests.reliability.conftest import ADMIN_KEY, FIRST_BYTE_TIMEOUT, ROUTER_FLAGS, Stack
 from tests.reliability.helpers import (
-    JSON,
     Conversation,
     advance_clock,
     faults,
@@ -25,14 +22,14 @@ from tests.reliability.helpers import (
     metric,
     new_cid,
     placed,
-    post,
     router,
     running,
     session,
     total,
 )
-
-pytestmark = pytest.mark.e2e
+from tests.support.chat import JSON, post
+from tests.support.procs import SimProc, wait_until
+from tests.support.router import RouterProc
 
 
 def started(main: Stack, tag: str, via: str = "") -> tuple[Conversation, SimProc]:

@@ -8,12 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import RouterProc
-from tests.procs import wait_until
 from tests.reliability.conftest import Slow
 from tests.reliability.helpers import (
     Conversation,
-    chat_body,
     clear_faults,
     faults,
     metric,
@@ -23,8 +20,9 @@ from tests.reliability.helpers import (
     running,
     send_and_hang_up,
 )
-
-pytestmark = pytest.mark.e2e
+from tests.support.chat import chat_body
+from tests.support.procs import wait_until
+from tests.support.router import RouterProc
 
 PATH = "/v1/chat/completions"
 

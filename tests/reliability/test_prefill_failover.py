@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from tests.procs import SimProc, wait_until
 from tests.reliability.conftest import PREFILL_TIMEOUT, UNHEALTHY_AFTER, Stack
 from tests.reliability.helpers import (
     Conversation,
@@ -22,8 +21,7 @@ from tests.reliability.helpers import (
     session,
     total,
 )
-
-pytestmark = pytest.mark.e2e
+from tests.support.procs import SimProc, wait_until
 
 
 def log_lines(main: Stack, text: str) -> int:

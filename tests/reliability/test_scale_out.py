@@ -11,8 +11,6 @@ from tests.reliability.conftest import ENGINE_KEY, Stack
 from tests.reliability.helpers import Conversation, new_cid, router
 from tests.sessions.topologies import Topology, redis_cluster, redis_sentinel
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture(scope="module", params=["cluster", "sentinel"])
 def topology(request: pytest.FixtureRequest) -> Iterator[Topology]:

@@ -14,19 +14,8 @@ import pytest
 import redis
 
 from tests.reliability.conftest import ENGINE_KEY, TENANT_HEADER, Stack
-from tests.reliability.helpers import (
-    JSON,
-    Conversation,
-    Reply,
-    chat_body,
-    new_cid,
-    post,
-    reference,
-    router,
-    total,
-)
-
-pytestmark = pytest.mark.e2e
+from tests.reliability.helpers import Conversation, new_cid, reference, router, total
+from tests.support.chat import JSON, Reply, chat_body, post
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -135,7 +124,8 @@ def test_client_kv_transfer_params_never_reach_an_engine(
     failed = total(engines, "vllm:nixl_num_failed_transfers_total")
     failed += total(engines, "vllm:nixl_num_failed_notifications_total")
     conv = Conversation(main.url, main.ref, new_cid("forged"))
-    assert conv.turn(stream=stream, kv_transfer_params=forged(port)).reuse.startswith("miss")
+    first = conv.turn(stream=stream, kv_transfer_params=forged(port))
+    assert first.reuse == "miss;reason=no-session"
     assert conv.turn(stream=stream, kv_transfer_params=forged(port)).reuse == "hit"
     prompt = f"Rain in {conv.nonce}"
     body = {"model": "sim-model", "prompt": prompt, "max_tokens": 4}

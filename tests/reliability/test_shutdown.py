@@ -10,19 +10,10 @@ import time
 
 import pytest
 
-from tests.procs import wait_until
 from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
-from tests.reliability.helpers import (
-    JSON,
-    chat_body,
-    new_cid,
-    reference,
-    router,
-    running,
-    session,
-)
-
-pytestmark = pytest.mark.e2e
+from tests.reliability.helpers import new_cid, reference, router, running, session
+from tests.support.chat import JSON, chat_body
+from tests.support.procs import wait_until
 
 GRACE = 10.0
 TOKENS = 6  # 3 s of decoding on the slow D: it spans the SIGTERM

@@ -15,12 +15,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import metric
-from tests.procs import wait_until
 from tests.reliability.conftest import ROUTER_FLAGS, STORE_RETRY_AFTER, Stack
 from tests.reliability.helpers import Conversation, new_cid, router
-
-pytestmark = pytest.mark.e2e
+from tests.support.metrics import metric
+from tests.support.procs import wait_until
 
 UNAVAILABLE = "miss;reason=store-unavailable"
 

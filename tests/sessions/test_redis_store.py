@@ -16,7 +16,7 @@ from sessions.keys import conversation_key
 from sessions.model import SessionState, to_fields
 from sessions.redis_store import RedisSessionStore
 from sessions.store import StoreError
-from tests.procs import free_port
+from tests.support.procs import free_port
 
 KEY = conversation_key("tenant-a", "conv-1")
 STATE = SessionState(

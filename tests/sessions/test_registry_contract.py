@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from sessions import connect
 from sessions.registry_store import Entry, MemoryRegistry, RedisRegistry, Registry
 from sessions.store import StoreError
-from tests.procs import free_port
+from tests.support.procs import free_port
 
 D1 = "http://d1:8000"
 D2 = "http://d2:8000"

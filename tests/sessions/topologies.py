@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.procs import free_port, stop, wait_tcp
+from tests.support.procs import free_port, stop, wait_tcp
 
 SENTINEL_SERVICE = "kvbaton"
 

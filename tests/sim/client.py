@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from typing import Any
 
 import aiohttp
 
+from tests.support import metrics
 from vllm_sim.words import COMMON
-
-NULL_HANDOFF: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 _TIMEOUT = aiohttp.ClientTimeout(total=20)
 
@@ -80,15 +71,12 @@ async def chat(
 
 
 async def metric(base: str, name: str, **labels: str) -> float:
-    """One sample's value from /metrics (labels given must all match)."""
+    """A sample's value from /metrics (summed over those with `labels`; KeyError if none)."""
     _, text = await get(base + "/metrics")
-    for line in text.splitlines():
-        if not line.startswith((name + "{", name + " ")):
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(f"{name} {labels} not in /metrics")
+    found = metrics.matching(text, name, **labels)
+    if not found:
+        raise KeyError(f"{name} {labels} not in /metrics")
+    return sum(s.value for s in found)
 
 
 async def external(base: str) -> float:

@@ -14,12 +14,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tests.procs import SimProc, sims
-from tests.sim.client import NULL_HANDOFF, chat, get, parse_sse, post, stream, tokenize, words
+from tests.sim.client import chat, get, parse_sse, post, stream, tokenize, words
+from tests.support.chat import NULL_HANDOFF
+from tests.support.procs import SimProc, sims
 from vllm_sim import model
 from vllm_sim.events import decode_batch
-
-pytestmark = pytest.mark.e2e
 
 MSGS = [{"role": "user", "content": words(200, 40)}]
 

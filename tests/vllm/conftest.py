@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import RouterProc, router
-from tests.procs import ROOT, free_port
+from tests.support.procs import ROOT, free_port
+from tests.support.router import RouterProc, router
 from tests.vllm import engines
 from tests.vllm.engines import Engine, EngineSpec, KvEvents
 

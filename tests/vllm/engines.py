@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -24,6 +23,9 @@ from typing import Any
 
 import msgspec
 import zmq
+
+from tests.support import metrics
+from tests.support.chat import NULL_HANDOFF
 
 MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = 32
@@ -208,22 +210,10 @@ def stop(engines: list[Engine], grace: float = 10.0) -> None:
 
 # --- observation: /metrics, /tokenize --------------------------------------------------
 
-_SAMPLE = re.compile(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$")
-
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus sample of an engine's /metrics, filtered by labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=120) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match or match.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(match.group(3))
-    return total
+    return metrics.metric(url, name, timeout=120, **labels)
 
 
 def by_source(url: str, source: str) -> float:
@@ -253,16 +243,6 @@ def tokenize_chat(url: str, messages: list[dict[str, str]]) -> list[int]:
     body = {"model": MODEL_NAME, "messages": messages, "add_generation_prompt": True}
     tokens: list[int] = post(url + "/tokenize", body)["tokens"]
     return tokens
-
-
-NULL_HANDOFF = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def warm_up(p: Engine, d: Engine, timeout: float, attempts: int = 6) -> int:

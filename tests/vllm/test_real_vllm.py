@@ -18,8 +18,10 @@ import openai
 import pytest
 import redis
 
-from tests.e2e.harness import RouterProc
-from tests.procs import free_port
+from tests.support.chat import Turn, chat_turn, reference_answer
+from tests.support.chat import client as support_client
+from tests.support.procs import free_port
+from tests.support.router import RouterProc
 from tests.vllm import engines
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import MODEL_NAME, by_source, failed_transfers
@@ -32,7 +34,7 @@ if not os.environ.get(PYTHON_ENV):
 
 # Each test takes seconds here (docs/real-vllm.md); on a machine loaded by something else,
 # engine legs were measured to stall for minutes. Budget for that.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 MAX_TOKENS = 48
 SYSTEM = "You are a terse assistant. You answer questions about tea, rain and the valley."
@@ -41,20 +43,18 @@ QUESTION = "Is it going to rain in the valley today, and should I bring tea?"
 Message = dict[str, str]
 
 
+TIMEOUT = 330  # seconds an SDK call may take
+
+
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url, api_key="test-key", max_retries=0, timeout=330)
+    return support_client(url, timeout=TIMEOUT)
 
 
 def reference(engines_: Engines, messages: list[Message], max_tokens: int = MAX_TOKENS) -> str:
     """The answer of an engine without a connector, computed from scratch."""
-    with client(engines_.ref.url + "/v1") as ref:
-        out = ref.chat.completions.create(
-            model=MODEL_NAME,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=max_tokens,
-            temperature=0,
-        )
-    return out.choices[0].message.content or ""
+    return reference_answer(
+        engines_.ref.url, messages, max_tokens, model=MODEL_NAME, timeout=TIMEOUT, temperature=0
+    )
 
 
 def chat(
@@ -65,33 +65,20 @@ def chat(
     stream: bool = False,
     max_tokens: int = MAX_TOKENS,
     extra: dict[str, Any] | None = None,
-) -> tuple[str, str, dict[str, Any]]:
-    """One turn through the router: (answer, X-KV-Reuse, the JSON body or {} when streamed)."""
-    body = dict(extra or {})
-    if cid:
-        body["conversation_id"] = cid
+) -> Turn:
+    """One greedy turn through the router: (answer, X-KV-Reuse, the JSON body or {} when
+    streamed)."""
     with client(r.base_url) as api:
-        if stream:
-            with api.chat.completions.with_streaming_response.create(
-                model=MODEL_NAME,
-                messages=messages,  # type: ignore[arg-type]
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                extra_body=body,
-            ) as resp:
-                reuse = resp.headers["x-kv-reuse"]
-                text = "".join(c.choices[0].delta.content or "" for c in resp.parse() if c.choices)
-            return text, reuse, {}
-        raw = api.chat.completions.with_raw_response.create(
-            model=MODEL_NAME,
-            messages=messages,  # type: ignore[arg-type]
+        return chat_turn(
+            api,
+            messages,
+            cid=cid,
+            stream=stream,
             max_tokens=max_tokens,
+            model=MODEL_NAME,
+            extra=extra,
             temperature=0,
-            extra_body=body,
         )
-        data = json.loads(raw.text)
-        return raw.parse().choices[0].message.content or "", raw.headers["x-kv-reuse"], data
 
 
 def opening(tag: str) -> list[Message]:

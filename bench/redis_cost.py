@@ -18,8 +18,9 @@ from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
 
-from tests.bench.stack import LoadGen, Stack
-from tests.bench.stats import pct
+from bench.stack import LoadGen
+from bench.stats import pct
+from tests.support.stack import Stack
 
 _LINE = re.compile(r'^\d+\.\d+ \[\d+ ([^\]]+)\] "([^"]+)"')
 SCRIPT_COMMANDS = ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro")

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -91,37 +91,29 @@ def spawn(args: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
         )
 
 
-@contextlib.contextmanager
-def redis_server() -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
-    """A private redis-server on a free loopback port, no persistence; yields (url, port, proc)."""
+def _start_redis(port: int, directory: str) -> subprocess.Popen[bytes]:
+    """redis-server on 127.0.0.1:port, no persistence, once it accepts connections."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed (make install installs it)")
+    flags = ["--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+    flags += ["--dir", directory, "--daemonize", "no", "--loglevel", "warning"]
+    proc = subprocess.Popen([exe, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_tcp(port)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
+    """A private redis-server on a free loopback port, no persistence; yields (url, port, proc)."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen(
-            [
-                exe,
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                tmp,
-                "--daemonize",
-                "no",
-                "--loglevel",
-                "warning",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        proc = _start_redis(port, tmp)
         try:
-            wait_tcp(port)
             yield f"redis://127.0.0.1:{port}/0", port, proc
         finally:
             stop(proc)
@@ -129,31 +121,7 @@ def redis_server() -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
 
 def restart_redis(port: int) -> subprocess.Popen[bytes]:
     """Start a fresh redis-server on a given port (after a test stopped the first one)."""
-    exe = shutil.which("redis-server")
-    assert exe is not None
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            tempfile.gettempdir(),
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_tcp(port)
-    return proc
+    return _start_redis(port, tempfile.gettempdir())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +203,9 @@ def sim(role: str, *args: str, name: str = "sim", ready_timeout: float = 45.0) -
 
 
 @contextlib.contextmanager
-def sims(*specs: Sequence[str], name: str = "sim") -> Iterator[list[SimProc]]:
+def sims(
+    *specs: Sequence[str], name: str = "sim", ready_timeout: float = 45.0
+) -> Iterator[list[SimProc]]:
     """Several simulators started in parallel; each spec is (role, *flags). Same rules as sim()."""
     started: list[SimProc] = []
     ready: list[SimProc] = []
@@ -244,7 +214,7 @@ def sims(*specs: Sequence[str], name: str = "sim") -> Iterator[list[SimProc]]:
             engine_id = _flag(flags, "--engine-id") or f"{role}-{uuid.uuid4()}"
             started.append(_spawn_sim(role, flags, f"{name}{i}", engine_id))
         for i, ((role, *flags), sp) in enumerate(zip(specs, started, strict=True)):
-            ready.append(_start_sim(role, flags, f"{name}{i}", sp))
+            ready.append(_start_sim(role, flags, f"{name}{i}", sp, ready_timeout))
         yield ready
     finally:
         for sp in (*started, *ready):

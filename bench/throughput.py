@@ -16,10 +16,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from tests.bench import overhead
-from tests.bench.plan import Plan
-from tests.bench.stack import LoadGen, Stack, pin, start_stack, tree_cpu_seconds
-from tests.bench.stats import pct
+from bench import overhead
+from bench.plan import Plan
+from bench.stack import LoadGen, pin, start_stack, tree_cpu_seconds
+from bench.stats import pct
+from tests.support.stack import Stack
 
 Tick = Callable[[str], None]
 
@@ -36,7 +37,7 @@ def can_pin() -> bool:
 
 def _pin_all(router: int, st: Stack, lg: LoadGen) -> bool:
     ok = pin(router, {ROUTER_CPU})
-    for s in st.sims():
+    for s in st.engines:
         ok &= pin(s.proc.pid, {OTHERS_CPU})
     if st.redis_proc is not None:
         ok &= pin(st.redis_proc.pid, {OTHERS_CPU})
@@ -45,7 +46,7 @@ def _pin_all(router: int, st: Stack, lg: LoadGen) -> bool:
 
 
 # The unpinned comparison: (label, router arguments).
-WORKERS = (("1 worker", []), ("2 workers", ["--workers", "2"]))
+WORKERS: tuple[tuple[str, list[str]], ...] = (("1 worker", []), ("2 workers", ["--workers", "2"]))
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
@@ -61,7 +62,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
             out["sweeps"] = sweeps(st, 0, lg, plan, tick, "")
         finally:
             pin(lg.proc.pid, None)
-            for s in st.sims():
+            for s in st.engines:
                 pin(s.proc.pid, None)
             if st.redis_proc is not None:
                 pin(st.redis_proc.pid, None)

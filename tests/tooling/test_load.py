@@ -7,10 +7,8 @@ import asyncio
 
 import pytest
 
-from tests.load.cli import parse
-from tests.load.run import Plan, run_plan, start_stack
-
-pytestmark = pytest.mark.e2e
+from bench.load.cli import parse
+from bench.load.run import Plan, run_plan, start_stack
 
 
 @pytest.mark.timeout(120)
@@ -29,6 +27,7 @@ def test_quick_load_with_faults() -> None:
     assert result.hits > 0 and result.engine["kv_pulled_tokens"] > 0
 
 
+@pytest.mark.unit
 def test_command_line_plans() -> None:
     quick, path = parse(["--quick", "--json", "out.json"])
     assert (quick.conversations, quick.turns, quick.concurrency) == (40, 3, 40)

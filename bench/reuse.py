@@ -16,19 +16,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from tests.bench import overhead
-from tests.bench.loadgen import words
-from tests.bench.plan import Plan
-from tests.bench.stack import (
-    LoadGen,
-    RedisStats,
-    Stack,
-    by_source,
-    machine_cpu,
-    post,
-    start_stack,
-)
-from tests.bench.stats import pct, summary_ms
+from bench import overhead
+from bench.loadgen import words
+from bench.plan import Plan
+from bench.stack import LoadGen, RedisStats, by_source, machine_cpu, post, router_cpu, start_stack
+from bench.stats import pct, summary_ms
+from tests.support.stack import Stack
 
 Tick = Callable[[str], None]
 
@@ -136,10 +129,10 @@ class Arm:
 
     def run(self, lg: LoadGen, rnd: int) -> None:
         target = overhead.direct(self.st) if self.arm == "c" else overhead.via_router(self.st)
-        cpu0 = self.st.router_cpu()
+        cpu0 = router_cpu(self.st)
         busy0, total0 = machine_cpu()
         r = lg.run(conversation_job(self.plan, target, rnd), timeout=420.0)
-        self.cpu += self.st.router_cpu() - cpu0
+        self.cpu += router_cpu(self.st) - cpu0
         busy1, total1 = machine_cpu()
         self.busy[0] += busy1 - busy0
         self.busy[1] += total1 - total0
@@ -151,7 +144,7 @@ class Arm:
         out = summarize(self.plan, self.st, self.turns, self.wall, self.cpu, delta)
         out["machine_busy"] = self.busy[0] / self.busy[1] if self.busy[1] else None
         if self.arm == "a":
-            out["tokenize"] = tokenize_cost(self.plan, self.st.prefill[0].url)
+            out["tokenize"] = tokenize_cost(self.plan, self.st.ps[0].url)
         return out
 
 
@@ -177,7 +170,7 @@ def tokenize_cost(plan: Plan, url: str, calls: int = 10) -> dict[str, float]:
 
 def _tokens(st: Stack) -> dict[str, dict[str, float]]:
     totals: dict[str, dict[str, float]] = {}
-    for role, sims in (("P", st.prefill), ("D", st.decode)):
+    for role, sims in (("P", st.ps), ("D", st.ds)):
         acc: Counter[str] = Counter()
         for s in sims:
             acc.update(by_source(s.url))

@@ -1,4 +1,4 @@
-"""`python -m tests.bench [--quick] [--out DIR]`: run the benchmarks, write the report and plots.
+"""`python -m bench [--quick] [--out DIR]`: run the benchmarks, write the report and plots.
 
 The full run writes docs/benchmarks.md and docs/bench-*.png; --quick (under 2 minutes)
 writes to a fresh temporary directory unless --out is given.
@@ -25,10 +25,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tests.bench import overhead, plots, profile, report, reuse, throughput
-from tests.bench.plan import FULL, QUICK, Plan
-from tests.bench.stack import LoadGen
-from tests.procs import ROOT
+from bench import overhead, plots, profile, report, reuse, throughput
+from bench.plan import FULL, QUICK, Plan
+from bench.stack import LoadGen
+from tests.support.procs import ROOT
 
 PARTS = ("overhead", "throughput", "reuse", "profile")
 PNGS = {
@@ -39,7 +39,7 @@ PNGS = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a small run (under 2 minutes)")
     p.add_argument("--out", type=Path, help="report directory (default: docs/, or a temp dir)")
     p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts")
@@ -115,7 +115,7 @@ def _load() -> str:
 def meta(argv: list[str]) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join(["python -m tests.bench", *argv]),
+        "command": " ".join(["python -m bench", *argv]),
         "nproc": os.cpu_count(),
         "cpu_model": _cpu_model(),
         "load_before": _load(),

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.bench import overhead
-from tests.bench.plan import Plan
-from tests.bench.stack import LoadGen, Stack, start_stack
+from bench import overhead
+from bench.plan import Plan
+from bench.stack import LoadGen, router_cpu, start_stack
+from tests.support.stack import Stack
 
 Tick = Callable[[str], None]
 
@@ -163,7 +164,7 @@ def profile_load(
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "profile.txt"
         overhead.reset_caches(st)
-        cpu0 = st.router_cpu()
+        cpu0 = router_cpu(st)
         spy = record(st.routers[0].proc.pid, plan.profile_s, path)
         try:
             time.sleep(0.5)
@@ -173,7 +174,7 @@ def profile_load(
             if spy.poll() is None:
                 spy.kill()
                 spy.wait(5)
-        cpu = st.router_cpu() - cpu0
+        cpu = router_cpu(st) - cpu0
         text = path.read_text() if path.exists() else ""
     result = parse(text)
     events = sum(r["events"])

@@ -2,7 +2,7 @@
 passing a request through P and D with nothing else: no Redis, no session, no verification,
 no parsing of D's answer, no metrics or logs.
 
-Run as `python -m tests.bench.passthrough PORT P_URL D_URL`. A chat request goes to P
+Run as `python -m bench.passthrough PORT P_URL D_URL`. A chat request goes to P
 (`stream: false`, `max_tokens: 1`, the null handoff), then to D with P's
 `kv_transfer_params`; D's JSON body is returned as it came, D's SSE bytes relayed as they
 arrive (Starlette's StreamingResponse). kvbaton's added latency minus this one's is what

@@ -1,12 +1,11 @@
 """Processes for the benchmark: simulators, redis-server, routers and the load generator.
 
-Everything binds 127.0.0.1 on free ports (tests/procs.py) and is stopped by the ExitStack
-that started it, also on Ctrl-C or SIGTERM.
+Everything binds 127.0.0.1 on free ports (tests/support/stack.py) and is stopped by the
+ExitStack that started it, also on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -15,20 +14,19 @@ import select
 import subprocess
 import sys
 import urllib.request
-import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 
-from tests import procs
-from tests.e2e.harness import RouterProc
-from tests.procs import ROOT, SimProc, free_port, log_file, redis_server, spawn, stop, wait_http
+from tests.support.metrics import samples
+from tests.support.procs import ROOT, stop
+from tests.support.router import RouterProc, http_process
+from tests.support.stack import Stack
+from tests.support.stack import start_stack as support_stack
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-T = TypeVar("T")
 
 
 # Seconds a process may take to answer /health: on a loaded 2-core machine (other test
@@ -37,42 +35,11 @@ READY_TIMEOUT = 90.0
 
 
 @contextlib.contextmanager
-def sim(role: str, *args: str, name: str) -> Iterator[SimProc]:
-    """tests/procs.py's simulator (new ports for a start that lost a port race), with the
-    benchmark's longer wait."""
-    with procs.sim(role, *args, name=name, ready_timeout=READY_TIMEOUT) as sp:
-        yield sp
-
-
-@contextlib.contextmanager
-def router(
-    prefill: Sequence[str], decode: Sequence[str], *args: str, redis_url: str | None, name: str
-) -> Iterator[RouterProc]:
-    """`python -m router serve` on a free port (as tests/e2e/harness.py, a longer wait)."""
-    port = free_port()
-    argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--prefill", *prefill, "--decode", *decode]
-    argv += ["--session-store", "memory"] if redis_url is None else ["--redis-url", redis_url]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        proc = spawn([*argv, *args], name)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=READY_TIMEOUT, proc=proc)
-        yield RouterProc(f"http://127.0.0.1:{port}", port, proc, log_file(name))
-    finally:
-        stop(proc)
-
-
-@contextlib.contextmanager
 def passthrough(p_url: str, d_url: str, name: str) -> Iterator[RouterProc]:
-    """tests/bench/passthrough.py (the stack's floor for a turn) on a free port."""
-    port = free_port()
-    proc = spawn(["tests.bench.passthrough", str(port), p_url, d_url], name)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=READY_TIMEOUT, proc=proc)
-        yield RouterProc(f"http://127.0.0.1:{port}", port, proc, log_file(name))
-    finally:
-        stop(proc)
+    """bench/passthrough.py (the stack's floor for a turn) on a free port."""
+    argv = lambda port: ["bench.passthrough", str(port), p_url, d_url]  # noqa: E731
+    with http_process(argv, name, ready_timeout=READY_TIMEOUT) as app:
+        yield app
 
 
 def cpu_seconds(pid: int) -> float:
@@ -122,23 +89,10 @@ def pin(pid: int, cpus: set[int] | None) -> bool:
     return ok
 
 
-def metrics(url: str) -> dict[str, float]:
-    """An instance's Prometheus text as {'name{labels}': value} (label order as sent)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            with contextlib.suppress(ValueError):
-                out[key] = float(value)
-    return out
-
-
 def by_source(url: str) -> dict[str, float]:
     """vllm:prompt_tokens_by_source_total per source on one instance."""
     found: dict[str, float] = {}
-    for key, value in metrics(url).items():
+    for key, value in samples(url).items():
         if key.startswith("vllm:prompt_tokens_by_source_total{"):
             match = re.search(r'source="([^"]+)"', key)
             if match:
@@ -177,31 +131,9 @@ class RedisStats:
         self.client.close()
 
 
-@dataclass
-class Stack:
-    """A running set of processes; `procs` maps a label to its Popen for CPU readings."""
-
-    prefill: list[SimProc]
-    decode: list[SimProc]
-    routers: list[RouterProc]
-    redis_url: str | None
-    commands: dict[str, list[str]]
-    redis_proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def router_urls(self) -> list[str]:
-        return [r.url for r in self.routers]
-
-    def router_cpu(self) -> float:
-        return sum(tree_cpu_seconds(r.proc.pid) for r in self.routers)
-
-    def sims(self) -> list[SimProc]:
-        return [*self.prefill, *self.decode]
-
-
-def argv_of(proc: subprocess.Popen[bytes]) -> list[str]:
-    args = proc.args
-    return [str(a) for a in args] if isinstance(args, Sequence) else [str(args)]
+def router_cpu(st: Stack) -> float:
+    """CPU seconds the stack's routers (and their workers) have used."""
+    return sum(tree_cpu_seconds(r.proc.pid) for r in st.routers)
 
 
 @contextlib.contextmanager
@@ -213,65 +145,29 @@ def start_stack(
     with_redis: bool = True,
     name: str = "bench",
 ) -> Iterator[Stack]:
-    """P and D simulators (one per args list), a private redis-server, and routers."""
-    with contextlib.ExitStack() as stack:
-        redis_url: str | None = None
-        redis_proc: subprocess.Popen[bytes] | None = None
-        commands: dict[str, list[str]] = {}
-        if with_redis:
-            redis_url, port, redis_proc = stack.enter_context(redis_server())
-            commands["redis"] = ["redis-server", "--bind", "127.0.0.1", "--port", str(port)]
-        sims = enter_all(
-            stack,
-            [sim("prefill", *a, name=f"{name}-p{i}") for i, a in enumerate(prefill_args)]
-            + [sim("decode", *a, name=f"{name}-d{i}") for i, a in enumerate(decode_args)],
-        )
-        ps, ds = sims[: len(prefill_args)], sims[len(prefill_args) :]
-        for i, s in enumerate(ps):
-            commands[f"P{i}"] = argv_of(s.proc)
-        for i, s in enumerate(ds):
-            commands[f"D{i}"] = argv_of(s.proc)
-        urls = ([p.url for p in ps], [d.url for d in ds])
-        routers = enter_all(
-            stack,
-            [
-                router(*urls, *args, redis_url=redis_url, name=f"{name}-router{i}")
-                for i, args in enumerate(router_args)
-            ],
-        )
-        for i, r in enumerate(routers):
-            commands[f"router{i}"] = argv_of(r.proc)
-        yield Stack(ps, ds, routers, redis_url, commands, redis_proc)
-
-
-def enter_all(
-    stack: contextlib.ExitStack, cms: Sequence[contextlib.AbstractContextManager[T]]
-) -> list[T]:
-    """Enter context managers in parallel (processes start together); each one that
-    started is exited by the stack, even when another failed or Ctrl-C came meanwhile."""
-    if not cms:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(len(cms)) as pool:
-        futures = [pool.submit(cm.__enter__) for cm in cms]
-        try:
-            concurrent.futures.wait(futures)
-        finally:
-            for cm, future in zip(cms, futures, strict=True):
-                with contextlib.suppress(BaseException):
-                    future.result()  # waits for a start still under way
-                    stack.push(cm)
-    return [f.result() for f in futures]
+    """P and D simulators (one per args list), a private redis-server, and routers, with
+    the benchmark's longer start-up wait."""
+    with support_stack(
+        prefill=prefill_args,
+        decode=decode_args,
+        routers=router_args,
+        redis=with_redis,
+        name=name,
+        sim_timeout=READY_TIMEOUT,
+        router_timeout=READY_TIMEOUT,
+    ) as st:
+        yield st
 
 
 class LoadGen:
-    """The load generator process (tests/bench/loadgen.py): one job at a time, bounded."""
+    """The load generator process (bench/loadgen.py): one job at a time, bounded."""
 
     def __init__(self) -> None:
         log = Path(os.environ.get("TMPDIR", "/tmp")) / "kvbaton-test-logs" / "bench-loadgen.log"
         log.parent.mkdir(exist_ok=True)
         self._log = open(log, "wb")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.bench.loadgen"],
+            [sys.executable, "-m", "bench.loadgen"],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

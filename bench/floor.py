@@ -1,6 +1,6 @@
 """The machine's floor for relaying one paced chunk: a bare asyncio TCP relay, no HTTP.
 
-Run as `python -m tests.bench.floor source|relay PORT [UPSTREAM_PORT]`, or measured with
+Run as `python -m bench.floor source|relay PORT [UPSTREAM_PORT]`, or measured with
 `measure()`. The source sends `tokens` chunks of an SSE-sized payload per connection, 5 ms
 apart (as the paced D of the chunk-cost runs); the relay process forwards every read to its
 client with a write, as any Python proxy must (one wake-up, one read, one write per chunk);
@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tests.bench.stack import cpu_seconds
-from tests.procs import ROOT, free_port
+from bench.stack import cpu_seconds
+from tests.support.procs import ROOT, free_port
 
 CHUNK = (
     b'data: {"id":"cmpl-0","object":"chat.completion.chunk",'
@@ -78,7 +78,7 @@ async def _clients(port: int, tokens: int, connections: int) -> int:
 @contextlib.contextmanager
 def _process(*args: str) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.bench.floor", *args],
+        [sys.executable, "-m", "bench.floor", *args],
         cwd=ROOT,
         stderr=subprocess.DEVNULL,  # asyncio's "Task was destroyed" lines on SIGTERM
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tests.bench import redis_cost, reuse, throughput
-from tests.bench.plan import SOURCES, Plan
-from tests.bench.stats import fmt
+from bench import redis_cost, reuse, throughput
+from bench.plan import SOURCES, Plan
+from bench.stats import fmt
 
 SECTIONS = (
     "## Run",
@@ -44,7 +44,7 @@ def render(results: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> str:
     lines = [
         "# kvbaton benchmarks",
         "",
-        "Written by `make bench` (`python -m tests.bench`, code in `tests/bench/`). Every number",
+        "Written by `make bench` (`python -m bench`, code in `bench/`). Every number",
         "below comes from the one run described under *Run*; rerun the command to refresh it.",
         "Engines are `vllm_sim` processes (no GPU), so latencies are the router's and the",
         "simulators' own CPU work plus the cost model's sleeps. Percentiles are nearest-rank.",
@@ -95,7 +95,8 @@ def load_spread(loads: list[float]) -> str:
 def _cell(results: dict[str, Any], stream: bool, conc: int) -> dict[str, Any] | None:
     for c in results.get("overhead", {}).get("cells", []):
         if c["stream"] == stream and c["concurrency"] == conc:
-            return c
+            found: dict[str, Any] = c
+            return found
     return None
 
 
@@ -235,7 +236,7 @@ def reuse_targets(res: dict[str, Any] | None, plan: Plan) -> list[list[str]]:
 
 
 def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
-    from tests.bench import overhead as oh
+    from bench import overhead as oh
 
     lines = [
         "## 1. Router overhead",
@@ -252,7 +253,7 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
         "The load generator is its own process; *added* is kvbaton minus direct at the same",
         "percentile. Router CPU per turn is `/proc/<pid>/stat` utime+stime over the run / turns.",
         "",
-        "*Floor* is a third arm run in the same rounds: `tests/bench/passthrough.py`, the stack",
+        "*Floor* is a third arm run in the same rounds: `bench/passthrough.py`, the stack",
         "the design names (Hypercorn, Starlette, aiohttp) doing the same two legs with nothing",
         "else (no Redis, no session, no parsing of D's answer, no metrics or logs). What it",
         "adds over direct is what any router built on this stack pays on this machine; kvbaton's",
@@ -334,7 +335,7 @@ def us_pair(d: dict[str, float]) -> str:
 
 
 def streaming_table(res: dict[str, Any]) -> list[str]:
-    from tests.bench import overhead as oh
+    from bench import overhead as oh
 
     cells = [c for c in res["cells"] if c["stream"]]
     events = cells[0]["kvbaton"]["events"] if cells else 0
@@ -433,7 +434,7 @@ def chunk_table(res: dict[str, Any]) -> list[str]:
     )
     if through:
         lines += [
-            "The *passthrough* row is `tests/bench/passthrough.py` (section 1's floor arm) on the",
+            "The *passthrough* row is `bench/passthrough.py` (section 1's floor arm) on the",
             "paced engines: the stack the design names relaying the same chunks with no parsing,",
             "no capture and no metrics. kvbaton's own work per chunk is its *stock, paced* figure",
             "minus this one.",
@@ -441,7 +442,7 @@ def chunk_table(res: dict[str, Any]) -> list[str]:
         ]
     if relay_floor:
         lines += [
-            "The *bare relay* row is `tests/bench/floor.py`: a source sends the same paced chunks",
+            "The *bare relay* row is `bench/floor.py`: a source sends the same paced chunks",
             "(an SSE-sized payload, 5 ms apart) and a bare asyncio relay process forwards each",
             "read with one write, measured the same way (the CPU slope between 8 and 128",
             "chunks, 32 connections at a time). No Python relay on this machine can do a paced",

@@ -21,10 +21,10 @@ from typing import Any
 
 import aiohttp
 
-from tests.e2e.conftest import metric
-from tests.e2e.harness import RouterProc
-from tests.procs import SimProc, redis_server, restart_redis, sims, stop
-from tests.reliability.helpers import retried, router
+from tests.support.metrics import metric
+from tests.support.procs import SimProc
+from tests.support.stack import Stack
+from tests.support.stack import start_stack as support_stack
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0", "--num-blocks", "32768")
 CHAT = "/v1/chat/completions"
@@ -65,20 +65,6 @@ class Plan:
     faults: bool = True
     time_limit: float = 300.0
     request_timeout: float = 60.0
-
-
-@dataclass
-class Stack:
-    ps: list[SimProc]
-    ds: list[SimProc]
-    ref: SimProc
-    router: RouterProc
-    redis_port: int
-    redis: Any  # the redis-server Popen, replaced on restart
-
-    @property
-    def engines(self) -> list[SimProc]:
-        return [*self.ps, *self.ds]
 
 
 @dataclass
@@ -169,19 +155,16 @@ class Result:
 @contextlib.contextmanager
 def start_stack(name: str = "load") -> Iterator[Stack]:
     """Redis, 2 P, 2 D (bidirectional, handles in the final SSE chunk), a reference, the router."""
-    p_flags = ("prefill", *BIDIR)
-    d_flags = ("decode", *BIDIR, "--stream-kv-params")
-    with contextlib.ExitStack() as exits:
-        url, port, proc = exits.enter_context(redis_server())
-        engines = (p_flags, p_flags, d_flags, d_flags, ("decode", "--num-blocks", "32768"))
-        p1, p2, d1, d2, ref = retried(lambda: sims(*engines, name=name), exits)
-        ps, ds = [p1.url, p2.url], [d1.url, d2.url]
-        r = exits.enter_context(router(ps, ds, *ROUTER_FLAGS, redis_url=url, name=f"{name}-rtr"))
-        stack = Stack([p1, p2], [d1, d2], ref, r, port, proc)
-        try:
-            yield stack
-        finally:
-            stop(stack.redis)
+    with support_stack(
+        prefill=[BIDIR] * 2,
+        decode=[(*BIDIR, "--stream-kv-params")] * 2,
+        reference=("--num-blocks", "32768"),
+        routers=[ROUTER_FLAGS],
+        name=name,
+        router_timeout=60,
+        router_attempts=2,
+    ) as stack:
+        yield stack
 
 
 def engine_counters(stack: Stack) -> dict[str, float]:
@@ -217,10 +200,10 @@ def fault_schedule(stack: Stack) -> list[tuple[float, str, Callable[[], Awaitabl
         await arm(engine, **faults)
 
     async def stop_redis() -> None:
-        await asyncio.to_thread(stop, stack.redis)
+        await asyncio.to_thread(stack.stop_redis)
 
     async def start_redis() -> None:
-        stack.redis = await asyncio.to_thread(restart_redis, stack.redis_port)
+        await asyncio.to_thread(stack.start_redis)
 
     p1, p2 = stack.ps
     d1, d2 = stack.ds

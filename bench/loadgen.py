@@ -17,24 +17,17 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import msgspec
 
+from tests.support.chat import NULL_HANDOFF
 from vllm_sim.words import COMMON
 
 CHAT = "/v1/chat/completions"
-NULL_HANDOFF = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 BODY_POOL = 4096  # distinct request bodies per job; longer jobs cycle through them
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
@@ -404,7 +397,7 @@ def summarize(samples: list[Sample], wall: float, sent: int) -> dict[str, Any]:
     }
 
 
-KINDS: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+KINDS: dict[str, Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]] = {
     "closed": closed_loop,
     "open": open_loop,
     "conversations": conversations,

@@ -1,4 +1,4 @@
-"""`python -m tests.bench --quick` writes a well-formed report and plots (numbers not judged)."""
+"""`python -m bench --quick` writes a well-formed report and plots (numbers not judged)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.cli import PNGS
-from tests.bench.report import SECTIONS
-from tests.procs import ROOT
+from bench.cli import PNGS
+from bench.report import SECTIONS
+from tests.support.procs import ROOT
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NUMBER = re.compile(r"-?\d[\d,]*(\.\d+)?")
@@ -54,7 +54,7 @@ def check_png(path: Path) -> None:
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -66,7 +66,6 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
     report = (quick_run / "benchmarks.md").read_text()
@@ -86,7 +85,6 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
         assert all(step["achieved"] > 0 for s in sweeps.values() for step in s["steps"])
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_tables_are_rectangular_and_numbers_parse(quick_run: Path) -> None:
     report = (quick_run / "benchmarks.md").read_text()

@@ -9,20 +9,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from tests.bench import floor, redis_cost
-from tests.bench.plan import Plan
-from tests.bench.stack import (
-    LoadGen,
-    RedisStats,
-    Stack,
-    argv_of,
-    cpu_seconds,
-    passthrough,
-    post,
-    start_stack,
-)
-from tests.bench.stats import per_chunk, summary_ms
-from tests.e2e.harness import RouterProc
+from bench import floor, redis_cost
+from bench.plan import Plan
+from bench.stack import LoadGen, RedisStats, cpu_seconds, passthrough, post, router_cpu, start_stack
+from bench.stats import per_chunk, summary_ms
+from tests.support.router import RouterProc
+from tests.support.stack import Stack, argv_of
 
 Tick = Callable[[str], None]
 
@@ -42,8 +34,8 @@ USER_WORDS = 40
 def direct(st: Stack) -> dict[str, Any]:
     return {
         "mode": "direct",
-        "prefill": [p.url for p in st.prefill],
-        "decode": [d.url for d in st.decode],
+        "prefill": [p.url for p in st.ps],
+        "decode": [d.url for d in st.ds],
     }
 
 
@@ -76,7 +68,7 @@ def closed_job(
 
 def reset_caches(st: Stack) -> None:
     """Both arms start from empty prefix caches, so the engines do the same work."""
-    for s in st.sims():
+    for s in st.engines:
         post(s.url + "/reset_prefix_cache", {})
 
 
@@ -103,9 +95,9 @@ def timed(
     reset_caches(st)
     if stats is not None:
         stats.reset()
-    cpu0 = st.router_cpu()
+    cpu0 = router_cpu(st)
     r = lg.run(spec, timeout=spec.get("deadline_s", 120.0) + 60.0)
-    cpu = st.router_cpu() - cpu0
+    cpu = router_cpu(st) - cpu0
     return r, cpu, stats.read() if stats is not None else {}
 
 
@@ -118,7 +110,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
         assert st.redis_url is not None
         stats = RedisStats(st.redis_url)
         try:
-            with passthrough(st.prefill[0].url, st.decode[0].url, "overhead-floor") as floor_app:
+            with passthrough(st.ps[0].url, st.ds[0].url, "overhead-floor") as floor_app:
                 st.commands["floor"] = argv_of(floor_app.proc)
                 for stream in (False, True):
                     for conc, count in plan.overhead_counts:
@@ -134,7 +126,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
         finally:
             stats.close()
         out["commands"]["stock"] = st.commands
-    variants = (
+    variants: tuple[tuple[str, list[str], list[str]], ...] = (
         ("stream-kv-params", ["--stream-kv-params"], ["--stream-kv-params"]),
         ("stock, paced", PACED, []),
         ("stream-kv-params, paced", [*PACED, "--stream-kv-params"], ["--stream-kv-params"]),
@@ -149,8 +141,8 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
             paced = bool(PACED[0] in d_extra)
             out["chunk_cpu"][name] = chunk_slope(st, lg, plan, tick, paced=paced)
             if name == "stock, paced":
-                # The same paced chunks through the stack's floor (tests/bench/passthrough.py).
-                with passthrough(st.prefill[0].url, st.decode[0].url, "chunks-floor") as app:
+                # The same paced chunks through the stack's floor (bench/passthrough.py).
+                with passthrough(st.ps[0].url, st.ds[0].url, "chunks-floor") as app:
                     out["chunk_passthrough"] = chunk_slope(
                         st, lg, plan, tick, paced=True, floor_app=app
                     )

@@ -1,0 +1,96 @@
+"""The router as a real `kvbaton serve` process (Hypercorn) on a free port, and other HTTP
+servers of this project started the same way (the benchmark's passthrough)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.procs import free_port, log_file, spawn, stop, wait_http
+
+
+@dataclass
+class RouterProc:
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path  # its stdout and stderr
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+def serve_argv(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *args: str,
+    port: int,
+    redis_url: str | None = None,
+) -> list[str]:
+    """`python -m` arguments of `kvbaton serve` on 127.0.0.1:port (no --redis-url: memory)."""
+    argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--prefill", *prefill, "--decode", *decode]
+    argv += ["--session-store", "memory"] if redis_url is None else ["--redis-url", redis_url]
+    return [*argv, *args]
+
+
+@contextlib.contextmanager
+def http_process(
+    argv: Callable[[int], Sequence[str]],
+    name: str,
+    *,
+    ready_timeout: float = 20.0,
+    attempts: int = 1,
+    stop_timeout: float = 5.0,
+) -> Iterator[RouterProc]:
+    """Start `python -m <argv(port)>` on a free port and wait for its /health; with
+    attempts > 1 a start that is not up in time is tried again on a fresh port (a loaded
+    machine, a port taken meanwhile)."""
+    for attempt in range(attempts):
+        port = free_port()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # spawn() hands its log file over
+            proc = spawn(argv(port), name)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=ready_timeout, proc=proc)
+        except (TimeoutError, RuntimeError):
+            stop(proc, timeout=stop_timeout)
+            if attempt + 1 == attempts:
+                raise
+            continue
+        except BaseException:
+            stop(proc, timeout=stop_timeout)
+            raise
+        try:
+            yield RouterProc(f"http://127.0.0.1:{port}", port, proc, log_file(name))
+        finally:
+            stop(proc, timeout=stop_timeout)
+        return
+
+
+@contextlib.contextmanager
+def router(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *args: str,
+    redis_url: str | None = None,
+    name: str = "router",
+    ready_timeout: float = 20.0,
+    attempts: int = 1,
+    stop_timeout: float = 5.0,
+) -> Iterator[RouterProc]:
+    """`kvbaton serve` for these P and D URLs (extra flags in args) on Redis, or on the
+    in-memory store when redis_url is None; stopped after."""
+    with http_process(
+        lambda port: serve_argv(prefill, decode, *args, port=port, redis_url=redis_url),
+        name,
+        ready_timeout=ready_timeout,
+        attempts=attempts,
+        stop_timeout=stop_timeout,
+    ) as r:
+        yield r
