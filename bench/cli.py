@@ -53,8 +53,8 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     n = 0
     if "overhead" in parts:
         # the cells; 4 chunk-cost configurations and the passthrough, 2 runs each; the Redis
-        # round trip and the bare relay
-        n += len(plan.overhead_counts) * 2 + 5 * 2 + 2
+        # round trip and the bare relay; the long streams (8, 1,000 and 16,000 tokens)
+        n += len(plan.overhead_counts) * 2 + 5 * 2 + 2 + 1 + len(overhead.LONG_TOKENS)
     if "throughput" in parts:
         n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps
     if "reuse" in parts:

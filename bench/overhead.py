@@ -25,6 +25,10 @@ D_ARGS = ["--bidirectional", "--decoder-kv-blocks-ttl", "2", "--sweep-interval",
 D_ARGS += ["--num-blocks", "65536"]
 # D paces its tokens like a GPU would (one SSE chunk per read at the router).
 PACED = ["--decode-ms-per-token", "5"]
+# Long streams (a model long enough for them): the router's CPU per chunk at 1,000 and at
+# 16,000 tokens, side by side; D's pace is the plan's.
+LONG_MODEL = ["--max-model-len", "20000"]
+LONG_TOKENS = (1000, 16000)
 NONSTREAM_TOKENS = 16
 STREAM_TOKENS = 32
 SYSTEM_WORDS = 120
@@ -149,6 +153,36 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
             out["commands"][f"chunks: {name}"] = st.commands
     tick("chunk cost of a bare relay (floor)")
     out["chunk_floor"] = floor.measure(connections=plan.chunk_runs)
+    out["chunk_long"] = long_streams(plan, lg, tick)
+    return out
+
+
+def long_streams(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
+    """Router CPU per chunk of 1,000- and 16,000-token streams (stock engines): each
+    length's CPU-per-turn slope against an 8-token stream, so the turn's fixed cost is left
+    out and what remains is the cost of a chunk that far into a stream."""
+    pace = plan.long_ms_per_token
+    with start_stack(
+        prefill_args=[[*P_ARGS, *LONG_MODEL]],
+        decode_args=[[*D_ARGS, *LONG_MODEL, "--decode-ms-per-token", str(pace)]],
+        router_args=[[]],
+        name="overhead-long",
+    ) as st:
+        n = plan.long_streams
+        out = chunk_slope(
+            st,
+            lg,
+            plan,
+            tick,
+            paced=pace > 0,
+            lengths=(8, *LONG_TOKENS),
+            count=n,
+            concurrency=n,
+            what="long streams",
+        )
+        out["streams"] = n
+        out["ms_per_token"] = pace
+        out["commands"] = st.commands
     return out
 
 
@@ -232,21 +266,35 @@ def chunk_slope(
     tick: Tick,
     paced: bool = False,
     floor_app: RouterProc | None = None,
+    lengths: tuple[int, ...] = (8, 128),
+    count: int | None = None,
+    concurrency: int = 32,
+    what: str = "chunk cost",
 ) -> dict[str, Any]:
-    """Router CPU per streamed chunk: the CPU-per-turn slope between 8 and 128 tokens.
+    """Router CPU per streamed chunk: the CPU-per-turn slope between the first of `lengths`
+    (tokens per stream) and each other one; `us_per_chunk` is the one to the last.
 
     Back to back (zero-cost D) several chunks arrive per read; paced (D sleeps between
     tokens, as a GPU does) every chunk is its own read, wake-up and write. With
-    `floor_app`, the passthrough's slope instead of the router's.
+    `floor_app`, the passthrough's slope instead of the router's. `count` streams per
+    length (default from the plan; at least 16 of the shortest, whose CPU per turn is the
+    smallest reading), `concurrency` at a time, no warmup when `count` is given.
     """
     runs: dict[str, dict[str, float]] = {}
-    count = plan.chunk_runs // 3 if paced else plan.chunk_runs
+    if count is None:
+        count, warmup = (plan.chunk_runs // 3 if paced else plan.chunk_runs), 32
+    else:
+        warmup = 0
     target = via_router(st) if floor_app is None else via_url(floor_app.url)
     who = "" if floor_app is None else " (floor)"
-    for tokens in (8, 128):
-        tick(f"chunk cost {tokens} tokens{' paced' if paced else ''}{who}")
-        spec = closed_job(target, stream=True, concurrency=32, count=count, warmup=32, seed=7)
+    for tokens in lengths:
+        tick(f"{what} {tokens} tokens{' paced' if paced else ''}{who}")
+        n = count if warmup or tokens != lengths[0] else max(count, 16)
+        spec = closed_job(
+            target, stream=True, concurrency=concurrency, count=n, warmup=warmup, seed=7
+        )
         spec["max_tokens"] = tokens
+        spec["request_timeout_s"] = 60.0 + tokens / 100.0  # a paced 16,000 tokens: 16 s+
         if floor_app is None:
             r, cpu, _ = timed(st, lg, spec, None)
         else:
@@ -255,6 +303,10 @@ def chunk_slope(
             cpu = cpu_seconds(floor_app.proc.pid) - cpu0
         events = sum(r["events"]) / max(1, len(r["events"]))
         runs[str(tokens)] = {"cpu_ms_per_turn": cpu / max(1, r["sent"]) * 1000.0, "events": events}
-    d_cpu = runs["128"]["cpu_ms_per_turn"] - runs["8"]["cpu_ms_per_turn"]
-    d_events = runs["128"]["events"] - runs["8"]["events"]
-    return {"runs": runs, "us_per_chunk": d_cpu * 1000.0 / d_events if d_events else None}
+    base = runs[str(lengths[0])]
+    slopes: dict[str, float | None] = {}
+    for tokens in lengths[1:]:
+        d_cpu = runs[str(tokens)]["cpu_ms_per_turn"] - base["cpu_ms_per_turn"]
+        d_events = runs[str(tokens)]["events"] - base["events"]
+        slopes[str(tokens)] = d_cpu * 1000.0 / d_events if d_events else None
+    return {"runs": runs, "us_per_chunk": slopes[str(lengths[-1])], "us_per_chunk_at": slopes}

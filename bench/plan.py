@@ -62,6 +62,8 @@ class Plan:
     overhead_warmup: int
     overhead_rounds: int  # alternating direct/kvbaton rounds per cell
     chunk_runs: int  # requests per run of the per-chunk CPU slope
+    long_streams: int  # streams per length of the long-stream chunk cost (all at once)
+    long_ms_per_token: float  # D's pace for them (0: back to back; 16,000 x 1 ms = 16 s+)
     # 2. throughput: open-loop rate sweep
     sweep_start: float
     sweep_factor: float
@@ -93,6 +95,8 @@ FULL = Plan(
     overhead_warmup=50,
     overhead_rounds=4,
     chunk_runs=600,
+    long_streams=8,
+    long_ms_per_token=1.0,
     sweep_start=100.0,
     sweep_factor=1.35,
     sweep_steps=12,
@@ -116,6 +120,8 @@ QUICK = Plan(
     overhead_warmup=10,
     overhead_rounds=1,
     chunk_runs=96,
+    long_streams=2,
+    long_ms_per_token=0.0,  # paced, the 16,000-token stream alone takes 16-30 s
     sweep_start=100.0,
     sweep_factor=2.0,
     sweep_steps=3,

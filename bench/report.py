@@ -449,6 +449,40 @@ def chunk_table(res: dict[str, Any]) -> list[str]:
             "chunk for less: it is the cost of one wake-up, one read and one write here.",
             "",
         ]
+    long = res.get("chunk_long")
+    if long:
+        lines += long_stream_table(long)
+    return lines
+
+
+def long_stream_table(long: dict[str, Any]) -> list[str]:
+    """Router CPU per chunk 1,000 and 16,000 tokens into a stream, side by side."""
+    at = long["us_per_chunk_at"]
+    runs = long["runs"]
+    lengths = [n for n in runs if n in at]
+    pace = long.get("ms_per_token", 1.0)
+    paced = (
+        f"D paced {pace:g} ms per token, so every chunk is its own read"
+        if pace
+        else "D sends its tokens back to back, several chunks per read: `make bench` paces them"
+    )
+    lines = [
+        "### Router CPU per chunk, short and long streams",
+        "",
+        f"{long['streams']} streaming turns of each length at a time through the router (stock",
+        f"engines; {paced}). Each length's router CPU per turn against that of 8-token",
+        "streams: the CPU a chunk costs, the turn's fixed cost left out. The same figure at",
+        "both lengths means a chunk costs the same however far into a stream it is.",
+        "",
+    ]
+    lines += table(
+        ["per stream length", *(f"{int(n):,} tokens" for n in lengths)],
+        [
+            ["router CPU per chunk (us)", *(fmt(at[n], 1) for n in lengths)],
+            ["router CPU per turn (ms)", *(fmt(runs[n]["cpu_ms_per_turn"], 1) for n in lengths)],
+            ["SSE events per turn", *(f"{runs[n]['events']:.0f}" for n in lengths)],
+        ],
+    )
     return lines
 
 

@@ -99,16 +99,21 @@ def instance(router_url: str, role: str, url: str) -> dict[str, Any]:
     return found
 
 
-def send_and_hang_up(port: int, path: str, body: Mapping[str, Any], *, after: float) -> bytes:
-    """Send a request on a raw socket, read for `after` seconds, then close the connection."""
+def raw_post(port: int, path: str, body: Mapping[str, Any]) -> bytes:
+    """An HTTP/1.1 JSON POST to 127.0.0.1:port as bytes, for a raw socket."""
     data = json.dumps(body).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
     ).encode()
+    return head + data
+
+
+def send_and_hang_up(port: int, path: str, body: Mapping[str, Any], *, after: float) -> bytes:
+    """Send a request on a raw socket, read for `after` seconds, then close the connection."""
     got = b""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(head + data)
+        sock.sendall(raw_post(port, path, body))
         deadline = time.monotonic() + after
         while (left := deadline - time.monotonic()) > 0:
             sock.settimeout(left)
@@ -124,14 +129,9 @@ def send_and_hang_up(port: int, path: str, body: Mapping[str, Any], *, after: fl
 
 def read_until(port: int, path: str, body: Mapping[str, Any], marker: bytes, count: int) -> bytes:
     """Send a request on a raw socket and hang up once `marker` was seen `count` times."""
-    data = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
-    ).encode()
     got = b""
     with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(head + data)
+        sock.sendall(raw_post(port, path, body))
         while got.count(marker) < count:
             chunk = sock.recv(65536)
             if not chunk:
