@@ -151,6 +151,8 @@ class EngineIdentity:
         again (twice as long) when the handle tried after a pause is refused too."""
         refusals = self.refused_by.setdefault(prefill, Refusals())
         refusals.count += 1
+        if refusals.pause_s and now < refusals.until:
+            return  # a handle in flight when the pause began: the pause already covers it
         if refusals.count < REFUSALS_TO_PAUSE and not refusals.pause_s:
             return
         refusals.pause_s = min(PAUSE_MAX_S, refusals.pause_s * 2 or PAUSE_FIRST_S)

@@ -158,13 +158,16 @@ def after_prefill(a: Attempt) -> AfterPrefill:
     if a.ok:
         return AfterPrefill(Next.DONE)
     # A failed or declined D->P read answers 500 under kv_load_failure_policy=fail (vLLM
-    # #34896); a timeout may still be reading. Either way the handle is used up.
-    used = a.with_handle and (a.status != 0 or a.reached)
-    if used and a.status != 0:
+    # #34896); a timeout may still be reading (a hung D). Either way the handle is used up,
+    # and the failure is the handle's D's: the same P is tried again as a miss, and is judged
+    # by that attempt alone (a hung D must not eject every P).
+    if a.with_handle and (a.status != 0 or a.reached):
         return AfterPrefill(Next.AS_MISS, handle_used=True)
+    if a.status == 429:
+        return AfterPrefill(Next.ANOTHER_P)  # busy, not broken: another P, no ejection
     if 400 <= a.status < 500:
         return AfterPrefill(Next.RELAY)
-    return AfterPrefill(Next.ANOTHER_P, handle_used=used, failed=True)
+    return AfterPrefill(Next.ANOTHER_P, failed=True)
 
 
 def redo_decode(failed_attempts: int) -> bool:

@@ -111,13 +111,24 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
         elif step.next is Next.RELAY:
             raise EngineReply(attempt.status, raw)
         elif step.next is Next.ANOTHER_P:
-            svc.pool.record_failure(inst, failure)
             tried.append(inst.url)
-            log.warning("prefill on %s failed (%s); trying another instance", inst.url, failure)
-            try:
-                inst = svc.pool.pick("prefill", exclude=tried)
-            except RouterError:
-                raise UpstreamError(f"every prefill instance failed; last: {failure}") from None
+            inst = _another(turn, inst, tried, step.failed, (attempt.status, raw, failure))
+
+
+def _another(
+    turn: Turn, inst: Instance, tried: list[str], failed: bool, reply: tuple[int, bytes, str]
+) -> Instance:
+    """The next P after `inst` did not serve (failed: counted against it; else it was busy)."""
+    status, raw, failure = reply
+    if failed:
+        turn.svc.pool.record_failure(inst, failure)
+    log.warning("prefill on %s failed (%s); trying another instance", inst.url, failure)
+    try:
+        return turn.svc.pool.pick("prefill", exclude=tried)
+    except RouterError:
+        if not failed:  # every P is busy: the client gets the 429 to back off
+            raise EngineReply(status, raw) from None
+        raise UpstreamError(f"every prefill instance failed; last: {failure}") from None
 
 
 def _handoff(turn: Turn, inst: Instance, parsed: dict[str, Any]) -> dict[str, Any] | None:

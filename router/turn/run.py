@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from starlette.responses import Response, StreamingResponse
 
 from router.engines.client import EngineStream
-from router.engines.pool import Instance
+from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure, sse_error_event
 from router.services import Services
 from router.tracing import span
@@ -89,7 +89,8 @@ async def _serve(turn: Turn) -> Response:
                 raise UpstreamError(f"decode failed twice; last: {exc}") from None
             if turn.claim.params is not None:
                 turn.claim = turn.claim.miss(Reason.DECODE_RETRIED)
-            p_inst = svc.pool.pick("prefill", prefer=prefilled.instance.url)
+            # P's params may be what D failed on (forged or stale): another P if there is one.
+            p_inst = _pick_other(svc, "prefill", prefilled.instance)
 
 
 def _wants_token_ids(turn: Turn) -> bool:
@@ -125,6 +126,13 @@ def _reader(turn: Turn, source: Instance, p_inst: Instance) -> Instance:
     except Unavailable:
         turn.claim = turn.claim.miss(Reason.READS_PAUSED)
         return p_inst
+
+
+def _pick_other(svc: Services, role: Role, inst: Instance) -> Instance:
+    try:
+        return svc.pool.pick(role, exclude=[inst.url])
+    except Unavailable:
+        return svc.pool.pick(role, prefer=inst.url)
 
 
 def _pick_decode(svc: Services, prefer: str, failed: list[str]) -> Instance:

@@ -208,7 +208,13 @@ def test_a_prefill_that_keeps_refusing_a_decodes_handles_gets_none_for_a_while()
     d1.ident.note_refused(p1, at)  # refused again: twice as long, at once
     assert d1.ident.reads_paused(p1, at + 2 * PAUSE_FIRST_S - 1)
     assert not d1.ident.reads_paused(p1, at + 2 * PAUSE_FIRST_S)
-    for _ in range(10):
+    for _ in range(10):  # refusals while paused: handles in flight when the pause began
+        d1.ident.note_refused(p1, at)
+    assert d1.ident.refused_by[p1].pause_s == 2 * PAUSE_FIRST_S, (
+        "doubles per pause, not per refusal"
+    )
+    for _ in range(10):  # each handle tried after a pause refused too
+        at = d1.ident.refused_by[p1].until
         d1.ident.note_refused(p1, at)
     assert d1.ident.refused_by[p1].pause_s == PAUSE_MAX_S
     d1.ident.note_read(p1)

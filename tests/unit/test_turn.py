@@ -3,6 +3,7 @@ failover, refused handles, the ids fallback and the decode retry, in millisecond
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -206,6 +207,71 @@ async def test_a_prefill_4xx_to_the_client_s_body_is_relayed() -> None:
     assert headers["x-request-id"] == "rid"
 
 
+async def test_a_prefill_leg_that_times_out_on_a_hung_decode_s_handle_blames_the_decode() -> None:
+    """P waits on the handle's D until the prefill timeout (a hung D). The turn is redone as a
+    miss on the same P, and P is not counted as failing (a hung D used to eject every P)."""
+    engines = FakeEngines()
+    svc = services(engines)
+    await conversation(svc, 1)
+
+    def hang_on_handles(call: Call) -> UpstreamFailure | None:
+        if "/v1/" in call.url and handle_sent(call):
+            return UpstreamFailure("timed out")  # reached: P may be reading
+        return None
+
+    engines.scripts[P1] = engines.scripts[P2] = hang_on_handles
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "question number 0?"},
+    ]
+    messages.append({"role": "assistant", "content": expected_answer(messages)})
+    messages.append({"role": "user", "content": "and now?"})
+    status, headers, body = await turn(svc, messages)
+    assert (status, headers["x-kv-reuse"]) == (200, "miss;reason=handle-rejected")
+    assert answer(body) == expected_answer(messages)
+    assert all(p.failures == 0 for p in svc.pool.instances("prefill"))
+    p_legs = [c for c in engines.calls if "/v1/" in c.url and c.url.startswith("http://p")]
+    assert [handle_sent(c) for c in p_legs[-2:]] == [True, False]
+    assert p_legs[-1].url.split("/v1/")[0] == p_legs[-2].url.split("/v1/")[0], "the same P"
+
+
+async def test_a_busy_prefill_429_goes_to_another_and_is_relayed_only_when_all_are_busy() -> None:
+    engines = FakeEngines()
+    engines.scripts[P1] = lambda call: 429 if "/v1/" in call.url else None
+    svc = services(engines)
+    for _ in range(3):
+        status, headers, _ = await turn(svc, [{"role": "user", "content": "hi"}])
+        assert status == 200
+    assert len(engines.calls_to(P1, "/v1/")) >= 1, "P1 was tried"
+    assert svc.pool.find("prefill", P1).failures == 0  # type: ignore[union-attr]
+    engines.scripts[P2] = engines.scripts[P1]
+    status, headers, _ = await turn(svc, [{"role": "user", "content": "hi"}])
+    assert status == 429 and headers["x-request-id"] == "rid"
+    assert all(p.usable for p in svc.pool.instances("prefill")), "busy is not broken"
+
+
+def _fail_first_decode(failed: list[str]) -> Callable[[Call], int | None]:
+    def script(call: Call) -> int | None:
+        if "/v1/" in call.url and not failed:
+            failed.append(call.url)
+            return 500
+        return None
+
+    return script
+
+
+async def test_a_decode_redo_goes_to_another_prefill() -> None:
+    """D may have failed on P's params (forged or stale): the redone P leg goes elsewhere."""
+    engines = FakeEngines()
+    svc = services(engines)
+    failed: list[str] = []
+    engines.scripts[D1] = engines.scripts[D2] = _fail_first_decode(failed)
+    status, _, _ = await turn(svc, [{"role": "user", "content": "hi"}])
+    assert status == 200 and len(failed) == 1
+    p_legs = [c.url.split("/v1/")[0] for c in engines.calls if c.url.startswith("http://p")]
+    assert len(p_legs) == 2 and p_legs[0] != p_legs[1]
+
+
 @pytest.mark.parametrize(
     ("attempt", "after"),
     [
@@ -214,10 +280,9 @@ async def test_a_prefill_4xx_to_the_client_s_body_is_relayed() -> None:
         (Attempt(500, False, True, True, False), AfterPrefill(Next.AS_MISS, handle_used=True)),
         (Attempt(400, False, True, True, False), AfterPrefill(Next.AS_MISS, handle_used=True)),
         (Attempt(400, False, True, False, False), AfterPrefill(Next.RELAY)),
-        (
-            Attempt(0, False, True, True, False),
-            AfterPrefill(Next.ANOTHER_P, handle_used=True, failed=True),
-        ),
+        # A timeout carrying a handle (a hung D): the D's fault, redone here as a miss.
+        (Attempt(0, False, True, True, False), AfterPrefill(Next.AS_MISS, handle_used=True)),
+        (Attempt(429, False, True, False, False), AfterPrefill(Next.ANOTHER_P)),
         (Attempt(0, False, False, True, False), AfterPrefill(Next.ANOTHER_P, failed=True)),
         (Attempt(503, False, True, False, False), AfterPrefill(Next.ANOTHER_P, failed=True)),
     ],
