@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from sessions.store import SessionStore, StoreError
+from sessions.store import CorruptState, SessionStore, StoreError
 
 log = logging.getLogger("kvbaton.store")
 
@@ -40,6 +40,8 @@ class StoreGuard:
             raise StoreError("session store skipped: circuit open after a recent failure")
         try:
             result = await operation()
+        except CorruptState:
+            raise  # one conversation's bad key: the store works, the breaker stays closed
         except StoreError as exc:
             self.failures += 1
             if self.on_failure is not None:

@@ -6,6 +6,7 @@ One round trip each (redis-py's Script objects send EVALSHA and reload on NOSCRI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
 from collections.abc import Awaitable, Sequence
@@ -16,12 +17,12 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from sessions import connect
 from sessions.connect import RedisClient
 from sessions.model import SessionState, StateDecodeError, from_fields, to_fields
-from sessions.store import StoreError
+from sessions.store import CorruptState, StoreError
 
 T = TypeVar("T")
 
@@ -66,7 +67,7 @@ return 0
 _ENCODE = msgspec.json.Encoder().encode
 
 # TimeoutError (the builtin, which asyncio uses) is an OSError.
-_FAILURES = (RedisError, OSError, StateDecodeError)
+_FAILURES = (RedisError, OSError)
 
 
 def turn_retry() -> Retry:
@@ -130,6 +131,12 @@ class RedisSessionStore:
                             call.close()  # never started: no "never awaited" warning
                         raise
                 return await call
+        except StateDecodeError as exc:
+            raise CorruptState(f"session store {what}: not a session state: {exc}") from exc
+        except ResponseError as exc:
+            if str(exc).startswith("WRONGTYPE"):  # the key holds another type than a HASH
+                raise CorruptState(f"session store {what}: {exc}") from exc
+            raise StoreError(f"session store {what} failed: {exc}") from exc
         except _FAILURES as exc:
             raise StoreError(f"session store {what} failed: {exc}") from exc
 
@@ -137,7 +144,17 @@ class RedisSessionStore:
         async def claim() -> SessionState | None:
             return _decode_pairs(await self._claim(keys=[key], args=[request_id]))
 
-        return await self._run("claim", claim())
+        try:
+            return await self._run("claim", claim())
+        except CorruptState:
+            await self._drop(key)
+            raise
+
+    async def _drop(self, key: str) -> None:
+        """Remove a key that holds no state, so the conversation's next turn starts afresh
+        (its commit then writes a good state) instead of failing on it until it expires."""
+        with contextlib.suppress(StoreError):
+            await self._run("delete", self._client.delete(key))
 
     async def commit(self, key: str, state: SessionState, expected_turn: int, ttl_s: float) -> bool:
         ttl_ms = max(1, math.ceil(ttl_s * 1000))

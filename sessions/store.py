@@ -11,6 +11,12 @@ class StoreError(Exception):
     """The session store is unreachable, too slow, or returned garbage."""
 
 
+class CorruptState(StoreError):
+    """One conversation's stored state is not a state (a field that does not decode, a key of
+    another type): that conversation's turn misses and the key is dropped; the store itself is
+    fine, so this never opens the breaker for everyone else."""
+
+
 class SessionStore(Protocol):
     """Per-conversation state keyed by `sessions.keys.conversation_key`; every change is atomic.
 

@@ -19,9 +19,10 @@ from router.turn import decide
 from router.turn.incoming import Incoming, canonical_items
 from router.turn.outcomes import Reason, Reuse
 from router.turn.rewrite import ids_leg_allowed
+from router.turn.tenant import conversation_hash
 from sessions.keys import conversation_key
 from sessions.model import SessionState
-from sessions.store import StoreError
+from sessions.store import CorruptState, StoreError
 
 log = logging.getLogger("kvbaton.reuse")
 
@@ -65,6 +66,9 @@ async def claim(svc: Services, inc: Incoming, request_id: str) -> Claim:
             return Claim(key, state, Reuse.miss(Reason.REUSE_DISABLED))
         with span("kvbaton.claim"):
             state = await svc.guard.call(lambda: svc.store.claim(key, request_id))
+    except CorruptState as exc:
+        log.warning("conversation %s: %s (key dropped)", conversation_hash(key), exc)
+        return Claim(key, None, Reuse.miss(Reason.CORRUPT_STATE))
     except StoreError:
         return Claim(key, None, Reuse.miss(Reason.STORE_UNAVAILABLE))
     decode = svc.pool.find("decode", state.decode) if state is not None else None

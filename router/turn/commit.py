@@ -4,7 +4,6 @@ claim back; then one log line and the turn's metrics."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import time
 from typing import Any
@@ -14,6 +13,7 @@ from router.turn import decide
 from router.turn.capture import Captured
 from router.turn.incoming import Incoming, canonical_items
 from router.turn.state import Turn
+from router.turn.tenant import conversation_hash
 from sessions import model as sm
 from sessions.store import StoreError
 
@@ -140,13 +140,6 @@ def _digests(inc: Incoming, captured: Captured) -> tuple[str, int, str, int]:
         return "", 0, "", 0
     text = prompt + captured.output_text
     return (sm.text_digest(inc.api, prompt), len(prompt), sm.text_digest(inc.api, text), len(text))
-
-
-def conversation_hash(key: str | None) -> str:
-    """A short stable name for a conversation in logs (never the id or the tenant)."""
-    if key is None:
-        return "-"
-    return hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
 
 
 def report(turn: Turn, result: str, captured: Captured | None) -> None:

@@ -37,6 +37,7 @@ class Reason(StrEnum):
     DECODE_RESTARTED = "decode-restarted"
     DECODE_UNREACHABLE = "decode-unreachable"
     STORE_UNAVAILABLE = "store-unavailable"
+    CORRUPT_STATE = "corrupt-state"
     REUSE_DISABLED = "reuse-disabled"
     NO_CONVERSATION_ID = "no-conversation-id"
     ERROR = "error"  # only on error responses: no turn ran
@@ -70,6 +71,8 @@ MEANINGS: dict[Reason, str] = {
     Reason.DECODE_UNREACHABLE: "the last read of the D's `/metrics` could not connect (it may "
     "be restarting)",
     Reason.STORE_UNAVAILABLE: "Redis failed or is being skipped by the circuit breaker",
+    Reason.CORRUPT_STATE: "the conversation's Redis key held no valid state (a field that does "
+    "not decode, a key of another type); the key was dropped, the next turn starts afresh",
     Reason.REUSE_DISABLED: "`--no-reuse`: affinity only",
     Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id` or "
     "`X-Session-ID`",

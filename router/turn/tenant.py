@@ -48,3 +48,10 @@ def validate_conversation_id(value: object) -> str:
             param="conversation_id",
         )
     return value
+
+
+def conversation_hash(key: str | None) -> str:
+    """A short stable name for a conversation in logs (never the id or the tenant)."""
+    if key is None:
+        return "-"
+    return hashlib.blake2b(key.encode(), digest_size=6).hexdigest()

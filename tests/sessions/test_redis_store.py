@@ -12,10 +12,11 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from sessions.guard import StoreGuard
 from sessions.keys import conversation_key
 from sessions.model import SessionState, to_fields
 from sessions.redis_store import RedisSessionStore
-from sessions.store import StoreError
+from sessions.store import CorruptState, StoreError
 from tests.support.procs import free_port
 
 KEY = conversation_key("tenant-a", "conv-1")
@@ -131,26 +132,43 @@ async def test_stalled_redis_raises_store_error_fast(method: int) -> None:
         {"turn": "1", "created_at": "yesterday"},
     ],
 )
-async def test_garbage_hash_is_a_store_error(
+async def test_garbage_hash_is_that_conversation_s_corrupt_state(
     store: RedisSessionStore, raw: aioredis.Redis, garbage: dict[str, str]
 ) -> None:
     await raw.hset(KEY, mapping=dict(garbage.items()))
-    with pytest.raises(StoreError, match="get"):
+    with pytest.raises(CorruptState, match="get"):
         await store.get(KEY)
-    with pytest.raises(StoreError, match="claim"):
+    assert await raw.exists(KEY), "a read leaves it (the admin API shows what is there)"
+    with pytest.raises(CorruptState, match="claim"):
         await store.claim(KEY, "req-1")
-    # A commit over the stored turn replaces it (an unreadable turn counts as 0), so the
-    # conversation recovers instead of failing until the TTL.
-    expected = 1 if garbage.get("turn") == "1" else 0
-    assert await store.commit(KEY, STATE, expected, 450.0) is True
+    # The claim dropped the key: the conversation's turn commits a good state afresh instead
+    # of failing on it until the TTL.
+    assert not await raw.exists(KEY)
+    assert await store.commit(KEY, STATE, 0, 450.0) is True
     assert await store.get(KEY) == STATE
 
 
-async def test_wrong_type_is_a_store_error(store: RedisSessionStore, raw: aioredis.Redis) -> None:
+async def test_a_key_of_another_type_is_corrupt_state_and_dropped(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
     await raw.set(KEY, "a string, not a hash")
-    for call in store_calls(store)[:4]:
-        with pytest.raises(StoreError):
+    for call in [store_calls(store)[i] for i in (1, 2, 3)]:  # commit, release, get
+        with pytest.raises(CorruptState, match="WRONGTYPE"):
             await call()
+    with pytest.raises(CorruptState, match="WRONGTYPE"):
+        await store.claim(KEY, "req-1")
+    assert not await raw.exists(KEY)
+
+
+async def test_corrupt_state_never_opens_the_breaker(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    guard = StoreGuard(retry_after=60.0)
+    await raw.hset(KEY, mapping={"turn": "abc"})
+    with pytest.raises(CorruptState):
+        await guard.call(lambda: store.claim(KEY, "req-1"))
+    assert not guard.is_open and guard.failures == 0
+    assert await guard.call(lambda: store.claim(KEY, "req-2")) is None  # dropped: no session
 
 
 async def test_scripts_survive_script_flush(store: RedisSessionStore, raw: aioredis.Redis) -> None:
