@@ -56,6 +56,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     engine_api_key: str = ""
     tenant_header: str = ""
     admin_key: str = ""
+    session_secret: str = ""
     admin_api_key: str = ""
     model: str = ""
     connect_timeout: float = 2.0
@@ -73,6 +74,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "info"
     log_format: Literal["text", "json"] = "text"
     otel_endpoint: str = ""
+
+    @property
+    def session_secrets(self) -> tuple[str, ...]:
+        """--session-secret as a list: the first signs, each verifies (rotation)."""
+        return tuple(s for s in (p.strip() for p in self.session_secret.split(",")) if s)
 
 
 def _cli_name(name: str) -> str:
@@ -214,10 +220,18 @@ def validate(values: Mapping[str, Any]) -> Settings:
         settings = msgspec.convert(data, Settings)
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
+    _check(settings)
+    return settings
+
+
+def _check(settings: Settings) -> None:
+    """What msgspec's types cannot say about the settings together."""
     if settings.handle_ttl <= 0 or settings.session_ttl < settings.handle_ttl:
         raise ConfigError("--handle-ttl must be > 0 and not above --session-ttl")
     if settings.block_size < 0 or settings.min_reuse_tokens < 0:
         raise ConfigError("--block-size and --min-reuse-tokens must be >= 0")
+    if any(len(s) < 16 for s in settings.session_secrets):
+        raise ConfigError("--session-secret: each secret needs at least 16 characters")
     if settings.workers < 1:
         raise ConfigError("--workers must be >= 1")
     if settings.workers > 1 and settings.session_store == "memory":
@@ -225,7 +239,6 @@ def validate(values: Mapping[str, Any]) -> Settings:
             "--workers above 1 needs --session-store redis: a memory store lives in one "
             "process, so the workers would not see each other's conversations"
         )
-    return settings
 
 
 # Set by `kvbaton serve --workers N` in each worker's environment (not a setting):

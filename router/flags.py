@@ -79,6 +79,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("tenant_header", "header whose value scopes conversations (default: the bearer token)"),
     Flag("admin_key", "Bearer key for /admin/ (empty: admin API disabled)"),
     Flag(
+        "session_secret",
+        "secret(s) signing each session's handle and digests (HMAC, comma-separated: the first "
+        "signs, each verifies, for rotation); the same on every replica (empty: unsigned)",
+    ),
+    Flag(
         "admin_api_key",
         "X-API-Key for POST /instances/add, the demo proxies' convention (empty: --admin-key; "
         "both empty: the route is disabled)",

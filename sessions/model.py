@@ -43,6 +43,7 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float = 0.0
     updated_at: float = 0.0
     inflight: str = ""  # request id of the turn that claimed the handle; "" when none
+    mac: str = ""  # HMAC of what the next turn trusts (sessions/integrity.py); "" unsigned
 
 
 class StateDecodeError(ValueError):
@@ -183,6 +184,7 @@ _STR_FIELDS = (
     "prompt_digest",
     "seq_digest",
     "inflight",
+    "mac",
 )
 
 
@@ -219,6 +221,7 @@ def to_fields(state: SessionState) -> dict[str, str]:
         "created": _iso(state.created_at),
         "updated": _iso(state.updated_at),
         "inflight": state.inflight,
+        "mac": state.mac,
     }
 
 

@@ -20,6 +20,7 @@ from router.turn.incoming import Incoming, canonical_items
 from router.turn.outcomes import Reason, Reuse
 from router.turn.rewrite import ids_leg_allowed
 from router.turn.tenant import conversation_hash
+from sessions import integrity
 from sessions.keys import conversation_key
 from sessions.model import SessionState
 from sessions.store import CorruptState, StoreError
@@ -73,10 +74,27 @@ async def claim(svc: Services, inc: Incoming, request_id: str) -> Claim:
         return Claim(key, None, Reuse.miss(Reason.STORE_UNAVAILABLE))
     decode = svc.pool.find("decode", state.decode) if state is not None else None
     reuse = decide.claimed_reuse(state, inc.api, svc.clock(), decode)
+    if state is not None and state.kv_transfer_params is not None:
+        reuse = _checked(svc, key, state, reuse)
     if not reuse.is_hit:
         return Claim(key, state, reuse, claimed=state is not None)
     assert state is not None and state.kv_transfer_params is not None
     return Claim(key, state, reuse, params=state.kv_transfer_params, claimed=True)
+
+
+def _checked(svc: Services, key: str, state: SessionState, reuse: Reuse) -> Reuse:
+    """`reuse` unless the state fails its HMAC (checked first: no field of it is trusted
+    before) or, for a hit, the handle fails the router's checks: then a miss with its reason
+    and one log line, never a read."""
+    reason: Reason | None = None
+    if not integrity.authentic(svc.settings.session_secrets, key, state):
+        reason = Reason.HANDLE_UNAUTHENTICATED
+    elif reuse.is_hit:
+        reason = decide.handle_check(svc.connector, state)
+    if reason is None:
+        return reuse
+    log.warning("conversation %s: its handle is not used (%s)", conversation_hash(key), reason)
+    return Reuse.miss(reason)
 
 
 def prefix_verdict(inc: Incoming, state: SessionState) -> decide.Prefix:

@@ -14,6 +14,7 @@ from router.turn.capture import Captured
 from router.turn.incoming import Incoming, canonical_items
 from router.turn.state import Turn
 from router.turn.tenant import conversation_hash
+from sessions import integrity
 from sessions import model as sm
 from sessions.store import StoreError
 
@@ -93,7 +94,7 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     if kept is not None:
         turn.decode.ident.note_engine_id(svc.connector.engine_id(kept))
     prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
-    return sm.next_state(
+    state = sm.next_state(
         turn.claim.state,
         api=inc.api,
         prefill=turn.prefill.url,
@@ -110,6 +111,8 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         handle_ttl=svc.settings.handle_ttl,
         decode_started=turn.decode.ident.handle_started,
     )
+    assert turn.claim.key is not None
+    return integrity.sign(svc.settings.session_secrets, turn.claim.key, state)
 
 
 def _switch_ids_leg_off(turn: Turn, captured: Captured) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from router.connectors.base import Connector
+from router.engines.identity import engine_family
 from router.engines.pool import Instance
 from router.turn.outcomes import Reason, Reuse
 from sessions import model as sm
@@ -51,6 +53,27 @@ def decode_blocker(inst: Instance | None, state: SessionState) -> Reason | None:
         return Reason.DECODE_RESTARTED
     if inst.ident.unreachable:  # maybe restarting: nothing says its blocks are still its own
         return Reason.DECODE_UNREACHABLE
+    return None
+
+
+def handle_check(connector: Connector, state: SessionState) -> Reason | None:
+    """The router's own checks of a stored handle before it may reach P: the state is read
+    back from Redis, so it is checked as if a client had sent it (None: it passes)."""
+    params = state.kv_transfer_params
+    if params is None or not connector.is_handle(params):
+        return Reason.HANDLE_INVALID
+    if params.get("remote_num_tokens") != state.token_count or state.token_count <= 0:
+        return Reason.HANDLE_INVALID
+    if engine_family(connector.engine_id(params) or "") != engine_family(state.decode_engine_id):
+        return Reason.HANDLE_INVALID
+    groups = params.get("remote_block_ids")
+    if state.block_size > 0 and isinstance(groups, list):
+        need = -(-state.token_count // state.block_size)
+        # Full-attention groups hold exactly the blocks of those tokens (vLLM may have given
+        # the last, not yet computed token a block of its own); sliding-window ones fewer.
+        longest = max((len(g) for g in groups if isinstance(g, list)), default=0)
+        if not need <= longest <= need + 1:
+            return Reason.HANDLE_INVALID
     return None
 
 

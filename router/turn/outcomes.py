@@ -38,6 +38,8 @@ class Reason(StrEnum):
     DECODE_UNREACHABLE = "decode-unreachable"
     STORE_UNAVAILABLE = "store-unavailable"
     CORRUPT_STATE = "corrupt-state"
+    HANDLE_UNAUTHENTICATED = "handle-unauthenticated"
+    HANDLE_INVALID = "handle-invalid"
     REUSE_DISABLED = "reuse-disabled"
     NO_CONVERSATION_ID = "no-conversation-id"
     ERROR = "error"  # only on error responses: no turn ran
@@ -73,6 +75,11 @@ MEANINGS: dict[Reason, str] = {
     Reason.STORE_UNAVAILABLE: "Redis failed or is being skipped by the circuit breaker",
     Reason.CORRUPT_STATE: "the conversation's Redis key held no valid state (a field that does "
     "not decode, a key of another type); the key was dropped, the next turn starts afresh",
+    Reason.HANDLE_UNAUTHENTICATED: "the session's HMAC does not match any `--session-secret`: "
+    "its handle or digests were changed outside the router (or its secret was dropped)",
+    Reason.HANDLE_INVALID: "the stored handle fails the router's checks (not a handle, "
+    "`remote_num_tokens` other than the stored token count, too few or too many blocks, "
+    "another engine id than the one stored)",
     Reason.REUSE_DISABLED: "`--no-reuse`: affinity only",
     Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id` or "
     "`X-Session-ID`",

@@ -32,7 +32,11 @@ UNHEALTHY_AFTER = 2
 MAX_BODY = 65536
 TENANT_HEADER = "X-Tenant"
 ADMIN_KEY = "reliability-admin-key"
+# Every shared-stack router signs its sessions (tests/reliability/test_integrity.py).
+SESSION_SECRET = "reliability-session-secret-0001"
 ROUTER_FLAGS = (
+    "--session-secret",
+    SESSION_SECRET,
     "--engine-api-key",
     ENGINE_KEY,
     "--admin-key",

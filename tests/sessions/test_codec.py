@@ -58,6 +58,7 @@ def test_fields_are_readable() -> None:
         "created": "2024-11-30T02:40:00.500+00:00",
         "updated": "2024-11-30T02:42:30.125+00:00",
         "inflight": "req-7",
+        "mac": "",
     }
 
 
