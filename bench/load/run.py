@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
+import subprocess
 import time
 import uuid
 from collections import Counter
@@ -37,12 +39,12 @@ ROUTER_FLAGS = (
     "0.5",
     "--store-retry-after",
     "1",
-    # Long: a P leg that times out with a handle is retried elsewhere with the same handle
-    # (see docs/reliability.md); the load test measures faults, not that gap.
+    # Short enough that the stalled P costs a turn seconds, not minutes (a P leg that times
+    # out carrying a handle is redone as a miss on the same P, never with the handle elsewhere).
     "--prefill-timeout",
-    "60",
+    "3",
     "--decode-first-byte-timeout",
-    "60",
+    "10",
     "--log-level",
     "warning",
 )
@@ -81,6 +83,9 @@ class Result:
     faults: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     complete: bool = True
+    disconnects: int = 0  # turns whose client hung up after the first chunk (then asked again)
+    cut: int = 0  # streams cut mid-way by the killed D: no path (their 200 was sent)
+    killed_at: float = 0.0
 
     @property
     def hits(self) -> int:
@@ -103,7 +108,9 @@ class Result:
             ("concurrent conversations", str(p.concurrency)),
             ("requests sent", str(self.sent)),
             ("succeeded", str(self.succeeded)),
-            ("failed", str(self.failed)),
+            ("failed where a path existed", str(self.failed)),
+            ("streams cut by the killed D (no path: 200 sent)", str(self.cut)),
+            ("client disconnects (the turn asked again)", str(self.disconnects)),
             ("hits", str(self.hits)),
         ]
         for verdict, count in sorted(self.reuse.items()):
@@ -167,60 +174,93 @@ def start_stack(name: str = "load") -> Iterator[Stack]:
         yield stack
 
 
-def engine_counters(stack: Stack) -> dict[str, float]:
-    engines = stack.engines
+def counters(engines: list[SimProc]) -> dict[str, float]:
     return {key: sum(metric(e.url, name) for e in engines) for key, name in ENGINE_COUNTERS.items()}
 
 
-def fault_schedule(stack: Stack) -> list[tuple[float, str, Callable[[], Awaitable[None]]]]:
-    """(fraction of turns started, label, action): each fault leaves another path open."""
+def engine_counters(stack: Stack) -> dict[str, float]:
+    return counters(stack.engines)
 
-    async def arm(engine: SimProc, **faults: int) -> None:
-        async with aiohttp.ClientSession() as s, s.post(engine.url + "/sim/faults", json=faults):
-            pass
 
-    async def ready_again(engine: SimProc) -> bool:
-        """Its armed faults are used up and the router routes to it again (re-admitted)."""
-        async with aiohttp.ClientSession() as s:
-            async with s.get(engine.url + "/sim/faults") as resp:
-                if (await resp.json())["fail_next"]:
-                    return False
-            async with s.get(stack.router.url + "/status") as resp:
-                status = await resp.json()
-        listed = status["instances"]["prefill"] + status["instances"]["decode"]
-        return any(i["url"] == engine.url and i["usable"] for i in listed)
+async def arm(engine: SimProc, **faults: int) -> None:
+    async with aiohttp.ClientSession() as s, s.post(engine.url + "/sim/faults", json=faults):
+        pass
 
-    async def arm_after(done: SimProc, engine: SimProc, **faults: int) -> None:
-        """Arm `engine` once `done` is past its own faults: with both instances of a role
-        failing at once a turn has nowhere left to go (the router answers 502)."""
-        for _ in range(200):
-            if await ready_again(done):
-                break
-            await asyncio.sleep(0.05)
-        await arm(engine, **faults)
 
-    async def stop_redis() -> None:
-        await asyncio.to_thread(stack.stop_redis)
+async def ready_again(stack: Stack, engine: SimProc) -> bool:
+    """Its armed faults are used up and the router routes to it again (re-admitted)."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(engine.url + "/sim/faults") as resp:
+            if (await resp.json())["fail_next"]:
+                return False
+        async with s.get(stack.router.url + "/status") as resp:
+            status = await resp.json()
+    listed = status["instances"]["prefill"] + status["instances"]["decode"]
+    return any(i["url"] == engine.url and i["usable"] for i in listed)
 
-    async def start_redis() -> None:
-        await asyncio.to_thread(stack.start_redis)
 
+async def arm_after(stack: Stack, done: SimProc, engine: SimProc, **faults: int) -> None:
+    """Arm `engine` once `done` is past its own faults: with both instances of a role
+    failing at once a turn has nowhere left to go (the router answers 502)."""
+    for _ in range(200):
+        if await ready_again(stack, done):
+            break
+        await asyncio.sleep(0.05)
+    await arm(engine, **faults)
+
+
+def _resume(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+
+
+async def hang(proc: subprocess.Popen[bytes], seconds: float) -> None:
+    """SIGSTOP: the process keeps its sockets and answers nothing; SIGCONT after `seconds`."""
+    proc.send_signal(signal.SIGSTOP)
+    asyncio.get_running_loop().call_later(seconds, _resume, proc)
+
+
+async def kill_and_restart(stack: Stack, dead: dict[str, float], index: int) -> None:
+    """Kill D `index` and start a new process on its ports; its counters are kept in `dead`
+    (they die with it), with the time it was killed."""
+    lost = await asyncio.to_thread(counters, [stack.ds[index]])
+    for key, value in lost.items():
+        dead[key] = dead.get(key, 0.0) + value
+    dead["killed_at"] = time.monotonic()
+    await asyncio.to_thread(stack.restart, "decode", index)
+
+
+def fault_schedule(
+    stack: Stack, dead: dict[str, float]
+) -> list[tuple[float, str, Callable[[], Awaitable[None]]]]:
+    """(fraction of turns started, label, action): each fault leaves another path open.
+    `dead` gets the killed engine's counters and the time it was killed."""
     p1, p2 = stack.ps
     d1, d2 = stack.ds
+    assert stack.redis_proc is not None
+    redis_proc = stack.redis_proc
     return [
         (0.10, "P1 3x HTTP 503", lambda: arm(p1, fail_next=3, status=503)),
         (
+            0.20,
+            "P1 stalls its next 2 requests 4 s (past --prefill-timeout)",
+            lambda: arm(p1, stall_s=4, stall_next=2),
+        ),
+        (0.30, "Redis hung 2 s (SIGSTOP)", lambda: hang(redis_proc, 2.0)),
+        (
             0.40,
             "P2 2x HTTP 500 (handle rejected)",
-            lambda: arm_after(p1, p2, fail_next=2, status=500),
+            lambda: arm_after(stack, p1, p2, fail_next=2, status=500),
         ),
+        (0.45, "D2 hung 1.5 s (SIGSTOP)", lambda: hang(d2.proc, 1.5)),
         (0.50, "D1 2x HTTP 503 before the first byte", lambda: arm(d1, fail_next=2, status=503)),
-        (0.60, "Redis stopped", stop_redis),
-        (0.70, "Redis restarted (empty) on its port", start_redis),
+        (0.60, "Redis stopped", lambda: asyncio.to_thread(stack.stop_redis)),
+        (0.70, "Redis restarted (empty) on its port", lambda: asyncio.to_thread(stack.start_redis)),
+        (0.78, "D1 killed and restarted on its ports", lambda: kill_and_restart(stack, dead, 0)),
         (
             0.85,
             "D2 2x HTTP 503 before the first byte",
-            lambda: arm_after(d1, d2, fail_next=2, status=503),
+            lambda: arm_after(stack, stack.ds[0], d2, fail_next=2, status=503),
         ),
     ]
 
@@ -251,7 +291,8 @@ class Runner:
         self.gate = asyncio.Semaphore(plan.concurrency)
         self.total = plan.conversations * plan.turns
         self.started = 0
-        self.schedule = fault_schedule(stack) if plan.faults else []
+        self.dead: dict[str, float] = {}
+        self.schedule = fault_schedule(stack, self.dead) if plan.faults else []
         self.fault_lock = asyncio.Lock()
 
     async def reference(self, messages: list[dict[str, str]]) -> str:
@@ -290,8 +331,11 @@ class Runner:
             return None
         text, error = _answer(raw, stream)
         if error:
-            r.failed += 1
-            r.failures["SSE error event"] += 1
+            if started < self.dead.get("killed_at", float("inf")):
+                r.cut += 1  # in flight on the D that was killed: its 200 was sent, no path
+            else:
+                r.failed += 1
+                r.failures["SSE error event"] += 1
             return None
         r.succeeded += 1
         if text != await self.reference(messages):
@@ -306,11 +350,28 @@ class Runner:
             for turn in range(1, self.plan.turns + 1):
                 messages.append({"role": "user", "content": f"Turn {turn}: tea or rain?"})
                 await self.before_turn()
+                if self.started % 20 == 0:
+                    await self.hang_up(cid, messages)
                 answer = await self.turn(cid, messages, stream=turn % 2 == 0)
                 if answer is None:
                     messages.pop()  # the client asks the next question instead
                 else:
                     messages.append({"role": "assistant", "content": answer})
+
+    async def hang_up(self, cid: str, messages: list[dict[str, str]]) -> None:
+        """A client that leaves after the first chunk of a streamed answer; it asks again."""
+        body = {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": self.plan.max_tokens,
+            "stream": True,
+            "conversation_id": cid,
+        }
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self.session.post(self.stack.router.url + CHAT, json=body) as resp:
+                await resp.content.readany()
+                resp.close()
+        self.result.disconnects += 1
 
     async def before_turn(self) -> None:
         """Count the turn; first apply the faults due at this point of the run (turns that
@@ -337,10 +398,12 @@ async def run_plan(stack: Stack, plan: Plan) -> Result:
     connector = aiohttp.TCPConnector(limit=2 * plan.concurrency + 10)
     started = time.monotonic()
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        result = await Runner(stack, plan, session).run()
+        runner = Runner(stack, plan, session)
+        result = await runner.run()
     result.wall_s = time.monotonic() - started
     after = engine_counters(stack)
-    result.engine = {key: after[key] - before[key] for key in after}
+    dead = runner.dead
+    result.engine = {key: after[key] - before[key] + dead.get(key, 0.0) for key in after}
     return result
 
 

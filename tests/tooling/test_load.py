@@ -19,7 +19,7 @@ def test_quick_load_with_faults() -> None:
     print("\n" + result.table())
     assert result.complete
     assert result.sent == 120
-    assert len(result.faults) == 6, result.faults
+    assert len(result.faults) == 10, result.faults
     assert result.failed == 0, result.failures
     assert result.used_twice == 0
     assert result.wrong == 0
