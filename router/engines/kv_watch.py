@@ -18,9 +18,13 @@ from router.errors import ConfigError
 
 
 def _next_port(endpoint: str) -> str:
+    """The replay endpoint by default: the next TCP port (an ipc:// path has none: no replay
+    unless given, and a gap then rebuilds the index)."""
+    if not endpoint.startswith("tcp://"):
+        return ""
     head, _, port = endpoint.rpartition(":")
     if not port.isdigit():
-        raise ConfigError(f"--kv-events {endpoint!r}: give the replay endpoint (URL=EP,REPLAY)")
+        raise ConfigError(f"--kv-events {endpoint!r}: expected tcp://HOST:PORT")
     return f"{head}:{int(port) + 1}"
 
 

@@ -157,5 +157,8 @@ def test_parse_sources() -> None:
     assert got["http://[::1]:2"].endpoint == "tcp://[::1]:5600"
     assert got["http://[::1]:2"].topic == "kv"
     assert parse_sources([], 0, ["http://x:1"], "") == {}
+    assert parse_sources(["http://x:1=ipc:///run/p.ipc"], 0, [], "")["http://x:1"].replay == ""
+    with pytest.raises(ConfigError):
+        parse_sources(["http://x:1=tcp://x"], 0, [], "")
     with pytest.raises(ConfigError):
         parse_sources(["http://x:1"], 0, [], "")
