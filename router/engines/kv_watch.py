@@ -68,6 +68,7 @@ class KvEvents:
         }
         self._tasks: list[asyncio.Task[None]] = []
         self._restarts: dict[str, int] = {}
+        self._clock = clock
 
     @property
     def enabled(self) -> bool:
@@ -92,7 +93,7 @@ class KvEvents:
             return None
         if self._restarts.setdefault(url, restarts) != restarts:
             self._restarts[url] = restarts
-            sub.index.clear(time.time())
+            sub.index.clear(self._clock())
             sub.index.stale = True  # until the restarted engine's stream is seen
         return sub.index
 
