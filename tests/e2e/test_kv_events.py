@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import openai
 import pytest
 
 from tests.e2e.conftest import BIDIR, pulled, reference_chat
@@ -64,6 +65,13 @@ def stack(redis_url_session: str, ports: list[tuple[str, ...]]) -> Iterator[Stac
             yield st
 
 
+@pytest.fixture(scope="module")
+def api(stack: Stack) -> Iterator[openai.OpenAI]:
+    sdk = client(stack.router.base_url)
+    yield sdk
+    sdk.close()
+
+
 def status(st: Stack) -> dict[str, Any]:
     with urllib.request.urlopen(st.url + "/status", timeout=5) as resp:
         body: dict[str, Any] = json.loads(resp.read())
@@ -94,10 +102,10 @@ def wait_indexed(st: Stack, url: str, more_than: int, timeout: float = 5.0) -> i
     return n
 
 
-def first_turn(st: Stack, cid: str, question: str) -> list[dict[str, str]]:
+def first_turn(st: Stack, api: openai.OpenAI, cid: str, question: str) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": LONG}, {"role": "user", "content": question}]
     before = [indexed(st, d.url) for d in st.ds]
-    answer, reuse, _ = chat_turn(client(st.router.base_url), messages, cid=cid, max_tokens=40)
+    answer, reuse, _ = chat_turn(api, messages, cid=cid, max_tokens=40)
     assert reuse == "miss;reason=no-session"
     wait_indexed(st, st.d.url, before[0])  # D's blocks of this turn are known
     return [*messages, {"role": "assistant", "content": answer}]
@@ -111,28 +119,29 @@ def reused(st: Stack, source: str) -> float:
     return metric(st.url, "kvbaton_kv_reused_tokens_total", source=source)
 
 
-def test_an_answer_that_does_not_verify_is_served_from_ps_own_cache(stack: Stack) -> None:
-    history = first_turn(stack, f"pc-{uuid.uuid4().hex[:8]}", "Is the river high today?")
+def test_an_answer_that_does_not_verify_is_served_from_ps_own_cache(
+    stack: Stack, api: openai.OpenAI
+) -> None:
     cid = f"pc-{uuid.uuid4().hex[:8]}"
-    history = first_turn(stack, cid, "Is the river high today, after the rain?")
+    history = first_turn(stack, api, cid, "Is the river high today, after the rain?")
     words = history[2]["content"].split(" ")
     edited = " ".join(["Tea", *words[2:]])  # D's answer differs from its first word on
     messages = [*history[:2], {"role": "assistant", "content": edited}]
     messages.append({"role": "user", "content": "And tomorrow?"})
     before, cache = p_pulled(stack), reused(stack, "prefill_cache")
-    answer, reuse, _ = chat_turn(client(stack.router.base_url), messages, cid=cid, max_tokens=40)
+    answer, reuse, _ = chat_turn(api, messages, cid=cid, max_tokens=40)
     assert reuse == "hit;via=prefill-cache"
     assert p_pulled(stack) == before  # no handle was sent: nothing read from D
     assert reused(stack, "prefill_cache") > cache
     assert answer == reference_chat(stack, messages, 40)
 
 
-def test_an_answer_that_verifies_is_pulled_from_d(stack: Stack) -> None:
+def test_an_answer_that_verifies_is_pulled_from_d(stack: Stack, api: openai.OpenAI) -> None:
     cid = f"pull-{uuid.uuid4().hex[:8]}"
-    history = first_turn(stack, cid, "How cold will the night be?")
+    history = first_turn(stack, api, cid, "How cold will the night be?")
     messages = [*history, {"role": "user", "content": "And the morning after that?"}]
     before, pull = p_pulled(stack), reused(stack, "decode_pull")
-    answer, reuse, _ = chat_turn(client(stack.router.base_url), messages, cid=cid, max_tokens=40)
+    answer, reuse, _ = chat_turn(api, messages, cid=cid, max_tokens=40)
     assert reuse == "hit"
     assert p_pulled(stack) > before
     assert reused(stack, "decode_pull") > pull
@@ -143,10 +152,9 @@ def local_hits(url: str) -> float:
     return metric(url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
 
 
-def test_a_first_turn_goes_to_the_p_that_holds_its_prefix(stack: Stack) -> None:
+def test_a_first_turn_goes_to_the_p_that_holds_its_prefix(stack: Stack, api: openai.OpenAI) -> None:
     seed = f"Where is the old bridge {uuid.uuid4().hex[:6]}?"
     prefix = [{"role": "system", "content": seed + " " + LONG}]  # held by no P yet
-    api = client(stack.router.base_url)
 
     def ask(content: str) -> list[float]:
         hits = [local_hits(p.url) for p in stack.ps]
@@ -167,12 +175,13 @@ def test_a_first_turn_goes_to_the_p_that_holds_its_prefix(stack: Stack) -> None:
         assert gained[holder] > 0 and gained[1 - holder] == 0, (n, gained)
 
 
-def test_the_index_follows_a_restarted_engine(stack: Stack, ports: list[tuple[str, ...]]) -> None:
+def test_the_index_follows_a_restarted_engine(
+    stack: Stack, api: openai.OpenAI, ports: list[tuple[str, ...]]
+) -> None:
     p0 = stack.ps[0].url
     wait_in_sync(stack)
     old = status(stack)["kv_events"]["engines"][p0]
     stack.restart("prefill", 0, *ports[0])
-    api = client(stack.router.base_url)
     deadline = time.monotonic() + 15
     while True:  # some turn lands on the restarted P and publishes its blocks
         messages = [{"role": "user", "content": f"Fresh start {uuid.uuid4().hex[:6]}?"}]
@@ -185,9 +194,11 @@ def test_the_index_follows_a_restarted_engine(stack: Stack, ports: list[tuple[st
     assert view["blocks"] < old["blocks"] or old["blocks"] == 0
 
 
-def test_a_handle_whose_blocks_d_cleared_is_dropped_before_any_read(stack: Stack) -> None:
+def test_a_handle_whose_blocks_d_cleared_is_dropped_before_any_read(
+    stack: Stack, api: openai.OpenAI
+) -> None:
     cid = f"evict-{uuid.uuid4().hex[:8]}"
-    history = first_turn(stack, cid, "Will the ferry run in this wind?")
+    history = first_turn(stack, api, cid, "Will the ferry run in this wind?")
     rebuilt = status(stack)["kv_events"]["engines"][stack.d.url]
     req = urllib.request.Request(stack.d.url + "/reset_prefix_cache", data=b"", method="POST")
     urllib.request.urlopen(req, timeout=5).close()
@@ -197,7 +208,7 @@ def test_a_handle_whose_blocks_d_cleared_is_dropped_before_any_read(stack: Stack
         time.sleep(0.05)
     messages = [*history, {"role": "user", "content": "And on the way back?"}]
     before = p_pulled(stack)
-    answer, reuse, _ = chat_turn(client(stack.router.base_url), messages, cid=cid, max_tokens=40)
+    answer, reuse, _ = chat_turn(api, messages, cid=cid, max_tokens=40)
     assert reuse == "miss;reason=evicted"
     assert p_pulled(stack) == before
     assert answer == reference_chat(stack, messages, 40)
