@@ -53,6 +53,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_kv_params: bool = False
     kv_connector: Literal["nixl"] = "nixl"
     prefill_token_ids: bool = True
+    kv_events: tuple[str, ...] = ()
+    kv_events_port: int = 0
+    kv_events_topic: str = ""
+    kv_index_max_blocks: int = 1_000_000
     engine_api_key: str = ""
     tenant_header: str = ""
     admin_key: str = ""
@@ -123,9 +127,10 @@ def build_parser(prog: str = "kvbaton serve") -> argparse.ArgumentParser:
             parser.add_argument(
                 _cli_name(flag.name),
                 dest=flag.name,
-                nargs="+",
+                nargs=1 if flag.repeat else "+",
+                action="extend" if flag.repeat else "store",
                 default=None,
-                metavar="URL",
+                metavar="URL=ENDPOINT" if flag.repeat else "URL",
                 help=help_text,
             )
         else:
@@ -156,7 +161,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
 def _convert(flag: Flag, raw: Any, *, source: str) -> Any:
     try:
         if flag.many:
-            items = raw.replace(",", " ").split() if isinstance(raw, str) else list(raw)
+            text = raw if flag.repeat or not isinstance(raw, str) else raw.replace(",", " ")
+            items = text.split() if isinstance(text, str) else list(text)
             return tuple(str(item) for item in items)
         if flag.kind is bool:
             return raw if isinstance(raw, bool) else _parse_bool(str(raw))
@@ -232,6 +238,7 @@ def _check(settings: Settings) -> None:
         raise ConfigError("--block-size and --min-reuse-tokens must be >= 0")
     if any(len(s) < 16 for s in settings.session_secrets):
         raise ConfigError("--session-secret: each secret needs at least 16 characters")
+    _check_kv_events(settings)
     if settings.workers < 1:
         raise ConfigError("--workers must be >= 1")
     if settings.workers > 1 and settings.session_store == "memory":
@@ -239,6 +246,14 @@ def _check(settings: Settings) -> None:
             "--workers above 1 needs --session-store redis: a memory store lives in one "
             "process, so the workers would not see each other's conversations"
         )
+
+
+def _check_kv_events(settings: Settings) -> None:
+    if settings.kv_events_port < 0 or settings.kv_index_max_blocks < 1:
+        raise ConfigError("--kv-events-port must be >= 0 and --kv-index-max-blocks >= 1")
+    for spec in settings.kv_events:
+        if "=" not in spec or not spec.partition("=")[2].startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"--kv-events {spec!r}: expected URL=tcp://HOST:PORT[,REPLAY]")
 
 
 # Set by `kvbaton serve --workers N` in each worker's environment (not a setting):

@@ -17,6 +17,9 @@ class Flag:
     choices: tuple[str, ...] = ()
     # Another variable read when KVBATON_<FLAG> is unset (a convention other proxies use).
     env_alias: str = ""
+    # A list flag given once per value (--kv-events A --kv-events B); its values may hold
+    # commas, so the environment separates them by spaces only.
+    repeat: bool = False
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -74,6 +77,25 @@ FLAGS: tuple[Flag, ...] = (
         "on a hit verified by P's /tokenize, send P those token ids on /v1/completions "
         "instead of the chat body: P does not render and tokenize the conversation again",
         bool,
+    ),
+    Flag(
+        "kv_events",
+        "an engine's KV events: ENGINE_URL=ZMQ_ENDPOINT[,REPLAY_ENDPOINT] (repeatable; replay "
+        "defaults to the next port), e.g. http://10.0.0.1:8000=tcp://10.0.0.1:5557",
+        many=True,
+        repeat=True,
+    ),
+    Flag(
+        "kv_events_port",
+        "every engine not named by --kv-events publishes KV events on its own host at this "
+        "port, replay on the next one (0: none)",
+        int,
+    ),
+    Flag("kv_events_topic", "the engines' KV-events topic (empty: any)"),
+    Flag(
+        "kv_index_max_blocks",
+        "most blocks the KV-events index keeps per engine (the oldest go first)",
+        int,
     ),
     Flag("engine_api_key", "Bearer key sent to the engines (vLLM --api-key)"),
     Flag("tenant_header", "header whose value scopes conversations (default: the bearer token)"),

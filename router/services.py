@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from router.config import Settings
 from router.connectors.base import Connector
 from router.engines.client import EngineClient
+from router.engines.kv_watch import KvEvents
 from router.engines.pool import Pool
 from router.metrics import Metrics
 from sessions.guard import StoreGuard
@@ -34,6 +35,8 @@ class Services:
     stopping: bool = False
     # Why P no longer gets prompts as token ids in this process ("" while it does).
     ids_leg_off: str = ""
+    # What each engine's prefix cache holds, from its KV events (None: no --kv-events).
+    kv_events: KvEvents | None = None
 
     def ids_leg_on(self) -> bool:
         return self.settings.prefill_token_ids and not self.ids_leg_off

@@ -23,6 +23,7 @@ from router.engines.client import Upstream
 from router.engines.discovery import discover
 from router.engines.dns import DnsExpander, Resolver, SystemResolver
 from router.engines.health import health_loop
+from router.engines.kv_watch import KvEvents, parse_sources
 from router.engines.pool import Pool
 from router.errors import RouterError, Unavailable, UpstreamFailure, error_body, error_bytes
 from router.http.admin import Operations, admin_app
@@ -190,6 +191,15 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         guard.on_failure = metrics.store_errors.inc
         connector = select(settings.kv_connector)
         svc = Services(settings, upstream, pool, backend.store, guard, metrics, connector)
+        engine_urls = (*settings.prefill, *settings.decode)
+        svc.kv_events = KvEvents(
+            parse_sources(
+                settings.kv_events, settings.kv_events_port, engine_urls, settings.kv_events_topic
+            ),
+            settings.kv_index_max_blocks,
+            clock=svc.clock,
+        )
+        metrics.watch_kv_events(svc.kv_events)
         prober: asyncio.Task[None] | None = None
         publisher: asyncio.Task[None] | None = None
         watcher: asyncio.Task[None] | None = None
@@ -202,6 +212,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
             app.state.services = svc
             app.state.operations = ops
             syncing = await registry.start(ops.syncer, settings.health_interval)
+            svc.kv_events.start()
             prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
             # While the store breaker is open, ping the store so reuse resumes when it is back.
             watcher = asyncio.create_task(guard.watch(backend.store, settings.health_interval))
@@ -217,6 +228,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
                         await task
             if syncing is not None:
                 await registry.stop(syncing)
+            await svc.kv_events.stop()
             await backend.close()
             await upstream.close()
 

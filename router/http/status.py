@@ -104,6 +104,9 @@ async def status(request: Request) -> Response:
         # breaker below are this worker's view.
         "worker": {"pid": os.getpid(), "workers": svc.settings.workers},
         "instances": instances,
+        # What each engine's prefix cache holds, from its KV events; "on": false means
+        # --kv-events is not set: handles are sent on every verified hit, P placed by load.
+        "kv_events": svc.kv_events.view() if svc.kv_events is not None else {"on": False},
         "store": await store_view(svc),
         # The demo proxies' /status fields (every instance in the pool, usable or not).
         "prefill_node_count": len(prefill_nodes),

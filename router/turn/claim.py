@@ -50,6 +50,8 @@ class Claim:
     claimed: bool = False  # the store marked it in flight for this turn
     # The new prompt as P's /tokenize rendered it, when the P leg may send it as token ids.
     prompt_ids: list[int] | None = None
+    # The new prompt's ids from P's /tokenize, on a hit verified by tokens.
+    tokens: list[int] | None = None
 
     def miss(self, reason: Reason) -> Claim:
         return replace(self, reuse=Reuse.miss(reason), params=None)
@@ -169,6 +171,7 @@ async def verify(
     # Only on a hit: /tokenize rendered D's own tokens of this conversation exactly, evidence
     # that it and P's chat route render it alike (a field that only the route honours, say
     # tool_choice "none" hiding the tools, shows up as a mismatch above).
+    found = replace(found, tokens=tokens)
     if _ids_leg(inc):
         found = replace(found, prompt_ids=tokens)
     if reuse.tokens >= state.token_count:

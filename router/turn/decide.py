@@ -17,7 +17,7 @@ import msgspec
 from router.connectors.base import Connector
 from router.engines.identity import engine_family
 from router.engines.pool import Instance
-from router.turn.outcomes import Reason, Reuse
+from router.turn.outcomes import Reason, Reuse, Via
 from sessions import model as sm
 from sessions.model import SessionState
 
@@ -144,6 +144,35 @@ def token_verdict(state: SessionState, tokens: list[int] | None, min_reuse_token
     if verified < max(min_reuse_tokens, state.block_size, 1):
         return Reuse.miss(Reason.PREFIX_MISMATCH)
     return Reuse.hit(min(verified, state.token_count))
+
+
+def cached_reuse(verified: Reuse, block_size: int, *, p_held: int, d_evicted: bool) -> Reuse:
+    """A verified hit seen with the engines' KV events: if the chosen P already holds every
+    full block of the verified prefix (`p_held` tokens), no handle is sent (a read would
+    bring P nothing); else a handle whose blocks D evicted or cleared is dropped."""
+    if not verified.pulls:
+        return verified
+    covered = verified.tokens // block_size * block_size if block_size > 0 else 0
+    if covered > 0 and p_held >= covered:
+        return Reuse.hit(verified.tokens, Via.PREFILL_CACHE)
+    if d_evicted:
+        return Reuse.miss(Reason.EVICTED)
+    return verified
+
+
+def prefix_placement(
+    held: Sequence[tuple[Instance, int]], current: Instance, slack: int
+) -> Instance:
+    """The P holding the longest prefix of the prompt (`held`: usable P and the tokens each
+    holds), among those within `slack` requests of the least loaded; `current` (the load and
+    affinity pick) unless another holds more."""
+    if not held:
+        return current
+    least = min(inst.outstanding for inst, _ in held)
+    fit = [(inst, n) for inst, n in held if inst.outstanding <= least + slack]
+    mine = next((n for inst, n in fit if inst is current), -1)
+    best, most = max(fit, key=lambda pair: pair[1])
+    return best if most > max(mine, 0) else current
 
 
 class Next(StrEnum):

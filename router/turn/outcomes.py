@@ -13,6 +13,18 @@ class Outcome(StrEnum):
     SKIP = "skip"  # reuse was not attempted at all
 
 
+class Via(StrEnum):
+    """How a hit's verified prefix reached P when P read nothing from D (`hit;via=...`)."""
+
+    PREFILL_CACHE = "prefill-cache"  # P's own prefix cache held it (KV events): no handle sent
+
+
+VIA_MEANINGS: dict[Via, str] = {
+    Via.PREFILL_CACHE: "the verified prefix was already in the chosen P's own prefix cache "
+    "(its KV events say so): no handle was sent, nothing was read from D",
+}
+
+
 class Reason(StrEnum):
     """Why a turn did not read the conversation's KV from D (`miss;reason=...`)."""
 
@@ -28,6 +40,7 @@ class Reason(StrEnum):
     API_MISMATCH = "api-mismatch"
     EXPIRED = "expired"
     PREFIX_MISMATCH = "prefix-mismatch"
+    EVICTED = "evicted"
     TOKENIZE_FAILED = "tokenize-failed"
     HANDLE_REJECTED = "handle-rejected"
     READS_PAUSED = "reads-paused"
@@ -60,6 +73,8 @@ MEANINGS: dict[Reason, str] = {
     Reason.API_MISMATCH: "the handle came from another API (chat vs Responses render differently)",
     Reason.EXPIRED: "older than `--handle-ttl`",
     Reason.PREFIX_MISMATCH: "the new prompt does not extend what D holds (enough)",
+    Reason.EVICTED: "D's KV events say it evicted or cleared blocks of the handle since it "
+    "was made: it was dropped before any read",
     Reason.TOKENIZE_FAILED: "P's `/tokenize` failed, so nothing could be verified",
     Reason.HANDLE_REJECTED: "P refused the handle (500); the turn was redone as a miss",
     Reason.READS_PAUSED: "the P refused the D's last handles in a row; it gets none of them for "
@@ -97,10 +112,11 @@ class Reuse:
     outcome: Outcome
     reason: Reason | None = None
     tokens: int = 0
+    via: Via | None = None
 
     @classmethod
-    def hit(cls, tokens: int) -> Reuse:
-        return cls(Outcome.HIT, tokens=tokens)
+    def hit(cls, tokens: int, via: Via | None = None) -> Reuse:
+        return cls(Outcome.HIT, tokens=tokens, via=via)
 
     @classmethod
     def miss(cls, reason: Reason | str) -> Reuse:
@@ -110,19 +126,37 @@ class Reuse:
 
     @property
     def is_hit(self) -> bool:
+        """The verified prefix reaches P without being computed (read from D or P's own)."""
         return self.outcome is Outcome.HIT
 
+    @property
+    def pulls(self) -> bool:
+        """P reads the verified prefix from D."""
+        return self.is_hit and self.via is None
+
+    @property
+    def source(self) -> str:
+        """The reused tokens' source label: decode_pull or prefill_cache ("" on no hit)."""
+        if not self.is_hit:
+            return ""
+        return "decode_pull" if self.via is None else str(self.via).replace("-", "_")
+
     def header(self) -> str:
+        if self.via is not None:
+            return f"{self.outcome};via={self.via}"
         return f"{self.outcome};reason={self.reason}" if self.reason else str(self.outcome)
 
     def labels(self) -> tuple[str, str]:
-        """The reuse metric's (outcome, reason) labels."""
+        """The reuse metric's (outcome, reason) labels (a via hit: reason "via=<via>")."""
+        if self.via is not None:
+            return str(self.outcome), f"via={self.via}"
         return str(self.outcome), str(self.reason or "")
 
 
 def header_values() -> list[str]:
     """Every X-KV-Reuse value the router sends, as the docs table lists them."""
     values = [str(Outcome.HIT)]
+    values += [Reuse.hit(0, via).header() for via in Via]
     values += [Reuse.miss(reason).header() for reason in Reason]
     return values
 
@@ -131,5 +165,6 @@ def docs_table() -> str:
     """docs/architecture.md's X-KV-Reuse table (tests/ops/test_docs.py checks it is there)."""
     rows = ["| value | meaning |", "|---|---|"]
     rows.append("| `hit` | P was given D's handle (possibly cut to the verified prefix) |")
+    rows += [f"| `{Reuse.hit(0, v).header()}` | {VIA_MEANINGS[v]} |" for v in Via]
     rows += [f"| `{Reuse.miss(r).header()}` | {MEANINGS[r]} |" for r in Reason]
     return "\n".join(rows)

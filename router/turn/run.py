@@ -16,7 +16,7 @@ from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure, sse_error_event
 from router.services import Services
 from router.tracing import span
-from router.turn import decide
+from router.turn import decide, kv_aware
 from router.turn.claim import claim, verify
 from router.turn.commit import abort, finish
 from router.turn.incoming import Incoming
@@ -58,7 +58,7 @@ def final_headers(turn: Turn) -> dict[str, str]:
         reuse, metrics = turn.claim.reuse, turn.svc.metrics
         metrics.reuse.labels(*reuse.labels()).inc()
         if reuse.is_hit:
-            metrics.reused_tokens.inc(reuse.tokens)
+            metrics.reused_tokens.labels(reuse.source).inc(reuse.tokens)
     return turn.headers()
 
 
@@ -70,6 +70,8 @@ async def _serve(turn: Turn) -> Response:
     if source is not None and turn.claim.params is not None:
         p_inst = _reader(turn, source, p_inst)
     turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id)
+    kv_aware.check_handle(turn, p_inst, source)
+    p_inst = await kv_aware.place_prefill(turn, p_inst)
     turn.want_token_ids = _wants_token_ids(turn)
     failed: list[str] = []
     while True:

@@ -10,6 +10,7 @@ import pytest
 
 from router import config_docs
 from router.config import FLAGS, Flag, Settings, load_settings
+from router.errors import ConfigError
 
 DEFAULTS = Settings(prefill=(), decode=())
 
@@ -39,6 +40,8 @@ def test_check_fails_when_out_of_date(
 def sample(flag: Flag) -> Any:
     """A valid value different from the default."""
     default = getattr(DEFAULTS, flag.name)
+    if flag.repeat:  # --kv-events: values with commas, one per flag
+        return ("http://x:1=tcp://x:5557", "http://y:2=tcp://y:7,tcp://y:9")
     if flag.many:
         return ("http://x:1", "http://y:2")
     if flag.kind is bool:
@@ -60,9 +63,9 @@ def base_argv(flag: Flag) -> list[str]:
     return argv
 
 
-def env_text(value: Any) -> str:
+def env_text(value: Any, flag: Flag | None = None) -> str:
     if isinstance(value, tuple):
-        return ", ".join(value)
+        return (" " if flag is not None and flag.repeat else ", ").join(value)
     if isinstance(value, bool):
         return "yes" if value else "off"
     return str(value)
@@ -81,9 +84,21 @@ def toml_text(value: Any) -> str:
 @pytest.mark.parametrize("flag", FLAGS, ids=lambda f: f.name)
 def test_every_flag_works_from_env_and_from_a_toml_file(flag: Flag, tmp_path: Path) -> None:
     value = sample(flag)
-    from_env = load_settings(base_argv(flag), env={f"KVBATON_{flag.name.upper()}": env_text(value)})
+    env = {f"KVBATON_{flag.name.upper()}": env_text(value, flag)}
+    from_env = load_settings(base_argv(flag), env=env)
     assert getattr(from_env, flag.name) == value
     conf = tmp_path / "kvbaton.toml"
     conf.write_text(f"{flag.name.replace('_', '-')} = {toml_text(value)}\n")
     from_file = load_settings(base_argv(flag), env={"KVBATON_CONFIG": str(conf)})
     assert getattr(from_file, flag.name) == value
+
+
+def test_kv_events_repeats_and_keeps_its_commas() -> None:
+    argv = ["--prefill", "http://p:1", "--decode", "http://d:1"]
+    argv += ["--kv-events", "http://p:1=tcp://p:5557,tcp://p:6000"]
+    argv += ["--kv-events", "http://d:1=tcp://d:5557", "--kv-events-port", "5600"]
+    settings = load_settings(argv, env={})
+    assert settings.kv_events == ("http://p:1=tcp://p:5557,tcp://p:6000", "http://d:1=tcp://d:5557")
+    assert settings.kv_events_port == 5600
+    with pytest.raises(ConfigError):
+        load_settings([*argv[:4], "--kv-events", "http://p:1=localhost:5557"], env={})

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from starlette.routing import Route, Router
 
+from router.engines.kv_events import Source
+from router.engines.kv_watch import KvEvents
 from router.engines.pool import Pool
 from router.http.admin import AdminGate, admin_app
 from router.metrics import Metrics
@@ -19,10 +21,15 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 def exposed_names() -> dict[str, str]:
     """Name as documented (counters with _total) -> type, for every metric in Metrics."""
     metrics = Metrics(Pool(("http://p:1",), ("http://d:1",)), lambda: False)
+    kv = KvEvents({"http://p:1": Source("http://p:1", "tcp://p:5557", "tcp://p:5558")}, 10)
+    metrics.watch_kv_events(kv)  # the per-engine KV-events families exist with --kv-events
     names: dict[str, str] = {}
-    for family in metrics.registry.collect():
-        suffix = "_total" if family.type == "counter" else ""
-        names[family.name + suffix] = family.type
+    try:
+        for family in metrics.registry.collect():
+            suffix = "_total" if family.type == "counter" else ""
+            names[family.name + suffix] = family.type
+    finally:
+        kv._ctx.destroy(linger=0)
     return names
 
 
@@ -66,7 +73,9 @@ def test_every_reason_the_session_model_gives_is_a_reuse_reason() -> None:
 
 def test_the_x_kv_reuse_table_is_the_enum() -> None:
     """docs/architecture.md's table is generated from router/turn/outcomes.py (regenerate it
-    with `python -c 'from router.turn.outcomes import docs_table; print(docs_table())'`)."""
+        with `python -c 'from router.engines.kv_events import Source
+    from router.engines.kv_watch import KvEvents
+    from router.turn.outcomes import docs_table; print(docs_table())'`)."""
     assert docs_table() in (DOCS / "architecture.md").read_text()
 
 

@@ -43,6 +43,7 @@ def test_status_shows_instances_store_model_and_nothing_secret(
         "circuit_open": False,
         "failures": 0,
     }
+    assert body["kv_events"] == {"on": False}  # no --kv-events: handles sent, P by load
     text = str(body)
     for secret in (ADMIN_KEY, "engine-secret", ops_redis):
         assert secret not in text
