@@ -140,6 +140,9 @@ def vllm_router(vllm_engines: Engines, redis_url_session: str) -> Iterator[Route
         "--decode-idle-timeout",
         "300",
     )
+    # The router reads both engines' KV events (the same ipc:// publishers the tests read).
+    for engine in (vllm_engines.p, vllm_engines.d):
+        args += ("--kv-events", f"{engine.url}={engine.spec.kv_events}")
     urls = ([vllm_engines.p.url], [vllm_engines.d.url])
     # The router checks every engine's /v1/models and /metrics before it listens, and again
     # as it starts: on a loaded machine that took over the harness's default 20 s.

@@ -18,9 +18,9 @@ import openai
 import pytest
 import redis
 
-from tests.support.chat import Turn, chat_turn, reference_answer
+from tests.support.chat import Turn, chat_turn, get_json, reference_answer
 from tests.support.chat import client as support_client
-from tests.support.procs import free_port
+from tests.support.procs import free_port, wait_until
 from tests.support.router import RouterProc
 from tests.vllm import engines
 from tests.vllm.conftest import PYTHON_ENV, Engines
@@ -294,6 +294,14 @@ def test_kv_events_from_both_engines(vllm_engines: Engines, vllm_router: RouterP
     batch = vllm_engines.events.batches["p"][0]
     assert len(batch) == 3 and isinstance(batch[1], list)  # [ts, events, dp rank]
     assert not vllm_engines.events.errors
+
+    # The router's own subscribers index both engines from the same events.
+    def indexed() -> bool:
+        status = get_json(vllm_router.url + "/status")["kv_events"]
+        views = [status["engines"][e.url] for e in (vllm_engines.p, vllm_engines.d)]
+        return status["on"] and all(v["in_sync"] and v["blocks"] > 0 for v in views)
+
+    wait_until(indexed, "the router's KV-events index did not follow both engines", timeout=30)
 
 
 def responses_reference(engines_: Engines, items: list[Message]) -> str:
