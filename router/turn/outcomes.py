@@ -13,6 +13,18 @@ class Outcome(StrEnum):
     SKIP = "skip"  # reuse was not attempted at all
 
 
+class Found(StrEnum):
+    """How a hit's session was found when the request named none (`hit;id=...`)."""
+
+    HISTORY = "history"  # the request's history begins with the conversation a D holds
+
+
+FOUND_MEANINGS: dict[Found, str] = {
+    Found.HISTORY: "a hit on a session found by the request's history (no conversation id "
+    "was sent): its messages begin with exactly the prompt and answer a D holds",
+}
+
+
 class Reason(StrEnum):
     """Why a turn did not read the conversation's KV from D (`miss;reason=...`)."""
 
@@ -87,10 +99,11 @@ class Reuse:
     outcome: Outcome
     reason: Reason | None = None
     tokens: int = 0
+    found: Found | None = None  # a hit's session was found this way, not by its id
 
     @classmethod
-    def hit(cls, tokens: int) -> Reuse:
-        return cls(Outcome.HIT, tokens=tokens)
+    def hit(cls, tokens: int, found: Found | None = None) -> Reuse:
+        return cls(Outcome.HIT, tokens=tokens, found=found)
 
     @classmethod
     def miss(cls, reason: Reason | str) -> Reuse:
@@ -103,16 +116,20 @@ class Reuse:
         return self.outcome is Outcome.HIT
 
     def header(self) -> str:
-        return f"{self.outcome};reason={self.reason}" if self.reason else str(self.outcome)
+        if self.reason:
+            return f"{self.outcome};reason={self.reason}"
+        return f"{self.outcome};id={self.found}" if self.found else str(self.outcome)
 
     def labels(self) -> tuple[str, str]:
-        """The reuse metric's (outcome, reason) labels."""
-        return str(self.outcome), str(self.reason or "")
+        """The reuse metric's (outcome, reason) labels; a hit's reason label says how its
+        session was found ("history"), empty for a conversation id."""
+        return str(self.outcome), str(self.reason or self.found or "")
 
 
 def header_values() -> list[str]:
     """Every X-KV-Reuse value the router sends, as the docs table lists them."""
     values = [str(Outcome.HIT)]
+    values += [Reuse.hit(0, found).header() for found in Found]
     values += [Reuse.miss(reason).header() for reason in Reason]
     return values
 
@@ -121,5 +138,6 @@ def docs_table() -> str:
     """docs/architecture.md's X-KV-Reuse table (tests/ops/test_docs.py checks it is there)."""
     rows = ["| value | meaning |", "|---|---|"]
     rows.append("| `hit` | P was given D's handle (possibly cut to the verified prefix) |")
+    rows += [f"| `{Reuse.hit(0, f).header()}` | {FOUND_MEANINGS[f]} |" for f in Found]
     rows += [f"| `{Reuse.miss(r).header()}` | {MEANINGS[r]} |" for r in Reason]
     return "\n".join(rows)
