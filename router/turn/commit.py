@@ -56,6 +56,7 @@ async def _commit(turn: Turn, captured: Captured) -> str:
     state = next_state(turn, captured)
     expected = turn.claim.state.turn if turn.claim.state else 0
     svc = turn.svc
+    ok = False
     try:
         with span("kvbaton.commit"):
             ok = await svc.guard.call(

@@ -105,3 +105,13 @@ async def test_the_switch(on: bool) -> None:
         assert 'reason="history"' in svc.metrics.render().decode()
     else:
         assert seen == ["skip;reason=no-conversation-id"] * 3
+
+
+async def test_a_store_that_fails_still_serves_id_less_turns() -> None:
+    svc = services(FakeEngines())
+    await svc.store.close()  # every store call raises StoreError now
+    messages: list[dict[str, Any]] = [SYS, U1]
+    reuse, text = await chat(svc, messages, "r0")
+    assert reuse == "miss;reason=no-session" and text  # no lookup: nothing to look up
+    reuse, _ = await chat(svc, [*messages, {"role": "assistant", "content": text}, U2], "r1")
+    assert reuse == "miss;reason=store-unavailable"
