@@ -127,6 +127,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
                 out["monitor"]["no-reuse"] = redis_cost.monitor_sample(st, lg, 1)
             tick("redis round trip")
             out["redis_rtt"] = redis_cost.rtt(st.redis_url)
+            out["history_cost"] = redis_cost.history_cost(st.redis_url)
         finally:
             stats.close()
         out["commands"]["stock"] = st.commands

@@ -136,6 +136,57 @@ def rtt(url: str, n: int = 500) -> dict[str, float]:
     return asyncio.run(_rtt(url, n))
 
 
+async def _history_cost(url: str, n: int, sizes: tuple[int, ...]) -> dict[str, float]:
+    """The history lookup (one MGET of k candidate keys, one of them set) and the index write
+    (SET PX), through the router's own store on a real redis-server."""
+    from sessions.keys import history_key
+    from sessions.redis_store import RedisSessionStore
+
+    store = RedisSessionStore(url, timeout=1.0)
+    out: dict[str, float] = {}
+    try:
+        keys = [history_key("bench", f"{i:032x}") for i in range(max(sizes))]
+        await store.index_history(keys[0], "3 h-" + "0" * 32, 60.0)
+        for k in sizes:
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await store.find_history(keys[:k][::-1])
+                times.append(time.perf_counter() - t0)
+            out[f"lookup_{k}_50_us"] = pct(times, 50) * 1e6
+            out[f"lookup_{k}_99_us"] = pct(times, 99) * 1e6
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await store.index_history(keys[1], "5 h-" + "1" * 32, 60.0)
+            times.append(time.perf_counter() - t0)
+        out["index_50_us"], out["index_99_us"] = pct(times, 50) * 1e6, pct(times, 99) * 1e6
+    finally:
+        await store.close()
+    return out
+
+
+def history_cost(
+    url: str, n: int = 500, sizes: tuple[int, ...] = (1, 4, 16, 64, 256)
+) -> dict[str, float]:
+    """Per-turn cost of history sessions: the lookup by candidate count, and the index write."""
+    return asyncio.run(_history_cost(url, n, sizes))
+
+
 def top_level(sample: dict[str, Any]) -> set[str]:
     names = set(sample.get("top", {}))
     return names | set(SCRIPT_COMMANDS)
+
+
+def main() -> None:
+    """`python -m bench.redis_cost`: the history lookup's cost on a private redis-server."""
+    import json
+
+    from tests.support.procs import redis_server
+
+    with redis_server() as (url, _, _):
+        print(json.dumps({"rtt": rtt(url), "history": history_cost(url)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -807,6 +807,16 @@ def redis_section(results: dict[str, Any]) -> list[str]:
             "on an idle loop (more under load, when the reply waits for the event loop).",
             "",
         ]
+    hist = oh.get("history_cost")
+    if hist:
+        lines += [
+            "Sessions found by history (requests without a conversation id) add a lookup "
+            f"before the claim, one MGET: {fmt(hist['lookup_4_50_us'], 0)} us p50 for 4 "
+            f"candidate keys, {fmt(hist['lookup_64_50_us'], 0)} us for 64 "
+            f"({fmt(hist['lookup_64_99_us'], 0)} p99), and an index write after the commit "
+            f"(SET PX) of {fmt(hist['index_50_us'], 0)} us p50.",
+            "",
+        ]
     return lines
 
 

@@ -47,6 +47,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     handle_ttl: float = 450.0
     session_ttl: float = 3600.0
     reuse: bool = True
+    history_sessions: bool = True
     verify_prefix: Literal["tokens", "digest"] = "tokens"
     block_size: int = 0
     min_reuse_tokens: int = 0

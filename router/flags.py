@@ -56,6 +56,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("session_ttl", "seconds a conversation's affinity and digests are kept", float),
     Flag("reuse", "send the previous D's handle to P (--no-reuse keeps affinity only)", bool),
     Flag(
+        "history_sessions",
+        "find the session of a request without a conversation id by its history (a "
+        "tenant-scoped digest of the conversation a D holds)",
+        bool,
+    ),
+    Flag(
         "verify_prefix",
         "how a new prompt is checked against the KV D holds before a read",
         choices=("tokens", "digest"),

@@ -77,10 +77,37 @@ def conversation_digest(api: str, items: Sequence[Any]) -> str:
     return head.hex()
 
 
+def conversation_heads(api: str, items: Sequence[Any]) -> list[str]:
+    """`conversation_digest(api, items[:k + 1])` for every k, in one pass over the chain."""
+    head = hashlib.blake2b(api.encode(), digest_size=_CONV_SIZE, person=b"kvbaton-conv").digest()
+    heads = []
+    for item in items:
+        body = _ENCODER.encode(_canonical_item(api, item))
+        head = hashlib.blake2b(head + body, digest_size=_CONV_SIZE).digest()
+        heads.append(head.hex())
+    return heads
+
+
 def text_digest(api: str, text: str) -> str:
     """Digest of a completions prompt (or any text), seeded by api."""
     data = api.encode() + b"\0" + text.encode("utf-8", "surrogatepass")
     return hashlib.blake2b(data, digest_size=_CONV_SIZE, person=b"kvbaton-text").hexdigest()
+
+
+def text_heads(api: str, text: str, step: int, limit: int) -> list[tuple[int, str]]:
+    """(n, `text_digest(api, text[:n])`) for n = step, 2 step, ... up to len(text), the
+    longest `limit` of them, longest first; one pass over the text (blake2b is incremental)."""
+    ends = range(step, len(text) + 1, step)[-limit:] if limit > 0 else range(0)
+    if not ends:
+        return []
+    digest = hashlib.blake2b(api.encode() + b"\0", digest_size=_CONV_SIZE, person=b"kvbaton-text")
+    done = 0
+    heads = []
+    for end in ends:
+        digest.update(text[done:end].encode("utf-8", "surrogatepass"))
+        done = end
+        heads.append((end, digest.copy().hexdigest()))
+    return heads[::-1]
 
 
 def _pack(token_ids: Sequence[int]) -> bytes:

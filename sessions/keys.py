@@ -7,6 +7,10 @@ CONVERSATION_PREFIX = "kvbaton:conv:"
 # SCAN pattern matching every conversation HASH (and nothing else kvbaton writes).
 CONVERSATION_PATTERN = CONVERSATION_PREFIX + "*"
 
+# One STRING per history-addressed session: `<prefix_len> <conversation_id>`, under a digest
+# of the conversation its D holds (docs/operations.md).
+HISTORY_PREFIX = "kvbaton:hist:"
+
 # One HASH: instance base URL -> JSON {"role", "state", "updated_at"}, written by the admin
 # API and read by every replica (docs/operations.md).
 INSTANCES_KEY = "kvbaton:instances"
@@ -31,3 +35,11 @@ def split_conversation_key(key: str) -> tuple[str, str] | None:
     if not sep or not tenant or not conversation_id:
         return None
     return tenant, conversation_id
+
+
+def history_key(tenant: str, digest: str) -> str:
+    """`kvbaton:hist:{<tenant>:<digest>}`: the session whose D holds the conversation with that
+    digest. Its own hash tag, so another slot than the conversation's HASH on Redis Cluster."""
+    if "{" in tenant or "}" in tenant or not digest.isalnum():
+        raise ValueError("tenant must not contain braces; digest must be hex")
+    return f"{HISTORY_PREFIX}{{{tenant}:{digest}}}"

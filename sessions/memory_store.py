@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -39,6 +39,8 @@ class MemorySessionStore:
         self._clock = clock
         self._max_entries = max_entries
         self._entries: OrderedDict[str, tuple[SessionState, float]] = OrderedDict()
+        # History keys: value and deadline, evicted like the sessions they name.
+        self._history: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._closed = False
 
     def __len__(self) -> int:
@@ -65,10 +67,14 @@ class MemorySessionStore:
         """Change a live entry's state, keeping its deadline and place in the eviction order."""
         self._entries[key] = (state, self._entries[key][1])
 
-    async def claim(self, key: str, request_id: str) -> SessionState | None:
+    async def claim(
+        self, key: str, request_id: str, expect_prefix: str = ""
+    ) -> SessionState | None:
         state = self._live(key)
         if state is None:
             return None
+        if expect_prefix and state.prefix_digest != expect_prefix:
+            return _detached(state)
         if state.kv_transfer_params:
             taken = msgspec.structs.replace(state, kv_transfer_params=None, inflight=request_id)
             self._replace(key, taken)
@@ -89,6 +95,26 @@ class MemorySessionStore:
         if state is not None and state.inflight == request_id:
             self._replace(key, msgspec.structs.replace(state, inflight=""))
 
+    async def find_history(self, keys: Sequence[str]) -> list[str | None]:
+        self._check_open()
+        now = self._clock()
+        found: list[str | None] = []
+        for key in keys:
+            entry = self._history.get(key)
+            found.append(entry[0] if entry is not None and entry[1] > now else None)
+        return found
+
+    async def index_history(self, key: str, value: str, ttl_s: float) -> None:
+        self._check_open()
+        self._history[key] = (value, self._clock() + max(ttl_s, 0.001))
+        self._history.move_to_end(key)
+        while len(self._history) > self._max_entries:
+            self._history.popitem(last=False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("session store is closed")
+
     async def get(self, key: str) -> SessionState | None:
         state = self._live(key)
         return None if state is None else _detached(state)
@@ -106,3 +132,4 @@ class MemorySessionStore:
     async def close(self) -> None:
         self._closed = True
         self._entries.clear()
+        self._history.clear()

@@ -26,10 +26,14 @@ from sessions.store import CorruptState, StoreError
 
 T = TypeVar("T")
 
-# Returns the hash as it was; takes the handle (single use) if there is one.
+# Returns the hash as it was; takes the handle (single use) if there is one, and, when
+# ARGV[2] is not empty, only if the prefix digest is ARGV[2].
 _CLAIM = """
 local fields = redis.call('HGETALL', KEYS[1])
 if #fields == 0 then return false end
+if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'prefix_digest') ~= ARGV[2] then
+  return fields
+end
 for i = 1, #fields, 2 do
   if fields[i] == 'kv_transfer_params' then
     local params = fields[i + 1]
@@ -74,6 +78,11 @@ def turn_retry() -> Retry:
     """One immediate retry on a broken pooled connection; none on a timeout: a slow Redis must
     not hold up the turn, which proceeds without reuse."""
     return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
+
+def _text(value: bytes | str) -> str:
+    # A garbage value reads as no `<prefix_len> <id>`: the router ignores it.
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def _decode_pairs(reply: Sequence[bytes] | None) -> SessionState | None:
@@ -140,9 +149,12 @@ class RedisSessionStore:
         except _FAILURES as exc:
             raise StoreError(f"session store {what} failed: {exc}") from exc
 
-    async def claim(self, key: str, request_id: str) -> SessionState | None:
+    async def claim(
+        self, key: str, request_id: str, expect_prefix: str = ""
+    ) -> SessionState | None:
         async def claim() -> SessionState | None:
-            return _decode_pairs(await self._claim(keys=[key], args=[request_id]))
+            reply = await self._claim(keys=[key], args=[request_id, expect_prefix])
+            return _decode_pairs(reply)
 
         try:
             return await self._run("claim", claim())
@@ -165,6 +177,27 @@ class RedisSessionStore:
 
     async def release(self, key: str, request_id: str) -> None:
         await self._run("release", self._release(keys=[key], args=[request_id]))
+
+    async def find_history(self, keys: Sequence[str]) -> list[str | None]:
+        """One MGET; on Redis Cluster the keys' slots differ, so redis-py splits it by node
+        (mget_nonatomic: one round trip per node holding some, sent concurrently)."""
+
+        async def mget() -> list[str | None]:
+            if not keys:
+                return []
+            if isinstance(self._client, RedisCluster):
+                raw = await self._client.mget_nonatomic(list(keys))
+            else:
+                raw = await cast(Awaitable[list[bytes | None]], self._client.mget(list(keys)))
+            return [None if v is None else _text(v) for v in raw]
+
+        return await self._run("history lookup", mget())
+
+    async def index_history(self, key: str, value: str, ttl_s: float) -> None:
+        ttl_ms = max(1, math.ceil(ttl_s * 1000))
+        await self._run(
+            "history index", cast(Awaitable[Any], self._client.set(key, value, px=ttl_ms))
+        )
 
     async def get(self, key: str) -> SessionState | None:
         async def get() -> SessionState | None:

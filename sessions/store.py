@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from sessions.model import SessionState
@@ -23,12 +24,16 @@ class SessionStore(Protocol):
     Every method raises StoreError, never a backend exception, when the backend fails.
     """
 
-    async def claim(self, key: str, request_id: str) -> SessionState | None:
+    async def claim(
+        self, key: str, request_id: str, expect_prefix: str = ""
+    ) -> SessionState | None:
         """Read the state and take its handle, atomically; None when there is no state.
 
         Returns the state as it was (with its kv_transfer_params). When it had a handle, the
         stored copy loses it and records `inflight=request_id`; nothing else changes. Of two
         concurrent claims at most one gets the handle; the other sees `inflight` ("busy").
+        With expect_prefix, the handle is taken only if the state's prefix_digest is that one
+        (a session found by history that has moved on keeps its handle for its own next turn).
         """
         ...
 
@@ -41,6 +46,14 @@ class SessionStore(Protocol):
 
     async def release(self, key: str, request_id: str) -> None:
         """Clear `inflight` if it still is request_id (the turn failed); no-op otherwise."""
+        ...
+
+    async def find_history(self, keys: Sequence[str]) -> list[str | None]:
+        """The values of these history keys (`sessions.keys.history_key`), None where unset."""
+        ...
+
+    async def index_history(self, key: str, value: str, ttl_s: float) -> None:
+        """Set a history key to value (`<prefix_len> <conversation_id>`) with a TTL."""
         ...
 
     async def get(self, key: str) -> SessionState | None:

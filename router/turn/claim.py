@@ -15,9 +15,9 @@ import msgspec
 from router.errors import UpstreamFailure
 from router.services import Services
 from router.tracing import span
-from router.turn import decide
+from router.turn import decide, history
 from router.turn.incoming import Incoming, canonical_items
-from router.turn.outcomes import Reason, Reuse
+from router.turn.outcomes import Found, Reason, Reuse
 from router.turn.rewrite import ids_leg_allowed
 from router.turn.tenant import conversation_hash
 from sessions import integrity
@@ -52,6 +52,9 @@ class Claim:
     prompt_ids: list[int] | None = None
     # The new prompt's ids from P's /tokenize, on a hit verified by tokens.
     tokens: list[int] | None = None
+    # The synthetic id of a session named by its history only ("" otherwise): the commit
+    # indexes it under the digest of the conversation its D then holds.
+    history_id: str = ""
 
     def miss(self, reason: Reason) -> Claim:
         return replace(self, reuse=Reuse.miss(reason), params=None)
@@ -59,16 +62,61 @@ class Claim:
 
 async def claim(svc: Services, inc: Incoming, request_id: str) -> Claim:
     """Take the conversation's handle from the store (single use), or say why not."""
-    if inc.conversation_id is None:
+    if inc.conversation_id is not None:
+        # A request that names its conversation never uses the history index.
+        return await _claim_key(
+            svc, inc, request_id, conversation_key(inc.tenant, inc.conversation_id)
+        )
+    if not svc.settings.history_sessions:
         return Claim(None, None, Reuse.miss(Reason.NO_CONVERSATION_ID))
-    key = conversation_key(inc.tenant, inc.conversation_id)
+    return await _by_history(svc, inc, request_id)
+
+
+async def _by_history(svc: Services, inc: Incoming, request_id: str) -> Claim:
+    """The session whose D holds the longest prefix of this history, if it has not moved on
+    and no other turn holds it; else a new session (a first turn, a branch, a look-alike)."""
+    fresh = history.new_id()
+    new = Claim(
+        conversation_key(inc.tenant, fresh), None, Reuse.miss(Reason.NO_SESSION), history_id=fresh
+    )
+    found = history.candidates(inc)
+    if not found:
+        return new
+    try:
+        with span("kvbaton.history"):
+            values = await svc.guard.call(lambda: svc.store.find_history([c.key for c in found]))
+    except StoreError:
+        return replace(new, reuse=Reuse.miss(Reason.STORE_UNAVAILABLE))
+    match = history.pick(inc, found, values)
+    if match is None:
+        return new
+    key = conversation_key(inc.tenant, match.conversation_id)
+    got = await _claim_key(svc, inc, request_id, key, expect=match.expect)
+    state = got.state
+    if state is None:  # expired since, or the store failed
+        return new if got.reuse.reason is Reason.NO_SESSION else replace(new, reuse=got.reuse)
+    if state.prefix_digest != match.expect:
+        # The session moved on (a regenerate, or another client with the same history so
+        # far): its handle stays for its own next turn; this one is a new branch.
+        return replace(new, reuse=Reuse.miss(Reason.PREFIX_MISMATCH))
+    if state.kv_transfer_params is None and state.inflight:
+        return replace(new, reuse=Reuse.miss(Reason.BUSY))  # a turn of it is running now
+    reuse = got.reuse
+    if reuse.is_hit:
+        reuse = replace(reuse, found=Found.HISTORY)
+    return replace(got, reuse=reuse, history_id=match.conversation_id)
+
+
+async def _claim_key(
+    svc: Services, inc: Incoming, request_id: str, key: str, expect: str = ""
+) -> Claim:
     try:
         if not svc.settings.reuse:
             # Affinity only: read the state for placement, never take or send a handle.
             state = await svc.guard.call(lambda: svc.store.get(key))
             return Claim(key, state, Reuse.miss(Reason.REUSE_DISABLED))
         with span("kvbaton.claim"):
-            state = await svc.guard.call(lambda: svc.store.claim(key, request_id))
+            state = await svc.guard.call(lambda: svc.store.claim(key, request_id, expect))
     except CorruptState as exc:
         log.warning("conversation %s: %s (key dropped)", conversation_hash(key), exc)
         return Claim(key, None, Reuse.miss(Reason.CORRUPT_STATE))
@@ -177,7 +225,7 @@ async def verify(
     if reuse.tokens >= state.token_count:
         return found
     params = svc.connector.truncate(handle, reuse.tokens, state.block_size)
-    return replace(found, params=params, reuse=reuse)
+    return replace(found, params=params, reuse=replace(reuse, found=found.reuse.found))
 
 
 def _reason(reuse: Reuse) -> Reason:

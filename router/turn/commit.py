@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from router.tracing import span
-from router.turn import decide
+from router.turn import decide, history
 from router.turn.capture import Captured
 from router.turn.incoming import Incoming, canonical_items
 from router.turn.state import Turn
@@ -57,6 +57,7 @@ async def _commit(turn: Turn, captured: Captured) -> str:
     state = next_state(turn, captured)
     expected = turn.claim.state.turn if turn.claim.state else 0
     svc = turn.svc
+    ok = False
     try:
         with span("kvbaton.commit"):
             ok = await svc.guard.call(
@@ -68,7 +69,23 @@ async def _commit(turn: Turn, captured: Captured) -> str:
         # A lost race: another turn of this conversation committed first (compare-and-set).
         result = "committed" if ok else "lost-race"
     svc.metrics.commits.labels(result).inc()
+    if ok and turn.claim.history_id:
+        await _index_history(turn, state, captured)
     return result
+
+
+async def _index_history(turn: Turn, state: sm.SessionState, captured: Captured) -> None:
+    """After the commit, not in it: on Redis Cluster the history key and the conversation's
+    HASH are in other slots. The index is a hint; the claim checks the state's own digest."""
+    svc = turn.svc
+    entry = history.index_entry(turn.inc, turn.claim.history_id, state, captured.output_text)
+    if entry is None:
+        return
+    key, value = entry
+    try:
+        await svc.guard.call(lambda: svc.store.index_history(key, value, svc.settings.session_ttl))
+    except StoreError:
+        log.warning("history index write failed: the next turn of this history will miss")
 
 
 def next_state(turn: Turn, captured: Captured) -> sm.SessionState:

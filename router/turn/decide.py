@@ -8,7 +8,7 @@ metrics: `run.py`, `prefill.py`, `claim.py` and `commit.py` apply what these ret
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -154,7 +154,7 @@ def cached_reuse(verified: Reuse, block_size: int, *, p_held: int, d_evicted: bo
         return verified
     covered = verified.tokens // block_size * block_size if block_size > 0 else 0
     if covered > 0 and p_held >= covered:
-        return Reuse.hit(verified.tokens, Via.PREFILL_CACHE)
+        return replace(verified, via=Via.PREFILL_CACHE)  # how it was found stays
     if d_evicted:
         return Reuse.miss(Reason.EVICTED)
     return verified

@@ -25,6 +25,18 @@ VIA_MEANINGS: dict[Via, str] = {
 }
 
 
+class Found(StrEnum):
+    """How a hit's session was found when the request named none (`hit;id=...`)."""
+
+    HISTORY = "history"  # the request's history begins with the conversation a D holds
+
+
+FOUND_MEANINGS: dict[Found, str] = {
+    Found.HISTORY: "a hit on a session found by the request's history (no conversation id "
+    "was sent): its messages begin with exactly the prompt and answer a D holds",
+}
+
+
 class Reason(StrEnum):
     """Why a turn did not read the conversation's KV from D (`miss;reason=...`)."""
 
@@ -112,11 +124,12 @@ class Reuse:
     outcome: Outcome
     reason: Reason | None = None
     tokens: int = 0
-    via: Via | None = None
+    via: Via | None = None  # a hit whose prefix reached P another way than a read from D
+    found: Found | None = None  # a hit's session was found this way, not by its id
 
     @classmethod
-    def hit(cls, tokens: int, via: Via | None = None) -> Reuse:
-        return cls(Outcome.HIT, tokens=tokens, via=via)
+    def hit(cls, tokens: int, via: Via | None = None, found: Found | None = None) -> Reuse:
+        return cls(Outcome.HIT, tokens=tokens, via=via, found=found)
 
     @classmethod
     def miss(cls, reason: Reason | str) -> Reuse:
@@ -142,21 +155,25 @@ class Reuse:
         return "decode_pull" if self.via is None else str(self.via).replace("-", "_")
 
     def header(self) -> str:
-        if self.via is not None:
-            return f"{self.outcome};via={self.via}"
-        return f"{self.outcome};reason={self.reason}" if self.reason else str(self.outcome)
+        if self.reason:
+            return f"{self.outcome};reason={self.reason}"
+        return ";".join([str(self.outcome), *self._hit_parts()])
+
+    def _hit_parts(self) -> list[str]:
+        parts = [f"via={self.via}"] if self.via is not None else []
+        return parts + ([f"id={self.found}"] if self.found is not None else [])
 
     def labels(self) -> tuple[str, str]:
-        """The reuse metric's (outcome, reason) labels (a via hit: reason "via=<via>")."""
-        if self.via is not None:
-            return str(self.outcome), f"via={self.via}"
-        return str(self.outcome), str(self.reason or "")
+        """The reuse metric's (outcome, reason) labels: a hit's reason label is what its
+        header says after `hit;` ("via=prefill-cache", "id=history"), empty otherwise."""
+        return str(self.outcome), str(self.reason or ";".join(self._hit_parts()))
 
 
 def header_values() -> list[str]:
     """Every X-KV-Reuse value the router sends, as the docs table lists them."""
     values = [str(Outcome.HIT)]
     values += [Reuse.hit(0, via).header() for via in Via]
+    values += [Reuse.hit(0, found=found).header() for found in Found]
     values += [Reuse.miss(reason).header() for reason in Reason]
     return values
 
@@ -166,5 +183,6 @@ def docs_table() -> str:
     rows = ["| value | meaning |", "|---|---|"]
     rows.append("| `hit` | P was given D's handle (possibly cut to the verified prefix) |")
     rows += [f"| `{Reuse.hit(0, v).header()}` | {VIA_MEANINGS[v]} |" for v in Via]
+    rows += [f"| `{Reuse.hit(0, found=f).header()}` | {FOUND_MEANINGS[f]} |" for f in Found]
     rows += [f"| `{Reuse.miss(r).header()}` | {MEANINGS[r]} |" for r in Reason]
     return "\n".join(rows)

@@ -58,12 +58,12 @@ def test_conversation_id_by_header(stack: Stack) -> None:
     assert answer2 == reference_chat(stack, messages, 24)
 
 
-def test_without_conversation_id_is_skip(stack: Stack) -> None:
+def test_without_conversation_id_starts_a_history_session(stack: Stack) -> None:
     api = client(stack.router.base_url)
     answer, reuse, _ = chat_turn(
         api, [{"role": "user", "content": "hello"}], stream=False, cid=None
     )
-    assert reuse == "skip;reason=no-conversation-id"
+    assert reuse == "miss;reason=no-session"  # found by its history next turn (test_history)
     assert answer == reference_chat(stack, [{"role": "user", "content": "hello"}], 24)
 
 

@@ -120,7 +120,7 @@ def test_decode_failing_before_first_byte_redoes_the_turn(stock: Stack, stream: 
     post_json(stock.d.url + "/sim/faults", {"fail_next": 1, "status": 503})
     answer, reuse, _ = chat_turn(api, messages, stream=stream, cid=None)
     assert answer == reference_chat(stock, messages, 24)
-    assert reuse == "skip;reason=no-conversation-id"
+    assert reuse == "miss;reason=no-session"  # a new history session
 
 
 def test_redis_down_routes_without_reuse(stock: Stack) -> None:

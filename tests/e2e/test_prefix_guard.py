@@ -68,7 +68,7 @@ def test_late_divergence_reuses_only_the_verified_prefix(stack: Stack) -> None:
     again, reuse2, _ = chat_turn(
         client(stack.router.base_url), messages, stream=False, cid=None, max_tokens=40
     )
-    assert reuse2 == "skip;reason=no-conversation-id"
+    assert reuse2 == "miss;reason=no-session"  # nothing indexes this history
     assert again == answer
 
 

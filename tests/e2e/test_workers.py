@@ -141,7 +141,7 @@ def test_a_killed_worker_is_replaced_and_its_counts_are_kept(stack: Stack) -> No
         answer, reuse, _ = chat_turn(
             a.api, [{"role": "user", "content": "still there?"}], stream=False, cid=None
         )
-        assert answer and reuse == "skip;reason=no-conversation-id"
+        assert answer and reuse == "miss;reason=no-session"
         wait_until(
             lambda: len(children(supervisor) - {a.pid, b.pid}) == 1, "a new worker", timeout=30
         )

@@ -39,7 +39,7 @@ def turns_until_consumed(main: Stack, p: SimProc, key: str, limit: int = 8) -> l
         started = time.monotonic()
         reply = Conversation(main.url, main.ref, None).turn()  # 200 and the oracle's answer
         durations.append(time.monotonic() - started)
-        assert reply.reuse == "skip;reason=no-conversation-id"
+        assert reply.reuse == "miss;reason=no-session"  # a new history session
     raise AssertionError(f"{p.url} still has {key} armed after {limit} turns")
 
 

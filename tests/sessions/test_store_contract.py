@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from sessions.keys import conversation_key
+from sessions.keys import conversation_key, history_key
 from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState, handle_unusable_reason
 from sessions.redis_store import RedisSessionStore
@@ -197,3 +197,30 @@ async def test_stored_state_is_a_copy(harness: Harness, params: dict[str, Any]) 
     assert claimed is not None and claimed.kv_transfer_params is not None
     assert claimed.kv_transfer_params["remote_engine_id"] == "d-engine-1"
     assert claimed.kv_transfer_params["remote_port"] == 5600
+
+
+async def test_a_claim_expecting_another_prefix_takes_nothing(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    assert await store.commit(KEY, state_with(params), 0, TTL)
+    seen = await store.claim(KEY, "req-1", expect_prefix="ef" * 16)
+    assert seen is not None and seen.kv_transfer_params == params
+    kept = await store.get(KEY)
+    assert kept is not None and kept.kv_transfer_params == params and not kept.inflight
+    taken = await store.claim(KEY, "req-2", expect_prefix="ab" * 16)
+    assert taken is not None and taken.kv_transfer_params == params
+    after = await store.get(KEY)
+    assert after is not None and after.kv_transfer_params is None and after.inflight == "req-2"
+
+
+async def test_history_keys_are_values_with_a_ttl(harness: Harness) -> None:
+    store = harness.store
+    hist = history_key("tenant-a", "ab" * 16)
+    other = history_key("tenant-b", "ab" * 16)
+    assert await store.find_history([]) == []
+    assert await store.find_history([hist, other]) == [None, None]
+    await store.index_history(hist, "3 h-one", TTL)
+    assert await store.find_history([other, hist]) == [None, "3 h-one"]
+    await store.index_history(hist, "5 h-two", TTL)
+    assert await store.find_history([hist]) == ["5 h-two"]

@@ -105,7 +105,7 @@ def test_single_turn_prefill_then_decode(vllm_engines: Engines, vllm_router: Rou
     pulled, failed = by_source(d, "external_kv_transfer"), failed_transfers(d)
     messages = opening("single")
     answer, reuse, body = chat(vllm_router, messages, cid=None)
-    assert reuse == "skip;reason=no-conversation-id"
+    assert reuse == "miss;reason=no-session"  # a new history session
     assert by_source(d, "external_kv_transfer") > pulled, "D read nothing from P"
     assert failed_transfers(d) == failed
     assert answer == reference(vllm_engines, messages)
