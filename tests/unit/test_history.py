@@ -102,7 +102,7 @@ async def test_the_switch(on: bool) -> None:
         messages.append({"role": "assistant", "content": text})
     if on:
         assert seen == ["miss;reason=no-session", "hit;id=history", "hit;id=history"]
-        assert 'reason="history"' in svc.metrics.render().decode()
+        assert 'reason="id=history"' in svc.metrics.render().decode()
     else:
         assert seen == ["skip;reason=no-conversation-id"] * 3
 
