@@ -243,8 +243,10 @@ def test_streaming_on_stock_vllm_keeps_affinity_and_says_why(
 def test_handle_naming_a_dead_engine_is_retried_as_a_miss(
     vllm_engines: Engines, vllm_router: RouterProc, redis_url_session: str
 ) -> None:
-    """P cannot reach the engine a handle names: its NIXL handshake fails and it answers
-    500; the router redoes the prefill without the handle and the client never notices."""
+    """A stored handle edited to name another engine (a dead one) than the session recorded:
+    the router's own handle check refuses it before P (no NIXL handshake, no failed
+    transfer), the turn is a plain miss with the right answer, and the next turn reads from D.
+    (Before that check, P tried the dead engine and answered 500: handle-rejected.)"""
     p = vllm_engines.p.url
     cid = f"dead-{uuid.uuid4().hex[:8]}"
     messages = opening("dead")
@@ -262,9 +264,9 @@ def test_handle_naming_a_dead_engine_is_retried_as_a_miss(
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Really?"}]
     failed = failed_transfers(p)
     answer, reuse, _ = chat(vllm_router, messages, cid=cid)
-    assert reuse == "miss;reason=handle-rejected"
+    assert reuse == "miss;reason=handle-invalid"
     assert answer == reference(vllm_engines, messages)
-    assert failed_transfers(p) > failed
+    assert failed_transfers(p) == failed, "nothing was sent to P"
     # The turn committed a good handle again: the next turn reads from D.
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Fine."}]
     before = by_source(p, "external_kv_transfer")
