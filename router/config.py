@@ -65,6 +65,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     store_timeout: float = 0.25
     store_retry_after: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024
+    header_timeout: float = 75.0
+    body_timeout: float = 60.0
     unhealthy_after: int = 3
     health_interval: float = 5.0
     resolve_dns: bool = False
@@ -218,8 +220,8 @@ def validate(values: Mapping[str, Any]) -> Settings:
         raise ConfigError("--handle-ttl must be > 0 and not above --session-ttl")
     if settings.block_size < 0 or settings.min_reuse_tokens < 0:
         raise ConfigError("--block-size and --min-reuse-tokens must be >= 0")
-    if settings.workers < 1:
-        raise ConfigError("--workers must be >= 1")
+    if settings.workers < 1 or min(settings.header_timeout, settings.body_timeout) <= 0:
+        raise ConfigError("--workers must be >= 1, --header-timeout and --body-timeout > 0")
     if settings.workers > 1 and settings.session_store == "memory":
         raise ConfigError(
             "--workers above 1 needs --session-store redis: a memory store lives in one "
