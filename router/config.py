@@ -71,6 +71,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     store_timeout: float = 0.25
     store_retry_after: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024
+    header_timeout: float = 75.0
+    body_timeout: float = 60.0
     unhealthy_after: int = 3
     health_interval: float = 5.0
     resolve_dns: bool = False
@@ -240,8 +242,8 @@ def _check(settings: Settings) -> None:
     if any(len(s) < 16 for s in settings.session_secrets):
         raise ConfigError("--session-secret: each secret needs at least 16 characters")
     _check_kv_events(settings)
-    if settings.workers < 1:
-        raise ConfigError("--workers must be >= 1")
+    if settings.workers < 1 or min(settings.header_timeout, settings.body_timeout) <= 0:
+        raise ConfigError("--workers must be >= 1, --header-timeout and --body-timeout > 0")
     if settings.workers > 1 and settings.session_store == "memory":
         raise ConfigError(
             "--workers above 1 needs --session-store redis: a memory store lives in one "

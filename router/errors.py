@@ -43,6 +43,14 @@ class NotFound(RouterError):
     type = "not_found_error"
 
 
+class RequestTimeout(RouterError):
+    """The client did not send its whole body in time (--body-timeout)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class PayloadTooLarge(RouterError):
     status = 413
     type = "invalid_request_error"

@@ -124,7 +124,26 @@ FLAGS: tuple[Flag, ...] = (
     Flag("decode_idle_timeout", "seconds a decode stream may stay silent", float),
     Flag("store_timeout", "seconds per session-store call before it counts as down", float),
     Flag("store_retry_after", "seconds to route without the store after it failed", float),
-    Flag("max_body_bytes", "largest accepted request body", int),
+    Flag(
+        "max_body_bytes",
+        "largest accepted request body: a larger declared Content-Length gets 413 before any "
+        "of it is read, a chunked body is cut at the limit",
+        int,
+    ),
+    Flag(
+        "header_timeout",
+        "seconds a connection may take to send a complete request head (request line and "
+        "headers), counted from its opening or from the end of its previous response; it is "
+        "also how long an idle kept-alive connection stays open (Hypercorn has one timer for "
+        "both)",
+        float,
+    ),
+    Flag(
+        "body_timeout",
+        "seconds a client may take to send a whole request body, counted from the end of its "
+        "headers; slower bodies get 408 and the connection is closed",
+        float,
+    ),
     Flag("unhealthy_after", "consecutive failures that eject an instance", int),
     Flag(
         "health_interval",

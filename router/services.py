@@ -31,6 +31,8 @@ class Services:
     connector: Connector
     model: str = ""
     block_size: int = 0
+    # The smallest context length the decode instances report (0: unknown).
+    max_model_len: int = 0
     clock: Callable[[], float] = time.time
     stopping: bool = False
     # Why P no longer gets prompts as token ids in this process ("" while it does).

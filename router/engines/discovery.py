@@ -33,6 +33,7 @@ async def inspect(svc: Services, inst: Instance) -> None:
             raise UpstreamFailure(f"/v1/models answered {status}")
         data = msgspec.json.decode(raw).get("data") or []
         inst.model = str(data[0]["id"]) if data else ""
+        inst.max_model_len = _max_model_len(data[0]) if data else 0
         status, metrics = await svc.engines.get(inst.url + "/metrics", timeout=timeout)
     except (UpstreamFailure, msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
         inst.healthy = False
@@ -43,6 +44,12 @@ async def inspect(svc: Services, inst: Instance) -> None:
     inst.block_size = int(match.group(1)) if match else 0
     if status == 200:
         inst.ident.note_started(process_started(metrics))
+
+
+def _max_model_len(card: dict[str, object]) -> int:
+    """vLLM's model card carries the context length (`max_model_len`)."""
+    value = card.get("max_model_len")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 async def discover(svc: Services) -> None:
@@ -63,6 +70,9 @@ async def discover(svc: Services) -> None:
             raise StartupError(f"--model {wanted!r}, but the instances serve: {detail}")
         raise StartupError(f"instances serve different models: {detail}")
     svc.model = models.pop() if models else ""
+    # D refuses a max_tokens that leaves no room for a prompt; the router refuses it before P.
+    lengths = [i.max_model_len for i in instances if i.role == "decode" and i.max_model_len]
+    svc.max_model_len = min(lengths, default=0)
     sizes = {inst.block_size for inst in instances if inst.block_size}
     if svc.settings.block_size:
         svc.block_size = svc.settings.block_size

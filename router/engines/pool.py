@@ -30,6 +30,7 @@ class Instance:
     failures: int = 0
     block_size: int = 0
     model: str = ""
+    max_model_len: int = 0
     draining: bool = False
     last_error: str = ""
     ident: EngineIdentity = field(default_factory=EngineIdentity)

@@ -27,6 +27,7 @@ from router.engines.kv_watch import KvEvents, parse_sources
 from router.engines.pool import Pool
 from router.errors import RouterError, Unavailable, UpstreamFailure, error_body, error_bytes
 from router.http.admin import Operations, admin_app
+from router.http.body import read_body
 from router.http.disconnect import until_disconnect
 from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
@@ -71,14 +72,16 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
         try:
             if svc.stopping:
                 raise Unavailable("the router is shutting down")
-            raw = await request.body()
+            settings = svc.settings
+            raw = await read_body(request, settings.max_body_bytes, settings.body_timeout)
             inc = read_incoming(
                 raw,
                 request.headers,
                 api=api,
                 model=svc.model,
-                max_bytes=svc.settings.max_body_bytes,
-                tenant_header=svc.settings.tenant_header,
+                max_bytes=settings.max_body_bytes,
+                tenant_header=settings.tenant_header,
+                max_model_len=svc.max_model_len,
             )
             with span("kvbaton.request", route=route):
                 response = await until_disconnect(request, run_turn(svc, inc, request_id))
@@ -158,8 +161,18 @@ async def on_router_error(request: Request, exc: Exception) -> Response:
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
-    # The one place an unexpected error becomes a 500, and only before a response started.
-    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    # The one place an unexpected error becomes a 500, and only before a response started:
+    # one line per failed request; the traceback at debug level only (a RecursionError's
+    # would be thousands of lines).
+    log.error(
+        "unexpected error on %s %s (request %s): %s: %.200s",
+        request.method,
+        request.url.path,
+        _request_id(request) or "-",
+        type(exc).__name__,
+        exc,
+    )
+    log.debug("traceback of the error above", exc_info=exc)
     return Response(
         error_body("internal router error", "internal_error", 500),
         500,

@@ -33,7 +33,9 @@ def hypercorn_config(settings: Settings, slot: WorkerSlot | None = None) -> Conf
     # A worker serves the socket its supervisor opened (router/http/workers.py).
     config.bind = [f"fd://{slot.listen_fd}" if slot else f"{settings.host}:{settings.port}"]
     config.graceful_timeout = settings.shutdown_grace
-    config.keep_alive_timeout = 75.0
+    # Hypercorn's idle timer runs from a connection's opening (or the end of its previous
+    # response) until a request head is complete: a header timeout and the keep-alive alike.
+    config.keep_alive_timeout = settings.header_timeout
     config.accesslog = None
     # Hypercorn's messages go through the root handler, in the chosen --log-format.
     config.errorlog = logging.getLogger("hypercorn.error")

@@ -16,6 +16,15 @@ from router.turn.tenant import tenant_of, validate_conversation_id
 Api = Literal["chat", "completions", "responses"]
 
 _decoder = msgspec.json.Decoder()
+# The deepest JSON the router accepts. Digests and rewrites walk the client's values; Python
+# recursion stops near 1000 levels, and no OpenAI request needs more than a few dozen.
+MAX_JSON_DEPTH = 64
+# Each API's output-token limits (vLLM: an int >= 1 that leaves room for a prompt).
+_TOKEN_LIMITS: dict[str, tuple[str, ...]] = {
+    "chat": ("max_tokens", "max_completion_tokens"),
+    "completions": ("max_tokens",),
+    "responses": ("max_output_tokens",),
+}
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,64 @@ def decode_json(raw: bytes, max_bytes: int) -> dict[str, Any]:
         raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    check_depth(body, MAX_JSON_DEPTH)
     return body
+
+
+def check_depth(value: Any, limit: int) -> None:
+    """BadRequest when objects and arrays nest more than `limit` levels (walked without
+    recursion, so that the check itself cannot overflow the stack)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            raise BadRequest(f"request body is nested more than {limit} levels deep")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_limits(body: Mapping[str, Any], api: Api, stream: bool, max_model_len: int) -> None:
+    """What D would refuse, refused before P prefills (and pins KV blocks for D to read)."""
+    limits = [_token_limit(body, key, max_model_len) for key in _TOKEN_LIMITS[api]]
+    smallest = min((limit for limit in limits if limit is not None), default=None)
+    if api == "responses":
+        return
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if not _is_int(min_tokens) or min_tokens < 0:
+            raise BadRequest("'min_tokens' must be an integer >= 0", param="min_tokens")
+        if smallest is not None and min_tokens > smallest:
+            raise BadRequest(
+                f"'min_tokens' must not be above the token limit {smallest}", param="min_tokens"
+            )
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    if options is not None and not stream:
+        raise BadRequest(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+
+
+def _token_limit(body: Mapping[str, Any], key: str, max_model_len: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise BadRequest(f"'{key}' must be an integer", param=key)
+    if value < 1:
+        raise BadRequest(f"'{key}' must be at least 1, got {value}", param=key)
+    if max_model_len and value >= max_model_len:
+        raise BadRequest(
+            f"'{key}' is too large: {value}. This model's maximum context length is "
+            f"{max_model_len} tokens, which leaves no room for the prompt",
+            param=key,
+        )
+    return int(value)
 
 
 def _check_messages(body: Mapping[str, Any]) -> None:
@@ -158,6 +224,7 @@ def read_incoming(
     model: str,
     max_bytes: int,
     tenant_header: str = "",
+    max_model_len: int = 0,
 ) -> Incoming:
     """Validate the client's request; raise a RouterError with the right status otherwise."""
     check_content_type(headers.get("content-type"))
@@ -169,6 +236,7 @@ def read_incoming(
     else:
         _check_prompt(body)
     stream = _check_common(body, model)
+    _check_limits(body, api, stream, max_model_len)
     conversation_id = _conversation_id(body, headers, conversation_id)
     if conversation_id is not None:
         conversation_id = validate_conversation_id(conversation_id)
@@ -202,8 +270,13 @@ def _conversation_id(
 
 
 def _forwarded(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client headers the engines get: vLLM's session identity, validated like a
+    conversation id even when the body names the conversation (a control character in a
+    header would make the engine client refuse the request: a 500)."""
     session = headers.get("x-session-id")
-    return {"X-Session-ID": session} if session is not None else {}
+    if session is None:
+        return {}
+    return {"X-Session-ID": validate_conversation_id(session)}
 
 
 _TEXT_PARTS = ("input_text", "output_text", "text")

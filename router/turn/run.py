@@ -235,6 +235,14 @@ async def _relay(
         ended = True
         await abort(turn, "decode-broke")
         yield sse_error_event(f"the decode engine failed mid-stream: {exc}")
+    except Exception as exc:
+        # Design rule 8: after the first byte every failure ends the stream with one error
+        # event, never a cut 200; one log line, the traceback at debug level.
+        log.error("turn %s failed mid-stream: %s: %.200s", turn.request_id, type(exc).__name__, exc)
+        log.debug("traceback of the error above", exc_info=exc)
+        ended = True
+        await abort(turn, type(exc).__name__)
+        yield sse_error_event("internal router error", "internal_error")
     finally:
         d_inst.outstanding -= 1
         if relay.done:

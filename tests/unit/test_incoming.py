@@ -170,3 +170,16 @@ def test_responses_items_and_canonical_form() -> None:
         api="responses",
     )
     assert canonical_items(two_parts)[0]["content"] != "ab"
+
+
+def test_depth_limit_is_checked_without_recursion() -> None:
+    import pytest as _pytest
+
+    from router.errors import BadRequest
+    from router.turn.incoming import MAX_JSON_DEPTH, decode_json
+
+    ok = b'{"x": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
+    assert decode_json(ok, 1 << 20)
+    deep = b'{"x": ' + b"[" * 990 + b"]" * 990 + b"}"
+    with _pytest.raises(BadRequest):
+        decode_json(deep, 1 << 20)
