@@ -96,6 +96,16 @@ def expected_answer(messages: list[dict[str, Any]]) -> str:
     return answer_for(token_ids(render(messages)))
 
 
+def second_turn(question: str) -> list[dict[str, Any]]:
+    """The messages of the second turn of `conversation(svc, 1)`'s conversation."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "question number 0?"},
+    ]
+    messages.append({"role": "assistant", "content": expected_answer(messages)})
+    return [*messages, {"role": "user", "content": question}]
+
+
 async def test_a_conversation_hits_from_turn_two_and_p_gets_d_s_handle() -> None:
     engines = FakeEngines()
     svc = services(engines)
@@ -122,12 +132,7 @@ async def test_a_prefill_that_cannot_be_reached_fails_over_and_keeps_the_handle(
     engines.scripts[prefer] = lambda call: (
         UpstreamFailure("refused", reached=False) if "/v1/" in call.url else None
     )
-    messages = [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "question number 0?"},
-    ]
-    messages.append({"role": "assistant", "content": expected_answer(messages)})
-    messages.append({"role": "user", "content": "and then?"})
+    messages = second_turn("and then?")
     status, headers, body = await turn(svc, messages)
     assert (status, headers["x-kv-reuse"]) == (200, "hit"), "never reached: the handle is intact"
     other = P2 if prefer == P1 else P1
@@ -176,12 +181,7 @@ async def test_a_decode_that_fails_before_its_first_byte_is_redone_on_another() 
     await conversation(svc, 1)
     state = await state_of(svc)
     engines.scripts[state.decode] = lambda call: 503 if "/v1/" in call.url else None
-    messages = [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "question number 0?"},
-    ]
-    messages.append({"role": "assistant", "content": expected_answer(messages)})
-    messages.append({"role": "user", "content": "more?"})
+    messages = second_turn("more?")
     status, headers, body = await turn(svc, messages)
     assert (status, headers["x-kv-reuse"]) == (200, "miss;reason=decode-retried")
     assert answer(body) == expected_answer(messages)
@@ -220,12 +220,7 @@ async def test_a_prefill_leg_that_times_out_on_a_hung_decode_s_handle_blames_the
         return None
 
     engines.scripts[P1] = engines.scripts[P2] = hang_on_handles
-    messages = [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "question number 0?"},
-    ]
-    messages.append({"role": "assistant", "content": expected_answer(messages)})
-    messages.append({"role": "user", "content": "and now?"})
+    messages = second_turn("and now?")
     status, headers, body = await turn(svc, messages)
     assert (status, headers["x-kv-reuse"]) == (200, "miss;reason=handle-rejected")
     assert answer(body) == expected_answer(messages)
