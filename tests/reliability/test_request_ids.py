@@ -34,7 +34,9 @@ def test_a_502_carries_the_id_the_engines_got_and_the_turn_logged(main: Stack) -
 
 
 def test_an_engine_4xx_carries_the_turn_s_id(main: Stack) -> None:
-    reply = Conversation(main.url, main.ref, new_cid("rid")).turn(check=False, max_tokens=-1)
+    for p in main.ps:
+        faults(p, fail_next=1, status=400)  # P's own 400 to the client's body: relayed
+    reply = Conversation(main.url, main.ref, new_cid("rid")).turn(check=False)
     assert reply.status == 400, reply.body
     rid = reply.headers["x-request-id"]
     assert f"Received request {rid} on /v1/" in engine_logs(main)
