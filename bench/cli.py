@@ -58,7 +58,8 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     if "throughput" in parts:
         n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps
     if "reuse" in parts:
-        n += len(reuse.CACHES) * len(reuse.ARMS) * plan.conv_rounds
+        arms = len(reuse.CACHES) * len(reuse.ARMS) - len(reuse.ONLY_AMPLE) * (len(reuse.CACHES) - 1)
+        n += arms * plan.conv_rounds
     if "profile" in parts and plan.profile_s > 0:
         n += len(profile.PROFILES)
     return n

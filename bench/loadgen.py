@@ -314,7 +314,7 @@ async def conversations(spec: dict[str, Any]) -> dict[str, Any]:
     gate = asyncio.Semaphore(int(spec["concurrency"]))
     deadline = time.monotonic() + float(spec["deadline_s"])
     turns: list[dict[str, Any]] = []
-    use_ids = spec["target"]["mode"] == "router"
+    use_ids = spec["target"]["mode"] == "router" and bool(spec.get("conversation_ids", True))
 
     async def chat(s: aiohttp.ClientSession, c: int) -> None:
         rng = random.Random(spec.get("seed", 0) * 7919 + c)

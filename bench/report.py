@@ -630,6 +630,9 @@ def reuse_section(res: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> list
         "  previous turn, never a handle), engines without `--bidirectional`.",
         "- (c) **round robin, no reuse**: vLLM's toy proxy logic (round robin over P and over D,",
         "  null handoff, no session), run inside the load generator, so it pays no proxy hop.",
+        "- (h) **kvbaton, no conversation id**: as (a), but the client sends only the history",
+        "  (as most chat clients and vLLM's multi-turn benchmark without its id option do); the",
+        "  router finds the session by it (`hit;id=history`). Ample cache only.",
         f"- Prefill cache: *ample* = {plan.ample_blocks} blocks per P; *small* = "
         f"{plan.small_prefill_blocks} blocks per P "
         f"({plan.small_prefill_blocks * g['block_size']} tokens, a few conversations, below "

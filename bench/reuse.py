@@ -29,7 +29,11 @@ ARMS = {
     "a": "kvbaton, reuse + affinity",
     "b": "kvbaton, affinity only (--no-reuse)",
     "c": "round robin, no reuse (toy proxy)",
+    "h": "kvbaton, reuse, no conversation id (history sessions)",
 }
+# The small cache measures what eviction costs reuse; how a session is found does not change
+# that, so arm (h) runs with the ample cache only (and --quick stays under 2 minutes).
+ONLY_AMPLE = ("h",)
 CACHES = ("ample", "small")
 
 
@@ -38,7 +42,7 @@ def sim_args(plan: Plan, arm: str, cache: str) -> tuple[list[list[str]], list[li
     p_blocks = plan.ample_blocks if cache == "ample" else plan.small_prefill_blocks
     p = [*base, "--num-blocks", str(p_blocks)]
     d = [*base, "--num-blocks", str(plan.ample_blocks)]
-    if arm == "a":
+    if arm in ("a", "h"):
         # Stock vLLM streams no kv_transfer_params; TTFT needs streaming, so arm (a) runs the
         # engines with PR #40186 (--stream-kv-params) and the router told so.
         p += ["--bidirectional"]
@@ -47,12 +51,17 @@ def sim_args(plan: Plan, arm: str, cache: str) -> tuple[list[list[str]], list[li
 
 
 def router_args(arm: str) -> list[list[str]]:
-    return {"a": [["--stream-kv-params"]], "b": [["--no-reuse"]], "c": []}[arm]
+    args = {"a": [["--stream-kv-params"]], "b": [["--no-reuse"]], "c": []}
+    return args.get(arm, [["--stream-kv-params"]])
 
 
-def conversation_job(plan: Plan, target: dict[str, Any], rnd: int = 0) -> dict[str, Any]:
-    """Round rnd's share of the conversations: the same ones for every arm."""
+def conversation_job(
+    plan: Plan, target: dict[str, Any], rnd: int = 0, *, ids: bool = True
+) -> dict[str, Any]:
+    """Round rnd's share of the conversations: the same ones for every arm (`ids`: the
+    client sends a conversation id, else only the history)."""
     return {
+        "conversation_ids": ids,
         "kind": "conversations",
         "target": target,
         "n": plan.conv_n // plan.conv_rounds,
@@ -76,11 +85,14 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
     if not no_reuse:
         for cache in CACHES:
             out["runs"][f"{cache}/b"] = {"pending": "the router has no --no-reuse flag yet"}
+    for arm in ONLY_AMPLE:
+        out["runs"][f"small/{arm}"] = {"pending": "runs with the ample cache only"}
     for cache in CACHES:
+        here = [a for a in arms if cache == "ample" or a not in ONLY_AMPLE]
         with contextlib.ExitStack() as stack:
-            arms_up = {arm: stack.enter_context(Arm(plan, arm, cache)) for arm in arms}
+            arms_up = {arm: stack.enter_context(Arm(plan, arm, cache)) for arm in here}
             for rnd in range(plan.conv_rounds):
-                for arm in arms if rnd % 2 == 0 else arms[::-1]:
+                for arm in here if rnd % 2 == 0 else here[::-1]:
                     tick(f"reuse {cache} cache, round {rnd + 1}, arm {arm}")
                     arms_up[arm].run(lg, rnd)
             for arm, up in arms_up.items():
@@ -131,7 +143,8 @@ class Arm:
         target = overhead.direct(self.st) if self.arm == "c" else overhead.via_router(self.st)
         cpu0 = router_cpu(self.st)
         busy0, total0 = machine_cpu()
-        r = lg.run(conversation_job(self.plan, target, rnd), timeout=420.0)
+        job = conversation_job(self.plan, target, rnd, ids=self.arm != "h")
+        r = lg.run(job, timeout=420.0)
         self.cpu += router_cpu(self.st) - cpu0
         busy1, total1 = machine_cpu()
         self.busy[0] += busy1 - busy0
