@@ -114,12 +114,6 @@ def engine_id(params: Mapping[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def num_tokens(params: Mapping[str, Any]) -> int:
-    """remote_num_tokens, or 0 when absent or not an integer."""
-    value = params.get("remote_num_tokens")
-    return value if _is_int(value) else 0
-
-
 def prefill_failed(status: int, body: Mapping[str, Any] | None) -> bool:
     """P rejected the request: HTTP >= 400, an error body, or a choice that ended in "error"."""
     if status >= 400:

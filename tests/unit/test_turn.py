@@ -115,9 +115,10 @@ async def test_a_conversation_hits_from_turn_two_and_p_gets_d_s_handle() -> None
     assert [handle_sent(c) for c in p_legs] == [False, True, True]
     # The hit's P leg is the verified prompt as token ids on /v1/completions.
     assert p_legs[1].url.endswith("/v1/completions") and isinstance(p_legs[1].body["prompt"], list)
-    # Same request id on P, D and the response.
-    assert {c.request_id for c in engines.calls if c.request_id == "r1"} == {"r1"}
-    assert seen[1][1]["x-request-id"] == "r1"
+    # Each turn's calls to P and D carry that turn's request id, as its response does.
+    ids = [c.request_id for c in engines.calls]
+    assert set(ids) == {"r0", "r1", "r2"} and ids == sorted(ids)
+    assert [h["x-request-id"] for _, h, _ in seen] == ["r0", "r1", "r2"]
     hits = svc.metrics.reuse.labels("hit", "")._value.get()
     assert hits == 2
 
