@@ -95,6 +95,7 @@ class ResponsesRoute:
             stop=parsed.stop,
             include_stop_str_in_output=parsed.include_stop_str_in_output,
             kv_params=parsed.kv_transfer_params,
+            base_id=request.headers.get("X-Request-Id", ""),
         )
         if parsed.stream:
             return await self._stream(request, call, req)

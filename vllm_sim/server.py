@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import api, metrics, shapes
+from vllm_sim import api, metrics, push, shapes
 from vllm_sim.blocks import CacheEvent, Cleared, Removed, Stored
 from vllm_sim.clock import SimClock
 from vllm_sim.config import SimSettings
@@ -73,7 +73,9 @@ class Sim:
             await self.engine.channel.start()
             stack.push_async_callback(self.engine.channel.close)
             side = web.AppRunner(
-                side_channel_app(self.engine), access_log=None, shutdown_timeout=0.5
+                side_channel_app(self.engine, self._push_routes),
+                access_log=None,
+                shutdown_timeout=0.5,
             )
             await side.setup()
             stack.push_async_callback(side.cleanup)
@@ -84,6 +86,10 @@ class Sim:
             sweeper = asyncio.create_task(self._sweep_forever())
             stack.push_async_callback(_cancel, sweeper)
             yield
+
+    def _push_routes(self, app: web.Application) -> None:
+        if self.engine.push is not None:
+            push.add_routes(app, self.engine.push)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -111,6 +117,8 @@ class Sim:
         text = metrics.render(
             self.engine.counters, self.engine.gauges(), s.model, labels, self.started
         )
+        if self.engine.push is not None:
+            text += push.metrics_text(self.engine.push.counters)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def tokenize(self, request: web.Request) -> web.Response:

@@ -111,6 +111,7 @@ class GenerationRoutes:
             stop=parsed.stop,
             include_stop_str_in_output=parsed.include_stop_str_in_output,
             kv_params=parsed.kv_transfer_params,
+            base_id=ids.base,
         )
         if parsed.stream:
             return await self._stream(request, parsed, req, ids, inj, headers)
