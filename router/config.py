@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from router.engines import coords
 from router.errors import ConfigError
 from router.flags import FLAGS, Flag
 
@@ -52,7 +53,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     min_reuse_tokens: int = 0
     stream_kv_params: bool = False
-    kv_connector: Literal["nixl"] = "nixl"
+    kv_connector: Literal["nixl", "nixl-push"] = "nixl"
+    prefill_coordinates: tuple[str, ...] = ()
     prefill_token_ids: bool = True
     kv_events: tuple[str, ...] = ()
     kv_events_port: int = 0
@@ -242,6 +244,7 @@ def _check(settings: Settings) -> None:
     if any(len(s) < 16 for s in settings.session_secrets):
         raise ConfigError("--session-secret: each secret needs at least 16 characters")
     _check_kv_events(settings)
+    _check_coordinates(settings)
     if settings.workers < 1 or min(settings.header_timeout, settings.body_timeout) <= 0:
         raise ConfigError("--workers must be >= 1, --header-timeout and --body-timeout > 0")
     if settings.workers > 1 and settings.session_store == "memory":
@@ -257,6 +260,14 @@ def _check_kv_events(settings: Settings) -> None:
     for spec in settings.kv_events:
         if "=" not in spec or not spec.partition("=")[2].startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--kv-events {spec!r}: expected URL=tcp://HOST:PORT[,REPLAY]")
+
+
+def _check_coordinates(settings: Settings) -> None:
+    for spec in settings.prefill_coordinates:
+        try:
+            coords.parse_spec(spec)
+        except ValueError as exc:
+            raise ConfigError(f"--prefill-coordinates {exc}") from None
 
 
 # Set by `kvbaton serve --workers N` in each worker's environment (not a setting):

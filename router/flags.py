@@ -75,8 +75,17 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "kv_connector",
-        "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse)",
-        choices=("nixl",),
+        "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse; "
+        "nixl-push: NixlPushConnector, P and D called concurrently, affinity only)",
+        choices=("nixl", "nixl-push"),
+    ),
+    Flag(
+        "prefill_coordinates",
+        "nixl-push: a P instance's coordinates, URL=ENGINE_ID@SIDE_HOST:SIDE_PORT[,tp=N][,pp=N] "
+        "(repeatable; a P not named is probed for them), e.g. "
+        "http://10.0.0.1:8100=prefill-0@10.0.0.1:5600",
+        many=True,
+        repeat=True,
     ),
     Flag(
         "prefill_token_ids",

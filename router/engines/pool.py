@@ -9,6 +9,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from router.engines.coords import Known
 from router.engines.identity import EngineIdentity
 from router.errors import Unavailable
 
@@ -34,6 +35,7 @@ class Instance:
     draining: bool = False
     last_error: str = ""
     ident: EngineIdentity = field(default_factory=EngineIdentity)
+    kv: Known = field(default_factory=Known)  # push mode: a P's coordinates (coords.py)
 
     def __post_init__(self) -> None:
         self.ident.label = f"{self.role} instance {self.url}"

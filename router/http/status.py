@@ -15,6 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from router.engines import coords
 from router.engines.dns import DnsExpander
 from router.engines.pool import Instance, Role
 from router.services import Services
@@ -60,7 +61,10 @@ def view(svc: Services, inst: Instance, dns: DnsExpander | None = None) -> dict[
         source = "dns"
     else:
         source = "admin"
-    return instance_view(inst, source)
+    out = instance_view(inst, source)
+    # The KV-transfer mode, and in push mode a P's coordinates (or why they are unknown).
+    out["kv"] = coords.view(settings.kv_connector, inst.role, inst.kv)
+    return out
 
 
 def instances_by_role(
