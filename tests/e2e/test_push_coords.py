@@ -108,3 +108,14 @@ def test_wrong_configured_coordinates_fail_and_commit_nothing(stack: Stack) -> N
         keys = store.keys(f"kvbaton:conv:{{*:{cid}}}")
         assert all(store.hget(k, "turn") in (None, "0") for k in keys), keys
         store.close()
+
+
+def test_no_p_with_coordinates_is_a_503(stack: Stack) -> None:
+    p1 = stack.ps[1]  # the pull-mode P alone: never used in push mode
+    args = ("--kv-connector", "nixl-push")
+    with router([p1.url], [stack.d.url], *args, redis_url=None, name="pushc-none") as r:
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "x"}]}
+        reply = post(r.base_url + "/chat/completions", body)
+        assert reply.status == 503, reply.body
+        assert "push coordinates" in reply.json()["error"]["message"]
+        assert reply.headers["x-request-id"]
