@@ -46,6 +46,7 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     # nixl: NixlConnector pull; nixl-push: NixlPushConnector (vllm_sim/push.py)
     kv_connector: str = "nixl"
     push_registration_timeout: float = 10.0
+    data_parallel_size: int = 1  # vllm_sim/dp.py
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["nixl", "nixl-push"],
         default="nixl",
         help="nixl: NixlConnector pull; nixl-push: NixlPushConnector (D registers, P writes)",
+    )
+    a(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="N engines (ranks) behind one API server, each with its own prefix cache, engine id "
+        "<id>_dp<rank> and side channel --kv-port + rank; X-data-parallel-rank picks one",
     )
     a(
         "--push-registration-timeout",
@@ -124,6 +132,7 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         kv_load_failure_policy=ns.kv_load_failure_policy,
         kv_connector=ns.kv_connector,
         push_registration_timeout=ns.push_registration_timeout,
+        data_parallel_size=ns.data_parallel_size,
         stream_kv_params=ns.stream_kv_params,
         reasoning_tokens=ns.reasoning_tokens,
         prefill_ms_per_token=ns.prefill_ms_per_token,
@@ -147,6 +156,8 @@ def check(s: SimSettings) -> None:
     if s.kv_connector == "nixl-push" and s.bidirectional:
         # vllm#46473: the push connector raises NotImplementedError for bidirectional_kv_xfer.
         raise SystemExit("--bidirectional is not supported with --kv-connector nixl-push")
+    if s.data_parallel_size < 1:
+        raise SystemExit("--data-parallel-size must be at least 1")
     if s.block_size < 1 or s.max_model_len < 2 or s.max_num_seqs < 1:
         raise SystemExit("block-size, max-model-len and max-num-seqs must be positive")
     needed = -(-s.max_model_len // s.block_size) + 1

@@ -37,6 +37,7 @@ class GenRequest:
     include_stop_str_in_output: bool = False
     kv_params: dict[str, Any] | None = None
     base_id: str = ""  # the X-Request-Id it came with (push mode pairs P and D by it)
+    dp_rank: int | None = None  # X-data-parallel-rank (None: any rank; vllm_sim/dp.py)
 
 
 @dataclass(frozen=True)

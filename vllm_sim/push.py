@@ -366,3 +366,12 @@ def metrics_text(counters: PushCounters) -> str:
             f"{name} {getattr(counters, attr)}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def summed(counters: list[PushCounters]) -> PushCounters:
+    """Every data-parallel rank's push counters added up."""
+    total = PushCounters()
+    for c in counters:
+        for name in PushCounters.__dataclass_fields__:
+            setattr(total, name, getattr(total, name) + getattr(c, name))
+    return total
