@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from router.engines import coords
+from router.engines import coords, ranks
 from router.errors import ConfigError
 from router.flags import FLAGS, Flag
 
@@ -55,6 +55,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_kv_params: bool = False
     kv_connector: Literal["nixl", "nixl-push"] = "nixl"
     prefill_coordinates: tuple[str, ...] = ()
+    data_parallel_size: tuple[str, ...] = ()
     prefill_token_ids: bool = True
     kv_events: tuple[str, ...] = ()
     kv_events_port: int = 0
@@ -263,6 +264,11 @@ def _check_kv_events(settings: Settings) -> None:
 
 
 def _check_coordinates(settings: Settings) -> None:
+    for spec in settings.data_parallel_size:
+        try:
+            ranks.parse_spec(spec)
+        except ValueError as exc:
+            raise ConfigError(f"--data-parallel-size {exc}") from None
     for spec in settings.prefill_coordinates:
         try:
             coords.parse_spec(spec)

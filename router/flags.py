@@ -80,6 +80,14 @@ FLAGS: tuple[Flag, ...] = (
         choices=("nixl", "nixl-push"),
     ),
     Flag(
+        "data_parallel_size",
+        "an engine's internal data-parallel size (vllm serve --data-parallel-size), URL=N "
+        "(repeatable): each conversation stays on one rank (X-data-parallel-rank), new ones "
+        "are spread over the ranks",
+        many=True,
+        repeat=True,
+    ),
+    Flag(
         "prefill_coordinates",
         "nixl-push: a P instance's coordinates, URL=ENGINE_ID@SIDE_HOST:SIDE_PORT[,tp=N][,pp=N] "
         "(repeatable; a P not named is probed for them), e.g. "

@@ -36,6 +36,7 @@ class Instance:
     last_error: str = ""
     ident: EngineIdentity = field(default_factory=EngineIdentity)
     kv: Known = field(default_factory=Known)  # push mode: a P's coordinates (coords.py)
+    next_rank: int = 0  # the data-parallel rank the next new conversation gets (ranks.py)
 
     def __post_init__(self) -> None:
         self.ident.label = f"{self.role} instance {self.url}"

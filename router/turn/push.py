@@ -113,7 +113,7 @@ async def _prefill(turn: Turn, inst: Instance, transfer_id: str) -> None:
                 inst.url + PATHS[inc.api],
                 body,
                 request_id=turn.request_id,
-                extra_headers=inc.forward_headers,
+                extra_headers=turn.leg_headers(inst),
                 timeout=svc.settings.prefill_timeout,
             )
         parsed = _parse(raw)

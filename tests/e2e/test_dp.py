@@ -1,0 +1,81 @@
+"""Data-parallel ranks (`--data-parallel-size`): a D with two ranks (two prefix caches) behind
+one URL, in push mode. The router keeps each conversation on one rank with
+X-data-parallel-rank (stored in its session), spreads new conversations over the ranks, and
+the rank's prefix cache shows it: P writes only the blocks that rank lacks."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from tests.e2e.test_push import D_PUSH, PUSH
+from tests.sim.client import words
+from tests.support.chat import chat_turn, client, get_json, reference_answer
+from tests.support.metrics import metric
+from tests.support.router import RouterProc, router
+from tests.support.stack import Stack, start_stack
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url_session: str) -> Iterator[tuple[Stack, RouterProc]]:
+    with start_stack(
+        prefill=[PUSH],
+        decode=[(*D_PUSH, "--data-parallel-size", "2")],
+        reference=(),
+        routers=[],
+        redis=redis_url_session,
+        name="dp",
+    ) as st:
+        args = ("--kv-connector", "nixl-push", "--data-parallel-size", f"{st.d.url}=2")
+        with router([st.p.url], [st.d.url], *args, redis_url=st.redis_url, name="dp-router") as r:
+            yield st, r
+
+
+def rank_prompts(st: Stack) -> list[int]:
+    return [int(r["prompt_tokens"]) for r in get_json(st.d.url + "/sim/state")["ranks"]]
+
+
+def conversation(st: Stack, r: RouterProc, seed: str) -> tuple[int, list[float]]:
+    """Three turns; (the one rank every D leg ran on, P's blocks written per turn)."""
+    used, writes, cid = turns(st, r, seed)
+    # Turns 2 and 3 find the earlier turns in their rank's prefix cache: P writes D only the
+    # few blocks of the new messages (a turn on the other rank would need them all).
+    assert writes[0] >= 7, writes
+    assert writes[1] <= 3 and writes[2] <= 3, writes
+    assert len(used) == 1, f"{cid}: D legs ran on ranks {used}"
+    store = redis.Redis.from_url(st.redis_url or "", decode_responses=True)
+    (key,) = store.keys(f"kvbaton:conv:{{*:{cid}}}")
+    assert store.hget(key, "decode_rank") == str(next(iter(used)))
+    store.close()
+    return next(iter(used)), writes
+
+
+def turns(st: Stack, r: RouterProc, seed: str) -> tuple[set[int], list[float], str]:
+    api = client(r.base_url)
+    cid = f"dp-{seed}-{uuid.uuid4().hex[:6]}"
+    system = f"Weather bot {seed}. " + words(len(seed), 120)  # ~8 blocks of prompt on turn 1
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    used: set[int] = set()
+    writes = []
+    for turn in range(1, 4):
+        messages.append({"role": "user", "content": f"Turn {turn} of {seed}: sun or rain?"})
+        before, written = rank_prompts(st), metric(st.p.url, "vllm_sim:push_blocks_written_total")
+        answer, _, _ = chat_turn(api, messages, cid=cid)
+        assert answer == reference_answer(st.ref.url, messages, 24), f"turn {turn}"
+        after = rank_prompts(st)
+        used |= {i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b}
+        writes.append(metric(st.p.url, "vllm_sim:push_blocks_written_total") - written)
+        messages.append({"role": "assistant", "content": answer})
+    return used, writes, cid
+
+
+def test_conversations_stay_on_one_rank_and_are_spread(stack: tuple[Stack, RouterProc]) -> None:
+    st, r = stack
+    rank_a, writes_a = conversation(st, r, "a")
+    rank_b, writes_b = conversation(st, r, "b")
+    assert rank_a != rank_b  # new conversations go round the ranks
+    assert writes_a[0] == writes_b[0]
