@@ -125,7 +125,12 @@ class Sim:
             "prefix_caching_hash_algo": "sim64",
         }
         text = metrics.render(
-            self.ranks.counters(), self.ranks.gauges(), s.model, labels, self.started
+            self.ranks.counters(),
+            self.ranks.gauges(),
+            s.model,
+            labels,
+            self.started,
+            [e.running for e in self.ranks.engines] if self.ranks.size > 1 else (),
         )
         pushing = [e.push.counters for e in self.ranks.engines if e.push is not None]
         if pushing:

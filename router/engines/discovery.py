@@ -11,7 +11,7 @@ import msgspec
 
 from router.config import Settings
 from router.connectors.base import select
-from router.engines import coords
+from router.engines import coords, ranks
 from router.engines.client import Upstream
 from router.engines.identity import process_started
 from router.engines.pool import Instance, Pool
@@ -46,6 +46,7 @@ async def inspect(svc: Services, inst: Instance) -> None:
     inst.block_size = int(match.group(1)) if match else 0
     if status == 200:
         inst.ident.note_started(process_started(metrics))
+        inst.dp_size = ranks.learned_size(metrics)
     await learn_coordinates(svc, inst)
 
 

@@ -37,6 +37,7 @@ class Instance:
     ident: EngineIdentity = field(default_factory=EngineIdentity)
     kv: Known = field(default_factory=Known)  # push mode: a P's coordinates (coords.py)
     next_rank: int = 0  # the data-parallel rank the next new conversation gets (ranks.py)
+    dp_size: int = 0  # data-parallel ranks its /metrics shows (0: not read; ranks.py)
 
     def __post_init__(self) -> None:
         self.ident.label = f"{self.role} instance {self.url}"

@@ -2,7 +2,8 @@
 (`vllm serve --data-parallel-size N`) has N prefix caches behind one URL, and
 `X-data-parallel-rank: <r>` pins a request to one of them. The router keeps a conversation on
 one rank of its D and of its P (their prefix caches hold its earlier turns) and spreads new
-conversations over the ranks. The size comes from `--data-parallel-size URL=N`."""
+conversations over the ranks. The size comes from `--data-parallel-size URL=N`, else from the
+engine's /metrics (one `engine="<index>"` series per rank), read when the instance is checked."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from router.engines.pool import Instance
 
 HEADER = "X-data-parallel-rank"
 SPEC_HELP = "URL=N"
-# vLLM appends `_dp<rank>` to each rank's KV engine id (reference section 2).
-_SUFFIX = re.compile(r"_dp(\d+)$")
 
 
 def parse_spec(spec: str) -> tuple[str, int]:
@@ -30,10 +29,19 @@ def sizes(specs: tuple[str, ...]) -> dict[str, int]:
     return dict(parse_spec(spec) for spec in specs)
 
 
-def rank_of(engine_id: str) -> int:
-    """The rank in a data-parallel engine id (`<id>_dp<rank>`); -1 if it names none."""
-    match = _SUFFIX.search(engine_id)
-    return int(match.group(1)) if match else -1
+# vLLM labels its per-engine series with the engine index, one per data-parallel rank of the
+# process (v1/metrics/loggers.py: labelnames ["model_name", "engine"], read in 0.32's code).
+_RUNNING = re.compile(rb'^vllm:num_requests_running\{[^}]*\bengine="(\d+)"', re.MULTILINE)
+
+
+def learned_size(metrics: bytes) -> int:
+    """The number of engines (data-parallel ranks) an engine's /metrics text shows (0: none)."""
+    return len(set(_RUNNING.findall(metrics)))
+
+
+def size_of(configured: tuple[str, ...], inst: Instance) -> int:
+    """`--data-parallel-size` for this instance, else what its /metrics showed, else 1."""
+    return sizes(configured).get(inst.url) or inst.dp_size or 1
 
 
 def choose(inst: Instance, size: int, previous: int) -> int:

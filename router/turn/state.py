@@ -36,7 +36,7 @@ class Turn:
             state.prefill if inst.role == "prefill" else state.decode
         ):
             previous = state.prefill_rank if inst.role == "prefill" else state.decode_rank
-        size = ranks.sizes(self.svc.settings.data_parallel_size).get(inst.url, 1)
+        size = ranks.size_of(self.svc.settings.data_parallel_size, inst)
         rank = ranks.choose(inst, size, previous)
         self.ranks[inst.role] = rank
         headers = dict(self.inc.forward_headers)

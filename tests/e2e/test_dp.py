@@ -30,7 +30,8 @@ def stack(redis_url_session: str) -> Iterator[tuple[Stack, RouterProc]]:
         redis=redis_url_session,
         name="dp",
     ) as st:
-        args = ("--kv-connector", "nixl-push", "--data-parallel-size", f"{st.d.url}=2")
+        # No --data-parallel-size: the router reads the two ranks off D's /metrics.
+        args = ("--kv-connector", "nixl-push")
         with router([st.p.url], [st.d.url], *args, redis_url=st.redis_url, name="dp-router") as r:
             yield st, r
 
@@ -75,6 +76,8 @@ def turns(st: Stack, r: RouterProc, seed: str) -> tuple[set[int], list[float], s
 
 def test_conversations_stay_on_one_rank_and_are_spread(stack: tuple[Stack, RouterProc]) -> None:
     st, r = stack
+    (d,) = get_json(r.url + "/status")["instances"]["decode"]
+    assert d["data_parallel_size"] == 2  # learned from D's per-engine /metrics series
     rank_a, writes_a = conversation(st, r, "a")
     rank_b, writes_b = conversation(st, r, "b")
     assert rank_a != rank_b  # new conversations go round the ranks

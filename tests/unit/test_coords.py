@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from router.config import ConfigError, load_settings
+from router.engines import ranks
 from router.engines.coords import Coordinates, Known, d_params, learn, p_params, parse_spec
+from router.engines.pool import Instance
 
 URLS = ["--prefill", "http://p:8100", "--decode", "http://d:8200"]
 
@@ -64,3 +66,19 @@ def test_leg_params_are_the_push_demo_proxys() -> None:
     p = p_params("xfer-1")
     assert p["transfer_id"] == "xfer-1" and p["do_remote_decode"] is True
     assert p["remote_engine_id"] is None and p["remote_block_ids"] is None
+
+
+def test_data_parallel_sizes_configured_or_learned() -> None:
+    inst = Instance("http://d:8200", "decode")
+    assert ranks.size_of((), inst) == 1
+    metrics = b'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n' + (
+        b'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+    )
+    inst.dp_size = ranks.learned_size(metrics)
+    assert ranks.size_of((), inst) == 2
+    assert ranks.size_of(("http://d:8200=4",), inst) == 4  # the flag wins
+    assert [ranks.choose(inst, 2, -1) for _ in range(3)] == [0, 1, 0]  # spread
+    assert ranks.choose(inst, 2, 1) == 1  # the conversation's rank
+    assert ranks.choose(inst, 1, 0) == -1  # one rank: no header
+    with pytest.raises(ConfigError, match="--data-parallel-size"):
+        load_settings([*URLS, "--data-parallel-size", "http://d:8200=0"], env={})
