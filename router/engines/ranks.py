@@ -13,6 +13,8 @@ import re
 from router.engines.pool import Instance
 
 HEADER = "X-data-parallel-rank"
+# vLLM appends `_dp<rank>` to each rank's KV engine id (reference section 2).
+_SUFFIX = re.compile(r"_dp(\d+)$")
 SPEC_HELP = "URL=N"
 
 
@@ -42,6 +44,12 @@ def learned_size(metrics: bytes) -> int:
 def size_of(configured: tuple[str, ...], inst: Instance) -> int:
     """`--data-parallel-size` for this instance, else what its /metrics showed, else 1."""
     return sizes(configured).get(inst.url) or inst.dp_size or 1
+
+
+def rank_of(engine_id: str) -> int:
+    """The rank in a data-parallel engine id (`<id>_dp<rank>`); -1 if it names none."""
+    match = _SUFFIX.search(engine_id)
+    return int(match.group(1)) if match else -1
 
 
 def choose(inst: Instance, size: int, previous: int) -> int:

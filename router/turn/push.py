@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
-from router.engines import coords
+from router.engines import coords, ranks
 from router.engines.client import EngineStream
 from router.engines.discovery import learn_coordinates
 from router.engines.pool import Instance
@@ -103,6 +103,12 @@ async def _prefill(turn: Turn, inst: Instance, transfer_id: str) -> None:
     its answer, so a P restarted with a new engine id is addressed right on the next turn."""
     svc, inc = turn.svc, turn.inc
     body = prefill_body(inc.body, coords.p_params(transfer_id), api=inc.api)
+    headers = turn.leg_headers(inst)
+    known = inst.kv.coords
+    rank = ranks.rank_of(known.engine_id) if known is not None else -1
+    if rank >= 0:  # D was told this rank's engine id and port: P's leg must run there
+        headers[ranks.HEADER] = str(rank)
+        turn.ranks["prefill"] = rank
     if inc.api == "responses":
         body["store"] = False
     started = time.monotonic()
@@ -113,7 +119,7 @@ async def _prefill(turn: Turn, inst: Instance, transfer_id: str) -> None:
                 inst.url + PATHS[inc.api],
                 body,
                 request_id=turn.request_id,
-                extra_headers=turn.leg_headers(inst),
+                extra_headers=headers,
                 timeout=svc.settings.prefill_timeout,
             )
         parsed = _parse(raw)

@@ -82,3 +82,28 @@ def test_conversations_stay_on_one_rank_and_are_spread(stack: tuple[Stack, Route
     rank_b, writes_b = conversation(st, r, "b")
     assert rank_a != rank_b  # new conversations go round the ranks
     assert writes_a[0] == writes_b[0]
+
+
+def test_push_to_a_data_parallel_p_uses_the_rank_its_coordinates_name(
+    redis_url_session: str,
+) -> None:
+    with start_stack(
+        prefill=[(*PUSH, "--data-parallel-size", "2")],
+        decode=[D_PUSH],
+        reference=(),
+        routers=[("--kv-connector", "nixl-push")],
+        redis=redis_url_session,
+        name="dp-p",
+    ) as st:
+        (p,) = get_json(st.router.url + "/status")["instances"]["prefill"]
+        engine_id = p["kv"]["coordinates"]["engine_id"]
+        rank = int(engine_id.rsplit("_dp", 1)[1])
+        api = client(st.router.base_url)
+        messages = [{"role": "user", "content": "Two P ranks: frost tonight?"}]
+        before = [int(r["prompt_tokens"]) for r in get_json(st.p.url + "/sim/state")["ranks"]]
+        for turn in range(3):
+            answer, _, _ = chat_turn(api, messages, cid=f"dpp-{uuid.uuid4().hex[:6]}")
+            assert answer == reference_answer(st.ref.url, messages, 24), f"turn {turn}"
+        after = [int(r["prompt_tokens"]) for r in get_json(st.p.url + "/sim/state")["ranks"]]
+        grew = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+        assert grew == [rank]

@@ -80,5 +80,6 @@ def test_data_parallel_sizes_configured_or_learned() -> None:
     assert [ranks.choose(inst, 2, -1) for _ in range(3)] == [0, 1, 0]  # spread
     assert ranks.choose(inst, 2, 1) == 1  # the conversation's rank
     assert ranks.choose(inst, 1, 0) == -1  # one rank: no header
+    assert ranks.rank_of("d-engine_dp3") == 3 and ranks.rank_of("d-engine") == -1
     with pytest.raises(ConfigError, match="--data-parallel-size"):
         load_settings([*URLS, "--data-parallel-size", "http://d:8200=0"], env={})
