@@ -139,6 +139,8 @@ class Engine:
 
     def sweep(self) -> int:
         """Free expired pins; the number of requests whose pins expired."""
+        if self.push is not None:
+            self.push.sweep()
         expired = self.pins.sweep(self.now())
         for pin in expired:
             logger.info("Releasing expired KV blocks for request %s", pin.request_id)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ class _Slot:
 
     registration: Registration | None = None
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    created: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -142,6 +144,19 @@ class PushSide:
         self._slots: dict[str, _Slot] = {}
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._waits: dict[str, _Wait] = {}
+
+    def sweep(self) -> int:
+        """Forget registrations no P request took within the lease (their P leg never came,
+        or failed before its prefill); the transfer ids count as used."""
+        now = time.monotonic()
+        stale = [
+            tid
+            for tid, slot in self._slots.items()
+            if slot.registration is not None and now - slot.created > self._lease_s
+        ]
+        for tid in stale:
+            self._finish_transfer(tid)
+        return len(stale)
 
     # -- P ----------------------------------------------------------------------------------
 

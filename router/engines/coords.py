@@ -5,6 +5,7 @@ port, tp and pp sizes, and `transfer_mode` on vLLM with #50620)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -55,6 +56,7 @@ class Known:
     coords: Coordinates | None = None
     why_unknown: str = "not probed yet"
     probed_at: float = 0.0
+    probe: asyncio.Task[None] | None = None  # a probe running in the background
 
 
 def _int(text: str, what: str, spec: str) -> int:

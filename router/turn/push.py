@@ -77,8 +77,12 @@ async def _pick_prefill(turn: Turn, prefer: str, failed: list[str]) -> Instance:
     per coords.PROBE_EVERY_S each)."""
     svc = turn.svc
     unknown = [i for i in svc.pool.instances("prefill") if i.kv.coords is None and i.usable]
-    if unknown:
-        await asyncio.gather(*(learn_coordinates(svc, i) for i in unknown))
+    if unknown and not any(i.kv.coords and i.usable for i in svc.pool.instances("prefill")):
+        await asyncio.gather(*(learn_coordinates(svc, i) for i in unknown))  # none to use yet
+    else:  # learned in the background: a P that does not answer must not delay this turn
+        for inst in unknown:
+            if inst.kv.probe is None or inst.kv.probe.done():
+                inst.kv.probe = asyncio.create_task(learn_coordinates(svc, inst))
     blind = [i.url for i in svc.pool.instances("prefill") if i.kv.coords is None]
     for exclude in ([*failed, *blind], blind) if failed else ([*blind],):
         with contextlib.suppress(Unavailable):
