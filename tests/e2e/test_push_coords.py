@@ -30,7 +30,8 @@ def stack(redis_url_session: str) -> Iterator[Stack]:
         decode=[D_PUSH],
         reference=(),
         routers=[("--kv-connector", "nixl-push", "--admin-api-key", KEY)],
-        redis=redis_url_session,
+        # Its own database: the seeds test's instance stays in this one's registry.
+        redis=redis_url_session.rsplit("/", 1)[0] + "/3",
         name="pushc",
     ) as st:
         yield st
