@@ -82,6 +82,12 @@ class Plan:
     max_model_len: int
     # 5. profile (0: skipped)
     profile_s: float
+    # 6. KV events: batches of 64 blocks for the ingest figure; conversations x turns per
+    # router per round for the per-turn cost with and without events
+    events_batches: int
+    events_convs: int
+    events_turns: int
+    events_rounds: int
     gpu: GpuProfile = GpuProfile()
 
     @property
@@ -112,6 +118,10 @@ FULL = Plan(
     small_prefill_blocks=1536,
     max_model_len=16384,
     profile_s=12.0,
+    events_batches=4000,
+    events_convs=10,
+    events_turns=6,
+    events_rounds=4,
 )
 
 QUICK = Plan(
@@ -137,4 +147,8 @@ QUICK = Plan(
     small_prefill_blocks=257,
     max_model_len=4096,
     profile_s=0.0,
+    events_batches=500,
+    events_convs=3,
+    events_turns=4,
+    events_rounds=2,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench import redis_cost, reuse, throughput
+from bench import events, redis_cost, reuse, throughput
 from bench.plan import SOURCES, Plan
 from bench.stats import fmt
 
@@ -17,6 +17,7 @@ SECTIONS = (
     "## 3. What reuse buys",
     "## 4. Redis cost per turn",
     "## 5. Profile",
+    "## 6. KV events",
     "## Configuration",
 )
 
@@ -60,6 +61,8 @@ def render(results: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> str:
         lines += reuse_section(results["reuse"], plan, pngs)
     lines += redis_section(results)
     lines += profile_section(results.get("profile"))
+    if "events" in results:
+        lines += events.section(results["events"])
     lines += config_section(results)
     return "\n".join(lines).rstrip() + "\n"
 

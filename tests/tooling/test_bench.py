@@ -75,7 +75,13 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
         check_png(quick_run / name)
         assert f"]({name})" in report, f"the report does not show {name}"
     raw = json.loads((quick_run / "bench-results.json").read_text())
-    assert {"meta", "overhead", "throughput", "reuse"} <= set(raw)
+    assert {"meta", "overhead", "throughput", "reuse", "events"} <= set(raw)
+    # KV events: every published batch applied, and the hit path through both routers.
+    ingest, per_turn = raw["events"]["ingest"], raw["events"]["per_turn"]
+    assert ingest["batches"] == ingest["sent_batches"] > 0 and ingest["blocks_s"] > 0
+    for name in ("events-on", "events-off"):
+        assert per_turn[name]["failed"] == 0, per_turn[name]
+        assert per_turn[name]["reuse"].get("hit", 0) > 0, per_turn[name]
     # Throughput with two workers, beside one, each a JSON and a streaming sweep.
     assert "### One worker vs `--workers 2` (nothing pinned)" in report
     workers = raw["throughput"]["workers"]
