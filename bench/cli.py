@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench import events, overhead, plots, profile, report, reuse, throughput
+from bench import events, hitpath, overhead, plots, profile, report, reuse, throughput
 from bench.plan import FULL, QUICK, Plan
 from bench.stack import LoadGen
 from tests.support.procs import ROOT
@@ -55,6 +55,7 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
         # the cells; 4 chunk-cost configurations and the passthrough, 2 runs each; the Redis
         # round trip and the bare relay; the long streams (8, 1,000 and 16,000 tokens)
         n += len(plan.overhead_counts) * 2 + 5 * 2 + 2 + 1 + len(overhead.LONG_TOKENS)
+        n += hitpath.steps(plan)
     if "throughput" in parts:
         n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps
     if "reuse" in parts:

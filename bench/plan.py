@@ -88,6 +88,12 @@ class Plan:
     events_convs: int
     events_turns: int
     events_rounds: int
+    # 1b. the hit path: clients per cell, conversations per run (at least 2 per client),
+    # turns each, alternating kvbaton/floor rounds
+    hit_clients: tuple[int, ...]
+    hit_min_convs: int
+    hit_turns: int
+    hit_rounds: int
     gpu: GpuProfile = GpuProfile()
 
     @property
@@ -122,6 +128,10 @@ FULL = Plan(
     events_convs=10,
     events_turns=6,
     events_rounds=4,
+    hit_clients=(1, 16, 128),
+    hit_min_convs=24,
+    hit_turns=5,
+    hit_rounds=2,
 )
 
 QUICK = Plan(
@@ -151,4 +161,8 @@ QUICK = Plan(
     events_convs=3,
     events_turns=4,
     events_rounds=2,
+    hit_clients=(1, 16),
+    hit_min_convs=6,
+    hit_turns=3,
+    hit_rounds=1,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench import events, redis_cost, reuse, throughput
+from bench import events, hitpath, redis_cost, reuse, throughput
 from bench.plan import SOURCES, Plan
 from bench.stats import fmt
 
@@ -127,6 +127,16 @@ def targets(results: dict[str, Any], plan: Plan) -> list[str]:
                 f"added p50 per turn < {limit:g} ms at concurrency {conc}",
                 f"{fmt(added)} ms{extra}",
                 _met(added < limit),
+            ]
+        )
+    for target, measured, limit, unit in hitpath.target_rows(
+        results.get("overhead", {}).get("hit_path")
+    ):
+        rows.append(
+            [
+                f"{target} <= {limit:g} {unit}",
+                f"{fmt(measured)} {unit}",
+                _met(None if measured != measured else measured <= limit),
             ]
         )
     chunk = results.get("overhead", {}).get("chunk_cpu", {})
@@ -303,6 +313,7 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
         "",
     ]
     lines += streaming_table(res)
+    lines += hitpath.section(res.get("hit_path"))
     lines += chunk_table(res)
     if "overhead" in pngs:
         lines += [f"![added latency vs concurrency]({pngs['overhead']})", ""]
