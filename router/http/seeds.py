@@ -25,6 +25,7 @@ class SeedInstance(msgspec.Struct):
 
     type: Role
     instance: str
+    kv_events: str = ""  # kvbaton's addition: the engine's KV-events `ENDPOINT[,REPLAY]`
     engine_id: str | None = None
     side_channel_host: str | None = None
     side_channel_port: int | None = None
@@ -75,7 +76,7 @@ async def add_instance(request: Request) -> Response:
     if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
         raise BadRequest(f"instance must be host:port or a base URL, not {body.instance!r}")
     given = body.coordinates()
-    added, inst = await add(svc, request.app.state.operations, url, body.type)
+    added, inst = await add(svc, request.app.state.operations, url, body.type, body.kv_events)
     if given is not None:
         inst.kv.coords, inst.kv.why_unknown = given, ""
     out = {
