@@ -56,22 +56,25 @@ def conversation(st: Stack, r: RouterProc, seed: str) -> tuple[int, list[float]]
 
 
 def turns(st: Stack, r: RouterProc, seed: str) -> tuple[set[int], list[float], str]:
-    api = client(r.base_url)
-    cid = f"dp-{seed}-{uuid.uuid4().hex[:6]}"
-    system = f"Weather bot {seed}. " + words(len(seed), 120)  # ~8 blocks of prompt on turn 1
-    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
-    used: set[int] = set()
-    writes = []
-    for turn in range(1, 4):
-        messages.append({"role": "user", "content": f"Turn {turn} of {seed}: sun or rain?"})
-        before, written = rank_prompts(st), metric(st.p.url, "vllm_sim:push_blocks_written_total")
-        answer, _, _ = chat_turn(api, messages, cid=cid)
-        assert answer == reference_answer(st.ref.url, messages, 24), f"turn {turn}"
-        after = rank_prompts(st)
-        used |= {i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b}
-        writes.append(metric(st.p.url, "vllm_sim:push_blocks_written_total") - written)
-        messages.append({"role": "assistant", "content": answer})
-    return used, writes, cid
+    with client(r.base_url) as api:
+        cid = f"dp-{seed}-{uuid.uuid4().hex[:6]}"
+        system = f"Weather bot {seed}. " + words(len(seed), 120)  # ~8 blocks of prompt on turn 1
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        used: set[int] = set()
+        writes = []
+        for turn in range(1, 4):
+            messages.append({"role": "user", "content": f"Turn {turn} of {seed}: sun or rain?"})
+            before, written = (
+                rank_prompts(st),
+                metric(st.p.url, "vllm_sim:push_blocks_written_total"),
+            )
+            answer, _, _ = chat_turn(api, messages, cid=cid)
+            assert answer == reference_answer(st.ref.url, messages, 24), f"turn {turn}"
+            after = rank_prompts(st)
+            used |= {i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b}
+            writes.append(metric(st.p.url, "vllm_sim:push_blocks_written_total") - written)
+            messages.append({"role": "assistant", "content": answer})
+        return used, writes, cid
 
 
 def test_conversations_stay_on_one_rank_and_are_spread(stack: tuple[Stack, RouterProc]) -> None:
@@ -98,12 +101,12 @@ def test_push_to_a_data_parallel_p_uses_the_rank_its_coordinates_name(
         (p,) = get_json(st.router.url + "/status")["instances"]["prefill"]
         engine_id = p["kv"]["coordinates"]["engine_id"]
         rank = int(engine_id.rsplit("_dp", 1)[1])
-        api = client(st.router.base_url)
-        messages = [{"role": "user", "content": "Two P ranks: frost tonight?"}]
-        before = [int(r["prompt_tokens"]) for r in get_json(st.p.url + "/sim/state")["ranks"]]
-        for turn in range(3):
-            answer, _, _ = chat_turn(api, messages, cid=f"dpp-{uuid.uuid4().hex[:6]}")
-            assert answer == reference_answer(st.ref.url, messages, 24), f"turn {turn}"
-        after = [int(r["prompt_tokens"]) for r in get_json(st.p.url + "/sim/state")["ranks"]]
-        grew = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
-        assert grew == [rank]
+        with client(st.router.base_url) as api:
+            messages = [{"role": "user", "content": "Two P ranks: frost tonight?"}]
+            before = [int(r["prompt_tokens"]) for r in get_json(st.p.url + "/sim/state")["ranks"]]
+            for turn in range(3):
+                answer, _, _ = chat_turn(api, messages, cid=f"dpp-{uuid.uuid4().hex[:6]}")
+                assert answer == reference_answer(st.ref.url, messages, 24), f"turn {turn}"
+            after = [int(r["prompt_tokens"]) for r in get_json(st.p.url + "/sim/state")["ranks"]]
+            grew = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+            assert grew == [rank]

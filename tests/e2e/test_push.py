@@ -51,74 +51,76 @@ def expect(turn: int) -> str:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_five_turn_chat_answers_as_from_scratch(stack: Stack, stream: bool) -> None:
-    api = client(stack.router.base_url)
-    cid = f"push-{uuid.uuid4().hex[:8]}"
-    messages: list[dict[str, str]] = [{"role": "system", "content": f"{SYSTEM} {stream}"}]
-    for turn in range(1, 6):
-        messages.append({"role": "user", "content": f"Question {turn}: will it rain?"})
-        before_w, before_r = written(stack), received(stack)
-        answer, reuse, _ = chat_turn(api, messages, stream=stream, cid=cid)
-        assert answer == reference_answer(stack.ref.url, messages, 24), f"turn {turn}"
-        assert reuse == expect(turn), f"turn {turn}"
-        # P wrote D the blocks D lacked (D's own prefix cache holds the earlier turns).
-        assert written(stack) > before_w, f"turn {turn}: P wrote nothing"
-        assert received(stack) - before_r == written(stack) - before_w
-        messages.append({"role": "assistant", "content": answer})
+    with client(stack.router.base_url) as api:
+        cid = f"push-{uuid.uuid4().hex[:8]}"
+        messages: list[dict[str, str]] = [{"role": "system", "content": f"{SYSTEM} {stream}"}]
+        for turn in range(1, 6):
+            messages.append({"role": "user", "content": f"Question {turn}: will it rain?"})
+            before_w, before_r = written(stack), received(stack)
+            answer, reuse, _ = chat_turn(api, messages, stream=stream, cid=cid)
+            assert answer == reference_answer(stack.ref.url, messages, 24), f"turn {turn}"
+            assert reuse == expect(turn), f"turn {turn}"
+            # P wrote D the blocks D lacked (D's own prefix cache holds the earlier turns).
+            assert written(stack) > before_w, f"turn {turn}: P wrote nothing"
+            assert received(stack) - before_r == written(stack) - before_w
+            messages.append({"role": "assistant", "content": answer})
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_five_turn_completions(stack: Stack, stream: bool) -> None:
-    api, ref = client(stack.router.base_url), client(stack.ref.url + "/v1")
-    cid = f"pcmpl-{uuid.uuid4().hex[:8]}"
-    prompt = "The weather report for the coming week says"
-    for turn in range(1, 6):
-        kwargs: dict[str, Any] = {
-            "model": "sim-model",
-            "prompt": prompt,
-            "max_tokens": 24,
-            "extra_body": {"conversation_id": cid},
-        }
-        before = written(stack)
-        if stream:
-            with api.completions.with_streaming_response.create(stream=True, **kwargs) as resp:
-                reuse = resp.headers["x-kv-reuse"]
-                text = "".join(c.choices[0].text for c in resp.parse() if c.choices)
-        else:
-            raw = api.completions.with_raw_response.create(**kwargs)
-            reuse, text = raw.headers["x-kv-reuse"], raw.parse().choices[0].text
-        expected = ref.completions.create(model="sim-model", prompt=prompt, max_tokens=24)
-        assert text == expected.choices[0].text, f"turn {turn}"
-        assert reuse == expect(turn), f"turn {turn}"
-        assert written(stack) > before
-        prompt = prompt + text + f" and then on day {turn} it"
+    with client(stack.router.base_url) as api, client(stack.ref.url + "/v1") as ref:
+        cid = f"pcmpl-{uuid.uuid4().hex[:8]}"
+        prompt = "The weather report for the coming week says"
+        for turn in range(1, 6):
+            kwargs: dict[str, Any] = {
+                "model": "sim-model",
+                "prompt": prompt,
+                "max_tokens": 24,
+                "extra_body": {"conversation_id": cid},
+            }
+            before = written(stack)
+            if stream:
+                with api.completions.with_streaming_response.create(stream=True, **kwargs) as resp:
+                    reuse = resp.headers["x-kv-reuse"]
+                    text = "".join(c.choices[0].text for c in resp.parse() if c.choices)
+            else:
+                raw = api.completions.with_raw_response.create(**kwargs)
+                reuse, text = raw.headers["x-kv-reuse"], raw.parse().choices[0].text
+            expected = ref.completions.create(model="sim-model", prompt=prompt, max_tokens=24)
+            assert text == expected.choices[0].text, f"turn {turn}"
+            assert reuse == expect(turn), f"turn {turn}"
+            assert written(stack) > before
+            prompt = prompt + text + f" and then on day {turn} it"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_five_turn_responses(stack: Stack, stream: bool) -> None:
-    api, ref = client(stack.router.base_url), client(stack.ref.url + "/v1")
-    cid = f"presp-{uuid.uuid4().hex[:8]}"
-    items: list[dict[str, Any]] = []
-    for turn in range(1, 6):
-        items.append({"role": "user", "content": f"Turn {turn}: wind speed?"})
-        kwargs: dict[str, Any] = {
-            "model": "sim-model",
-            "input": items,
-            "max_output_tokens": 24,
-            "extra_body": {"conversation_id": cid},
-        }
-        before = written(stack)
-        if stream:
-            with api.responses.with_streaming_response.create(stream=True, **kwargs) as r:
-                reuse = r.headers["x-kv-reuse"]
-                text = "".join(e.delta for e in r.parse() if e.type == "response.output_text.delta")
-        else:
-            raw = api.responses.with_raw_response.create(**kwargs)
-            reuse, text = raw.headers["x-kv-reuse"], raw.parse().output_text
-        kwargs.pop("extra_body")
-        assert text == ref.responses.create(**kwargs).output_text, f"turn {turn}"
-        assert reuse == expect(turn), f"turn {turn}"
-        assert written(stack) > before
-        items.append({"role": "assistant", "content": text})
+    with client(stack.router.base_url) as api, client(stack.ref.url + "/v1") as ref:
+        cid = f"presp-{uuid.uuid4().hex[:8]}"
+        items: list[dict[str, Any]] = []
+        for turn in range(1, 6):
+            items.append({"role": "user", "content": f"Turn {turn}: wind speed?"})
+            kwargs: dict[str, Any] = {
+                "model": "sim-model",
+                "input": items,
+                "max_output_tokens": 24,
+                "extra_body": {"conversation_id": cid},
+            }
+            before = written(stack)
+            if stream:
+                with api.responses.with_streaming_response.create(stream=True, **kwargs) as r:
+                    reuse = r.headers["x-kv-reuse"]
+                    text = "".join(
+                        e.delta for e in r.parse() if e.type == "response.output_text.delta"
+                    )
+            else:
+                raw = api.responses.with_raw_response.create(**kwargs)
+                reuse, text = raw.headers["x-kv-reuse"], raw.parse().output_text
+            kwargs.pop("extra_body")
+            assert text == ref.responses.create(**kwargs).output_text, f"turn {turn}"
+            assert reuse == expect(turn), f"turn {turn}"
+            assert written(stack) > before
+            items.append({"role": "assistant", "content": text})
 
 
 def test_status_shows_modes_and_learned_coordinates(stack: Stack) -> None:
@@ -139,29 +141,29 @@ def fault(url: str, **body: Any) -> None:
 
 
 def test_p_failing_while_d_waits_is_redone(stack: Stack) -> None:
-    api = client(stack.router.base_url)
-    messages = [{"role": "user", "content": "P fails once: is it foggy?"}]
-    fault(stack.p.url, fail_next=1, status=500)
-    before = written(stack)
-    answer, reuse, _ = chat_turn(api, messages, cid=f"pf-{uuid.uuid4().hex[:8]}")
-    assert answer == reference_answer(stack.ref.url, messages, 24)
-    assert reuse == "miss;reason=no-session"
-    assert written(stack) > before  # the redone dispatch (a new transfer id) wrote
+    with client(stack.router.base_url) as api:
+        messages = [{"role": "user", "content": "P fails once: is it foggy?"}]
+        fault(stack.p.url, fail_next=1, status=500)
+        before = written(stack)
+        answer, reuse, _ = chat_turn(api, messages, cid=f"pf-{uuid.uuid4().hex[:8]}")
+        assert answer == reference_answer(stack.ref.url, messages, 24)
+        assert reuse == "miss;reason=no-session"
+        assert written(stack) > before  # the redone dispatch (a new transfer id) wrote
 
 
 def test_d_failing_while_p_holds_blocks_is_redone(stack: Stack) -> None:
-    api = client(stack.router.base_url)
-    messages = [{"role": "user", "content": "D fails once: is it windy?"}]
-    expired = metric(stack.p.url, "vllm_sim:push_lease_expired_total")
-    fault(stack.d.url, fail_next=1, status=500)
-    answer, _, _ = chat_turn(api, messages, cid=f"df-{uuid.uuid4().hex[:8]}")
-    assert answer == reference_answer(stack.ref.url, messages, 24)
-    # The first dispatch's P leg got no registration: P frees its blocks after the lease.
-    wait_until(
-        lambda: metric(stack.p.url, "vllm_sim:push_lease_expired_total") > expired,
-        "P's lease of the abandoned transfer to end",
-        timeout=10,
-    )
+    with client(stack.router.base_url) as api:
+        messages = [{"role": "user", "content": "D fails once: is it windy?"}]
+        expired = metric(stack.p.url, "vllm_sim:push_lease_expired_total")
+        fault(stack.d.url, fail_next=1, status=500)
+        answer, _, _ = chat_turn(api, messages, cid=f"df-{uuid.uuid4().hex[:8]}")
+        assert answer == reference_answer(stack.ref.url, messages, 24)
+        # The first dispatch's P leg got no registration: P frees its blocks after the lease.
+        wait_until(
+            lambda: metric(stack.p.url, "vllm_sim:push_lease_expired_total") > expired,
+            "P's lease of the abandoned transfer to end",
+            timeout=10,
+        )
 
 
 def test_turn_failing_twice_is_one_error_and_commits_nothing(stack: Stack) -> None:
@@ -182,17 +184,18 @@ def test_turn_failing_twice_is_one_error_and_commits_nothing(stack: Stack) -> No
     keys = r.keys(f"kvbaton:conv:{{*:{cid}}}")
     assert all(r.hget(k, "turn") in (None, "0") for k in keys), keys  # no turn committed
     r.close()
-    _, reuse, _ = chat_turn(client(stack.router.base_url), body["messages"], cid=cid)
+    with client(stack.router.base_url) as api:
+        _, reuse, _ = chat_turn(api, body["messages"], cid=cid)
     assert reuse == "miss;reason=no-session"
 
 
 def test_client_leaving_commits_nothing(stack: Stack) -> None:
     cid = f"gone-{uuid.uuid4().hex[:8]}"
     fault(stack.p.url, stall_next=1, stall_s=2.0)
-    api = client(stack.router.base_url, timeout=0.5)
     messages = [{"role": "user", "content": "I will not wait for this."}]
-    with pytest.raises(openai.APITimeoutError):
+    with client(stack.router.base_url, timeout=0.5) as api, pytest.raises(openai.APITimeoutError):
         chat_turn(api, messages, cid=cid)
     time.sleep(2.5)
-    _, reuse, _ = chat_turn(client(stack.router.base_url), messages, cid=cid)
+    with client(stack.router.base_url) as api:
+        _, reuse, _ = chat_turn(api, messages, cid=cid)
     assert reuse == "miss;reason=no-session"  # the abandoned turn committed nothing

@@ -48,17 +48,21 @@ def test_probe_learns_push_p_and_leaves_out_pull_p(stack: Stack) -> None:
     assert seen[p0.url]["kv"]["coordinates"]["source"] in ("probe", "response")
     assert seen[p1.url]["kv"]["usable"] is False
     assert "pull" in seen[p1.url]["kv"]["reason"]
-    api = client(stack.router.base_url)
-    chats = metric(p1.url, "http_requests_total", handler="/v1/chat/completions", status="2xx")
-    messages = [{"role": "user", "content": "Only the push P serves: any hail?"}]
-    cid = f"pc-{uuid.uuid4().hex[:8]}"
-    for turn in range(3):
-        answer, _, _ = chat_turn(api, messages, cid=cid)
-        assert answer == reference_answer(stack.ref.url, messages, 24), f"turn {turn}"
-        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And?"}]
-    assert (
-        metric(p1.url, "http_requests_total", handler="/v1/chat/completions", status="2xx") == chats
-    )
+    with client(stack.router.base_url) as api:
+        chats = metric(p1.url, "http_requests_total", handler="/v1/chat/completions", status="2xx")
+        messages = [{"role": "user", "content": "Only the push P serves: any hail?"}]
+        cid = f"pc-{uuid.uuid4().hex[:8]}"
+        for turn in range(3):
+            answer, _, _ = chat_turn(api, messages, cid=cid)
+            assert answer == reference_answer(stack.ref.url, messages, 24), f"turn {turn}"
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And?"},
+            ]
+        assert (
+            metric(p1.url, "http_requests_total", handler="/v1/chat/completions", status="2xx")
+            == chats
+        )
 
 
 def test_seeds_add_takes_coordinates(stack: Stack) -> None:
