@@ -93,6 +93,16 @@ async def _pick_prefill(turn: Turn, prefer: str, failed: list[str]) -> Instance:
     )
 
 
+def _free_prefill(turn: Turn, exclude: list[str], reply: EngineReply) -> Instance:
+    """Another P with known coordinates than those excluded; none: the client gets the 429."""
+    pool = turn.svc.pool
+    blind = [i.url for i in pool.instances("prefill") if i.kv.coords is None]
+    try:
+        return pool.pick("prefill", exclude=[*exclude, *blind])
+    except Unavailable:
+        raise reply from None
+
+
 def _pick_decode(turn: Turn, prefer: str, failed: list[str]) -> Instance:
     try:
         return turn.svc.pool.pick("decode", prefer=prefer, exclude=failed)
@@ -210,6 +220,7 @@ async def serve(turn: Turn, open_decode: OpenDecode, respond: Respond) -> Respon
     state = turn.claim.state
     failed_p: list[str] = []
     failed_d: list[str] = []
+    busy: list[str] = []  # P instances that answered 429 this turn
     p_inst = await _pick_prefill(turn, state.prefill if state else "", failed_p)
     d_inst = _pick_decode(turn, state.decode if state else "", failed_d)
     while True:
@@ -217,6 +228,10 @@ async def serve(turn: Turn, open_decode: OpenDecode, respond: Respond) -> Respon
         try:
             resp = await _dispatch(turn, p_inst, d_inst, open_decode)
         except _PushFailed as exc:
+            if isinstance(exc.p_exc, EngineReply) and exc.p_exc.status == 429:
+                busy.append(p_inst.url)  # P is busy, not failing: another P, or relay its 429
+                p_inst = _free_prefill(turn, [*failed_p, *busy], exc.p_exc)
+                continue
             leg, why = _blame(exc)
             inst = p_inst if leg == "prefill" else d_inst
             svc.pool.record_failure(inst, str(why))

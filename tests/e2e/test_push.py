@@ -199,3 +199,12 @@ def test_client_leaving_commits_nothing(stack: Stack) -> None:
     with client(stack.router.base_url) as api:
         _, reuse, _ = chat_turn(api, messages, cid=cid)
     assert reuse == "miss;reason=no-session"  # the abandoned turn committed nothing
+
+
+def test_a_busy_p_429_is_relayed_when_no_other_p_is_free(stack: Stack) -> None:
+    fault(stack.p.url, fail_next=1, status=429)
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "Busy?"}]}
+    reply = post(stack.router.base_url + "/chat/completions", body)
+    assert reply.status == 429, reply.body
+    assert reply.headers["x-request-id"]
+    assert get_json(stack.router.url + "/status")["instances"]["prefill"][0]["failures"] == 0
