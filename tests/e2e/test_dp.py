@@ -110,3 +110,31 @@ def test_push_to_a_data_parallel_p_uses_the_rank_its_coordinates_name(
             after = [int(r["prompt_tokens"]) for r in get_json(st.p.url + "/sim/state")["ranks"]]
             grew = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
             assert grew == [rank]
+
+
+def test_pull_mode_with_a_data_parallel_d_hits_on_its_rank(redis_url_session: str) -> None:
+    """NixlConnector pull with a 2-rank D: D's handle names its rank (engine id `_dp<r>` and
+    that rank's side channel), P reads from it, every later turn hits with the right answer,
+    and all of a conversation's D legs run on one rank."""
+    bidir = ("--bidirectional", "--kv-recompute-threshold", "0")
+    with start_stack(
+        prefill=[bidir],
+        decode=[(*bidir, "--data-parallel-size", "2")],
+        reference=(),
+        routers=[()],
+        redis=redis_url_session.rsplit("/", 1)[0] + "/4",
+        name="dp-pull",
+    ) as st:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": words(3, 100)}]
+        used: set[int] = set()
+        with client(st.router.base_url) as api:
+            for turn in range(1, 4):
+                messages.append({"role": "user", "content": f"Pull turn {turn}: fog?"})
+                before = rank_prompts(st)
+                answer, reuse, _ = chat_turn(api, messages, cid="dp-pull")
+                assert answer == reference_answer(st.ref.url, messages, 24), f"turn {turn}"
+                assert reuse == ("miss;reason=no-session" if turn == 1 else "hit"), turn
+                after = rank_prompts(st)
+                used |= {i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b}
+                messages.append({"role": "assistant", "content": answer})
+        assert len(used) == 1, used
