@@ -234,7 +234,8 @@ async def test_a_prefill_leg_that_times_out_on_a_hung_decode_s_handle_blames_the
 async def test_a_busy_prefill_429_goes_to_another_and_is_relayed_only_when_all_are_busy() -> None:
     engines = FakeEngines()
     engines.scripts[P1] = lambda call: 429 if "/v1/" in call.url else None
-    svc = services(engines)
+    # The same prompt each turn: D's cache holds it, so the decode plan would skip P.
+    svc = services(engines, decode_local_max_tokens=0)
     for _ in range(3):
         status, headers, _ = await turn(svc, [{"role": "user", "content": "hi"}])
         assert status == 200
