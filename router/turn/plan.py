@@ -9,12 +9,17 @@ from dataclasses import replace
 from router.engines.kv_index import held_tokens
 from router.engines.pool import Instance
 from router.turn import decide, placement
-from router.turn.claim import prompt_token_ids
-from router.turn.outcomes import Found, Reuse, Via
+from router.turn.claim import prefix_verdict, prompt_token_ids
+from router.turn.outcomes import Found, Reason, Reuse, Via
 from router.turn.state import Turn
 from sessions import model as sm
 
 log = logging.getLogger("kvbaton.reuse")
+
+# The misses that only say no handle could be made: D still holds the conversation. Any
+# other reason (an edited history, another turn in flight, a failed or expired handle) keeps
+# its P/D turn and its diagnosis.
+NO_HANDLE_MADE = frozenset({Reason.STREAM_NO_KV_PARAMS, Reason.NO_KV_PARAMS, Reason.DECODE_LOCAL})
 
 
 def limits(turn: Turn) -> placement.Limits:
@@ -31,6 +36,11 @@ def _candidate(turn: Turn, source: Instance | None) -> bool:
     if not state.block_digests and not state.seq_digest:
         return False
     if claim.reuse.is_hit and not claim.reuse.pulls:
+        return False
+    if not claim.reuse.is_hit and (
+        claim.reuse.reason not in NO_HANDLE_MADE
+        or prefix_verdict(turn.inc, state) is decide.Prefix.MISMATCH
+    ):
         return False
     if not source.usable or decide.decode_blocker(source, state) is not None:
         return False
