@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 
 from tests.sim.client import words
@@ -54,7 +55,7 @@ async def test_a_prefill_on_the_engine_slows_the_decodes_batched_with_it() -> No
     long_prompt = prompt(e, 2, 600)
     await token_times(e, long_prompt, 1)
     times = await running
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     # The step that computed the other request's prompt lasted its tokens' time too.
     assert max(gaps) >= 0.010 + (len(long_prompt) - 1) * 0.0005 * 0.9, max(gaps)
     assert sorted(gaps)[len(gaps) // 2] < 0.05, "the other steps are decode steps"
