@@ -11,7 +11,13 @@ from aiohttp import web
 from router.config import Settings
 from router.engines.client import Upstream
 from router.engines.health import check
-from router.engines.identity import PAUSE_FIRST_S, PAUSE_MAX_S, REFUSALS_TO_PAUSE, process_started
+from router.engines.identity import (
+    PAUSE_FIRST_S,
+    PAUSE_MAX_S,
+    REFUSALS_TO_PAUSE,
+    EngineIdentity,
+    process_started,
+)
 from router.engines.pool import AFFINITY_SLACK, Pool
 from router.errors import Unavailable
 from router.turn.decide import decode_blocker
@@ -224,3 +230,19 @@ def test_a_prefill_that_keeps_refusing_a_decodes_handles_gets_none_for_a_while()
     d1.ident.note_started(100.0)
     d1.ident.note_started(200.0)  # D restarted: a new process may be readable again
     assert not d1.ident.reads_paused(p2, at)
+
+
+def test_a_d_learned_to_stream_params_is_forgotten_when_it_restarts() -> None:
+    by_start = EngineIdentity()
+    by_start.note_started(100.0)
+    by_start.note_streams_params()
+    assert by_start.streams_params
+    by_start.note_started(100.0)  # the same process
+    assert by_start.streams_params
+    by_start.note_started(200.0)  # a new process: maybe another vLLM
+    assert not by_start.streams_params
+    by_id = EngineIdentity()
+    by_id.note_engine_id("e1")
+    by_id.note_streams_params()
+    by_id.note_engine_id("e2")  # a new engine id: restarted
+    assert not by_id.streams_params
