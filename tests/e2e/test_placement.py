@@ -193,3 +193,33 @@ def test_the_router_learns_that_d_streams_params(streams_params_no_plan: Stack) 
         ]
     # Turn 1 showed that D streams its handle, but was not asked for token ids yet.
     assert reuses == ["miss;reason=no-session", "miss;reason=no-token-ids", "hit"]
+
+
+def test_a_decode_plan_whose_d_fails_first_is_redone_as_pd_on_the_other_d(stock: Stack) -> None:
+    api = client(stock.router.base_url)
+    cid = f"fall-{uuid.uuid4().hex[:8]}"
+    messages: list[Message] = [{"role": "user", "content": "Stream the ferry timetable."}]
+    computed0 = [metric(d.url, "vllm:prompt_tokens_total") for d in stock.ds]
+    answer, _, _ = chat_turn(api, messages, stream=True, cid=cid)
+    moved = [
+        metric(d.url, "vllm:prompt_tokens_total") - c
+        for d, c in zip(stock.ds, computed0, strict=True)
+    ]
+    first, other = (stock.ds[0], stock.ds[1]) if moved[0] else (stock.ds[1], stock.ds[0])
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Late?"}]
+    reply = post(first.url + "/sim/faults", {"fail_next": 1, "status": 503})
+    assert reply.status == 200, reply.body
+    p_calls = sum(p_route_calls(stock.p.url))
+    other0 = metric(other.url, "vllm:prompt_tokens_total")
+    answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
+    assert reuse == "miss;reason=decode-local-failed"
+    assert answer == reference_chat(stock, messages, 24)
+    assert sum(p_route_calls(stock.p.url)) == p_calls + 1, "an ordinary P/D turn"
+    assert metric(other.url, "vllm:prompt_tokens_total") > other0, "on the other D"
+    # The other D now holds the conversation (it pulled the prompt from P and decoded).
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Sure?"}]
+    hit0 = metric(other.url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+    answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
+    assert reuse == "hit;via=decode"
+    assert answer == reference_chat(stock, messages, 24)
+    assert metric(other.url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") > hit0
