@@ -19,6 +19,10 @@ PAUSE_MAX_S = 600.0
 
 # prometheus_client's process collector, which vLLM's API server exports (measured on 0.32).
 _STARTED = re.compile(rb"^process_start_time_seconds (\S+)$", re.MULTILINE)
+# vLLM's scheduler gauges, one sample per engine (data-parallel rank) of the process.
+_REQUESTS = re.compile(
+    rb"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)$", re.MULTILINE
+)
 # vLLM appends `_dp<rank>` to the engine id of each data-parallel engine of one D process.
 _DP_SUFFIX = re.compile(r"_dp\d+$")
 
@@ -30,6 +34,17 @@ def process_started(metrics: bytes) -> float:
         return float(match.group(1)) if match else 0.0
     except ValueError:
         return 0.0
+
+
+def engine_requests(metrics: bytes) -> int:
+    """Requests an engine runs or queues (every router's), from its /metrics text; 0 if absent."""
+    total = 0.0
+    for match in _REQUESTS.finditer(metrics):
+        try:
+            total += float(match.group(1))
+        except ValueError:
+            continue
+    return int(total)
 
 
 def engine_family(engine_id: str) -> str:

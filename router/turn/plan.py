@@ -44,7 +44,13 @@ def _candidate(turn: Turn, source: Instance | None) -> bool:
         return False
     if not source.usable or decide.decode_blocker(source, state) is not None:
         return False
-    return placement.d_has_room(source.outstanding, limits(turn))
+    return placement.d_has_room(d_load(source), limits(turn))
+
+
+def d_load(inst: Instance) -> int:
+    """D's requests in flight: this router's, or the engine's own count (every router's, as
+    of the last health read) when that is higher."""
+    return max(inst.outstanding, inst.engine_requests)
 
 
 async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> Instance | None:
@@ -71,7 +77,7 @@ async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> 
         prompt_tokens=len(tokens),
         d_holds=holds,
         handle=claim.reuse.pulls,
-        d_inflight=source.outstanding,
+        d_inflight=d_load(source),
         p_inflight=p_inst.outstanding,
         api=turn.inc.api,
     )

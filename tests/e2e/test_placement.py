@@ -5,6 +5,7 @@ back-off to P/D under load, and a D learned to stream kv_transfer_params."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -87,18 +88,23 @@ def test_a_streamed_chat_on_stock_engines_reuses_its_history_every_turn(stock: S
 
 @pytest.fixture(scope="module")
 def crowded(redis_url_session: str) -> Iterator[Stack]:
-    """Slow decode steps (streams stay in flight), and a D load limit of 2."""
-    with pd_stack(
-        redis_url_session,
-        "crowded",
-        "--decode-local-max-inflight",
-        "2",
-        engines=["--decode-ms-per-token", "15"],
+    """Slow decode steps (streams stay in flight), a D load limit of 2, two routers (the
+    second's requests reach the first through D's own /metrics, read every 0.2 s)."""
+    slow = (*BIDIR, "--decode-ms-per-token", "15")
+    args = ("--decode-local-max-inflight", "2", "--health-interval", "0.2")
+    with start_stack(
+        prefill=[slow],
+        decode=[slow],
+        reference=("--decode-ms-per-token", "15"),
+        routers=[args, args],
+        redis=redis_url_session,
+        name="crowded",
     ) as st:
         yield st
 
 
-def test_the_decode_plan_backs_off_to_pd_while_d_is_crowded(crowded: Stack) -> None:
+@pytest.mark.parametrize("via", [0, 1], ids=["this-router", "another-router"])
+def test_the_decode_plan_backs_off_to_pd_while_d_is_crowded(crowded: Stack, via: int) -> None:
     api = client(crowded.router.base_url, timeout=60)
     cid = f"crowd-{uuid.uuid4().hex[:8]}"
     messages: list[Message] = [{"role": "user", "content": "Count the boats in the harbour."}]
@@ -108,7 +114,7 @@ def test_the_decode_plan_backs_off_to_pd_while_d_is_crowded(crowded: Stack) -> N
     done: list[str] = []
 
     def long_stream(i: int) -> None:
-        other = client(crowded.router.base_url, timeout=60)
+        other = client(crowded.routers[via].base_url, timeout=60)
         kwargs = {"model": MODEL, "max_tokens": 200, "stream": True}
         body = {"conversation_id": f"bg-{i}-{uuid.uuid4().hex[:6]}"}
         prompt = [{"role": "user", "content": f"A long story number {i}."}]
@@ -128,6 +134,7 @@ def test_the_decode_plan_backs_off_to_pd_while_d_is_crowded(crowded: Stack) -> N
     for t in threads:
         t.start()
     started.wait(10)  # two streams in flight on the one D: at the limit
+    time.sleep(0.6)  # a health read of D's /metrics since (for the other router's streams)
     p_calls = sum(p_route_calls(crowded.p.url))
     answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
     assert reuse == "miss;reason=stream-no-kv-params", "backed off to an ordinary P/D turn"
@@ -136,6 +143,7 @@ def test_the_decode_plan_backs_off_to_pd_while_d_is_crowded(crowded: Stack) -> N
     for t in threads:
         t.join(30)
     assert sorted(done) == ["0", "1"]
+    time.sleep(0.6)  # a health read of D's /metrics since: idle again
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now?"}]
     answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
     assert reuse == "hit;via=decode", "D has room again"

@@ -16,6 +16,7 @@ from router.engines.identity import (
     PAUSE_MAX_S,
     REFUSALS_TO_PAUSE,
     EngineIdentity,
+    engine_requests,
     process_started,
 )
 from router.engines.pool import AFFINITY_SLACK, Pool
@@ -246,3 +247,17 @@ def test_a_d_learned_to_stream_params_is_forgotten_when_it_restarts() -> None:
     by_id.note_streams_params()
     by_id.note_engine_id("e2")  # a new engine id: restarted
     assert not by_id.streams_params
+
+
+def test_engine_requests_sums_running_and_waiting_of_every_engine() -> None:
+
+    text = (
+        b"# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+        b'vllm:num_requests_waiting_by_reason{engine="0",reason="x"} 9.0\n'
+        b"vllm:num_requests_running 1.0\n"
+    )
+    assert engine_requests(text) == 10
+    assert engine_requests(b"process_start_time_seconds 1.0\n") == 0
