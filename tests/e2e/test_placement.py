@@ -114,15 +114,17 @@ def test_the_decode_plan_backs_off_to_pd_while_d_is_crowded(crowded: Stack, via:
     done: list[str] = []
 
     def long_stream(i: int) -> None:
-        other = client(crowded.routers[via].base_url, timeout=60)
         kwargs = {"model": MODEL, "max_tokens": 200, "stream": True}
         body = {"conversation_id": f"bg-{i}-{uuid.uuid4().hex[:6]}"}
         prompt = [{"role": "user", "content": f"A long story number {i}."}]
-        with other.chat.completions.with_streaming_response.create(
-            messages=prompt,  # type: ignore[arg-type]
-            extra_body=body,
-            **kwargs,  # type: ignore[arg-type]
-        ) as resp:
+        with (
+            client(crowded.routers[via].base_url, timeout=60) as other,
+            other.chat.completions.with_streaming_response.create(
+                messages=prompt,  # type: ignore[arg-type]
+                extra_body=body,
+                **kwargs,  # type: ignore[arg-type]
+            ) as resp,
+        ):
             chunks = resp.iter_lines()
             next(chunks)
             started.wait(10)
