@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.conftest import BIDIR, Stack, p_route_calls, pd_stack, pulled, reference_chat
-from tests.support.chat import MODEL, Message, chat_turn, client, post
+from tests.support.chat import MODEL, Message, chat_turn, client, get_json, post
 from tests.support.metrics import metric
 from tests.support.stack import start_stack
 
@@ -203,6 +203,8 @@ def test_the_router_learns_that_d_streams_params(streams_params_no_plan: Stack) 
         ]
     # Turn 1 showed that D streams its handle, but was not asked for token ids yet.
     assert reuses == ["miss;reason=no-session", "miss;reason=no-token-ids", "hit"]
+    (d,) = get_json(st.router.url + "/status")["instances"]["decode"]
+    assert d["streams_params"] is True
 
 
 def test_a_decode_plan_whose_d_fails_first_is_redone_as_pd_on_the_other_d(stock: Stack) -> None:
