@@ -235,3 +235,31 @@ def test_a_decode_plan_whose_d_fails_first_is_redone_as_pd_on_the_other_d(stock:
     assert reuse == "hit;via=decode"
     assert answer == reference_chat(stock, messages, 24)
     assert metric(other.url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") > hit0
+
+
+def test_streamed_completions_and_id_less_chats_take_the_decode_plan(stock: Stack) -> None:
+    api = client(stock.router.base_url)
+    ref = client(stock.ref.url + "/v1")  # type: ignore[union-attr]
+    cid = f"cmpl-{uuid.uuid4().hex[:8]}"
+    prompt = f"Log {uuid.uuid4().hex[:6]}: the lighthouse keeper wrote that"
+    for turn in range(1, 4):
+        kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 24}
+        with api.completions.with_streaming_response.create(
+            stream=True,
+            extra_body={"conversation_id": cid},
+            **kwargs,  # type: ignore[arg-type]
+        ) as resp:
+            reuse = resp.headers["x-kv-reuse"]
+            text = "".join(c.choices[0].text for c in resp.parse() if c.choices)
+        expected = ref.completions.create(**kwargs)  # type: ignore[call-overload]
+        assert text == expected.choices[0].text, turn
+        assert reuse == ("miss;reason=no-session" if turn == 1 else "hit;via=decode"), turn
+        prompt += text + f" and on night {turn} he saw"
+    # No conversation id: the session is found by the history, and runs on its D.
+    messages: list[Message] = [{"role": "user", "content": f"Id-less {uuid.uuid4().hex[:6]}?"}]
+    answer, reuse, _ = chat_turn(api, messages, stream=True, cid=None)
+    assert reuse == "miss;reason=no-session"
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And?"}]
+    answer, reuse, _ = chat_turn(api, messages, stream=True, cid=None)
+    assert reuse == "hit;via=decode;id=history"
+    assert answer == reference_chat(stock, messages, 24)
