@@ -3,7 +3,9 @@
 Arms: (a) kvbaton with reuse and affinity, (b) kvbaton with affinity only (`--no-reuse`),
 (c) round robin over P and over D with the null handoff and no session (vLLM's toy proxy,
 done by the load generator itself, so it pays no proxy hop). Each with an ample prefill cache
-and with one smaller than the conversations' working set.
+and with one smaller than the conversations' working set. (h) and (p), ample cache only: no
+conversation id (history sessions), and stock engines whose streams carry no handle, where
+reuse is the decode plan's (per-turn placement).
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ ARMS = {
     "b": "kvbaton, affinity only (--no-reuse)",
     "c": "round robin, no reuse (toy proxy)",
     "h": "kvbaton, reuse, no conversation id (history sessions)",
+    "p": "kvbaton, placement, stock engines (no handle in streams)",
 }
 # The small cache measures what eviction costs reuse; how a session is found does not change
 # that, so arm (h) runs with the ample cache only (and --quick stays under 2 minutes).
-ONLY_AMPLE = ("h",)
+ONLY_AMPLE = ("h", "p")
 CACHES = ("ample", "small")
 
 
@@ -42,6 +45,9 @@ def sim_args(plan: Plan, arm: str, cache: str) -> tuple[list[list[str]], list[li
     p_blocks = plan.ample_blocks if cache == "ample" else plan.small_prefill_blocks
     p = [*base, "--num-blocks", str(p_blocks)]
     d = [*base, "--num-blocks", str(plan.ample_blocks)]
+    if arm == "p":  # stock vLLM 0.32: bidirectional, but streams carry no kv_transfer_params
+        p += ["--bidirectional"]
+        d += ["--bidirectional"]
     if arm in ("a", "h"):
         # Stock vLLM streams no kv_transfer_params; TTFT needs streaming, so arm (a) runs the
         # engines with PR #40186 (--stream-kv-params) and the router told so.
@@ -51,7 +57,12 @@ def sim_args(plan: Plan, arm: str, cache: str) -> tuple[list[list[str]], list[li
 
 
 def router_args(arm: str) -> list[list[str]]:
-    args = {"a": [["--stream-kv-params"]], "b": [["--no-reuse"]], "c": []}
+    args: dict[str, list[list[str]]] = {
+        "a": [["--stream-kv-params"]],
+        "b": [["--no-reuse"]],
+        "c": [],
+        "p": [[]],  # the defaults: placement on, nothing told about the engines
+    }
     return args.get(arm, [["--stream-kv-params"]])
 
 
@@ -207,6 +218,8 @@ def summarize(
     return {
         "ttft_by_turn": by_turn,
         "latency_by_turn": latency,
+        "itl": summary_ms([x["itl"] for x in ok]),
+        "gap_max": summary_ms([x["gap_max"] for x in ok]),
         "turns_ok": len(ok),
         "turns_failed": len(turns) - len(ok),
         "errors": [x["error"] for x in turns if not x["ok"]][:3],
