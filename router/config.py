@@ -53,6 +53,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     min_reuse_tokens: int = 0
     stream_kv_params: bool = False
+    decode_local_max_tokens: int = 512
+    decode_local_max_inflight: int = 16
     kv_connector: Literal["nixl", "nixl-push"] = "nixl"
     prefill_coordinates: tuple[str, ...] = ()
     data_parallel_size: tuple[str, ...] = ()
@@ -240,8 +242,10 @@ def _check(settings: Settings) -> None:
     """What msgspec's types cannot say about the settings together."""
     if settings.handle_ttl <= 0 or settings.session_ttl < settings.handle_ttl:
         raise ConfigError("--handle-ttl must be > 0 and not above --session-ttl")
-    if settings.block_size < 0 or settings.min_reuse_tokens < 0:
-        raise ConfigError("--block-size and --min-reuse-tokens must be >= 0")
+    if min(settings.block_size, settings.min_reuse_tokens, settings.decode_local_max_tokens) < 0:
+        raise ConfigError("--block-size, --min-reuse-tokens, --decode-local-max-tokens: >= 0")
+    if settings.decode_local_max_inflight < 1:
+        raise ConfigError("--decode-local-max-inflight must be >= 1")
     if any(len(s) < 16 for s in settings.session_secrets):
         raise ConfigError("--session-secret: each secret needs at least 16 characters")
     _check_kv_events(settings)

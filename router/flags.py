@@ -74,6 +74,17 @@ FLAGS: tuple[Flag, ...] = (
         bool,
     ),
     Flag(
+        "decode_local_max_tokens",
+        "the decode plan: a turn whose new tokens (those the previous D's prefix cache lacks) "
+        "are at most this many runs on that D alone, no P leg (0: never)",
+        int,
+    ),
+    Flag(
+        "decode_local_max_inflight",
+        "the decode plan only while the previous D has fewer requests in flight than this",
+        int,
+    ),
+    Flag(
         "kv_connector",
         "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse; "
         "nixl-push: NixlPushConnector, P and D called concurrently, affinity only)",

@@ -141,13 +141,19 @@ def next_state(
     now: float,
     handle_ttl: float,
     decode_started: float = 0.0,
+    cache_tokens: bool = False,
     prefill_rank: int = -1,
     decode_rank: int = -1,
 ) -> SessionState:
-    """The state after a turn that finished normally (the caller commits it with CAS)."""
+    """The state after a turn that finished normally (the caller commits it with CAS).
+
+    `cache_tokens`: without a handle, D's prefix cache still holds the turn's sequence (all
+    but the last token, which has no KV yet); its digests are kept for the decode plan."""
     # A copy the caller cannot change (JSON values: a round trip in C, ~8x a deepcopy).
     params = _DECODE(_JSON.encode(kv_transfer_params)) if kv_transfer_params else None
     held = _remote_num_tokens(params)
+    if not params and cache_tokens and token_ids:
+        held = len(token_ids) - 1
     blocks: tuple[str, ...] = ()
     seq = ""
     if token_ids is not None and held and len(token_ids) >= held:
@@ -159,7 +165,7 @@ def next_state(
         prefill=prefill,
         decode=decode,
         decode_engine_id=str(params.get("remote_engine_id") or "") if params else "",
-        decode_started=decode_started if params else 0.0,
+        decode_started=decode_started if held else 0.0,
         kv_transfer_params=params,
         no_handle_reason="" if params else no_handle_reason,
         prefix_digest=prefix_digest,

@@ -22,6 +22,7 @@ from vllm_sim.kvchannel import KVChannelClient, TransferError
 from vllm_sim.metrics import Counters, Gauges
 from vllm_sim.output import OutputText
 from vllm_sim.pins import Pin, PinTable
+from vllm_sim.steps import StepLoop
 from vllm_sim.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class Engine:
             settings.transfer_ms_per_block,
             settings.decode_ms_per_token,
         )
+        self.steps = StepLoop(settings.prefill_ms_per_token, settings.decode_ms_per_token)
         self.channel = channel or KVChannelClient(settings.handshake_timeout)
         self._clock = clock
         self._on_events = on_events
@@ -260,7 +262,8 @@ class Engine:
         c.prompt_tokens_cached += res.cached_tokens
         self._publish()
         pulled_blocks = -(-pulled // self.block_size) if pulled else 0
-        await spend(self.costs.prefill_s(computed, pulled_blocks))
+        await spend(self.costs.transfer_s(pulled_blocks))  # NIXL reads: outside the steps
+        await self.steps.prefill(computed)  # shares its step with the running decodes
 
     async def _pull_or_notify(
         self, src: transfer.RemoteSource, seq: _Seq, start: int, count: int
@@ -364,7 +367,7 @@ class Engine:
         emittable = self.tok.emittable
         for i in range(req.max_tokens):
             if i:
-                await spend(self.costs.decode_s())
+                await self.steps.decode()
             token = model.sample(seq.last_kv, emittable)
             seq.tokens.append(token)
             res.output_ids.append(token)

@@ -28,6 +28,9 @@ class Instance:
     role: Role
     healthy: bool = True
     outstanding: int = 0
+    # Requests the engine itself runs or queues, every router's, from the health loop's last
+    # read of a D's /metrics (every --health-interval): a hint, beside `outstanding`.
+    engine_requests: int = 0
     failures: int = 0
     block_size: int = 0
     model: str = ""

@@ -46,6 +46,8 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
         "restarts": inst.ident.restarts,
         "unreachable": inst.ident.unreachable,
         "reads_paused": inst.ident.paused_for(time.monotonic()),
+        "engine_requests": inst.engine_requests,
+        "streams_params": inst.ident.streams_params,
         "source": source,
     }
 

@@ -17,11 +17,15 @@ class Via(StrEnum):
     """How a hit's verified prefix reached P when P read nothing from D (`hit;via=...`)."""
 
     PREFILL_CACHE = "prefill-cache"  # P's own prefix cache held it (KV events): no handle sent
+    DECODE = "decode"  # the decode plan: the turn ran on the previous D alone, no P leg
 
 
 VIA_MEANINGS: dict[Via, str] = {
     Via.PREFILL_CACHE: "the verified prefix was already in the chosen P's own prefix cache "
     "(its KV events say so): no handle was sent, nothing was read from D",
+    Via.DECODE: "the decode plan: the whole turn went to the previous D, whose prefix cache "
+    "holds the verified prefix; no P leg, nothing moved, D computed only the new tokens "
+    "(`--decode-local-max-tokens`)",
 }
 
 
@@ -57,6 +61,8 @@ class Reason(StrEnum):
     HANDLE_REJECTED = "handle-rejected"
     READS_PAUSED = "reads-paused"
     DECODE_RETRIED = "decode-retried"
+    DECODE_LOCAL = "decode-local"
+    DECODE_LOCAL_FAILED = "decode-local-failed"
     DECODE_REMOVED = "decode-removed"
     DECODE_UNHEALTHY = "decode-unhealthy"
     DECODE_RESTARTED = "decode-restarted"
@@ -79,7 +85,9 @@ MEANINGS: dict[Reason, str] = {
     Reason.NO_KV_PARAMS: "D returned no `kv_transfer_params` (D without `bidirectional_kv_xfer`)",
     Reason.STREAM_NO_KV_PARAMS: "the previous turn streamed on an engine without PR #40186",
     Reason.TOOL_CALLS: "the previous answer had tool calls (not reproducible by digest)",
-    Reason.NO_TOKEN_IDS: "the previous turn's token ids were not captured",
+    Reason.NO_TOKEN_IDS: "the previous turn's token ids were not captured (its D was not yet "
+    "known to stream `kv_transfer_params` and the decode plan is off, or an engine without "
+    "`return_token_ids`)",
     Reason.NO_TOKEN_DIGESTS: "the stored state has no token digests to verify against",
     Reason.PROMPT_IDS_DIFFER: "D tokenized the previous prompt into other ids than P computed "
     "them from (see *The P leg by token ids*)",
@@ -93,6 +101,11 @@ MEANINGS: dict[Reason, str] = {
     Reason.READS_PAUSED: "the P refused the D's last handles in a row; it gets none of them for "
     "a while (30 s, doubling up to 10 min), and another P is used for hits if there is one",
     Reason.DECODE_RETRIED: "D failed before its first byte; the turn was redone",
+    Reason.DECODE_LOCAL: "the previous turn ran on D alone (the decode plan): vLLM returns "
+    "`kv_transfer_params` only to a request that carried some, so it left no handle to pull "
+    "(its D's prefix cache still holds the conversation)",
+    Reason.DECODE_LOCAL_FAILED: "the decode plan's D failed before its first byte; the turn "
+    "was redone as an ordinary P/D turn on another D where there is one",
     Reason.DECODE_REMOVED: "the D holding the blocks was removed from the pool",
     Reason.DECODE_UNHEALTHY: "the D holding the blocks is ejected",
     Reason.DECODE_RESTARTED: "the D restarted since the handle was made (a new "

@@ -35,13 +35,12 @@ from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailu
 from router.tracing import span
 from router.turn import decide
 from router.turn.outcomes import Reason
-from router.turn.prefill import Prefilled
 from router.turn.rewrite import PATHS, prefill_body
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.legs")
 
-OpenDecode = Callable[[Turn, Instance, Prefilled], Coroutine[Any, Any, EngineStream]]
+OpenDecode = Callable[[Turn, Instance, dict[str, Any] | None], Coroutine[Any, Any, EngineStream]]
 Respond = Callable[[Turn, Instance, EngineStream], Coroutine[Any, Any, Response]]
 
 # Verdicts about the session itself, which push mode keeps; every other one (they are about
@@ -182,7 +181,7 @@ async def _dispatch(
     transfer_id = new_transfer_id()
     kv = coords.d_params(p_inst.kv.coords, turn.request_id, transfer_id)
     p_task = asyncio.create_task(_prefill(turn, p_inst, transfer_id))
-    d_task = asyncio.create_task(open_decode(turn, d_inst, Prefilled(p_inst, kv, "")))
+    d_task = asyncio.create_task(open_decode(turn, d_inst, kv))
     try:
         await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
     except BaseException:  # the client left: close both legs
