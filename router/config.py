@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from router.engines import coords, ranks
 from router.errors import ConfigError
 from router.flags import FLAGS, Flag
 
@@ -54,7 +55,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_kv_params: bool = False
     decode_local_max_tokens: int = 512
     decode_local_max_inflight: int = 16
-    kv_connector: Literal["nixl"] = "nixl"
+    kv_connector: Literal["nixl", "nixl-push"] = "nixl"
+    prefill_coordinates: tuple[str, ...] = ()
+    data_parallel_size: tuple[str, ...] = ()
     prefill_token_ids: bool = True
     kv_events: tuple[str, ...] = ()
     kv_events_port: int = 0
@@ -246,6 +249,7 @@ def _check(settings: Settings) -> None:
     if any(len(s) < 16 for s in settings.session_secrets):
         raise ConfigError("--session-secret: each secret needs at least 16 characters")
     _check_kv_events(settings)
+    _check_coordinates(settings)
     if settings.workers < 1 or min(settings.header_timeout, settings.body_timeout) <= 0:
         raise ConfigError("--workers must be >= 1, --header-timeout and --body-timeout > 0")
     if settings.workers > 1 and settings.session_store == "memory":
@@ -261,6 +265,19 @@ def _check_kv_events(settings: Settings) -> None:
     for spec in settings.kv_events:
         if "=" not in spec or not spec.partition("=")[2].startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--kv-events {spec!r}: expected URL=tcp://HOST:PORT[,REPLAY]")
+
+
+def _check_coordinates(settings: Settings) -> None:
+    for spec in settings.data_parallel_size:
+        try:
+            ranks.parse_spec(spec)
+        except ValueError as exc:
+            raise ConfigError(f"--data-parallel-size {exc}") from None
+    for spec in settings.prefill_coordinates:
+        try:
+            coords.parse_spec(spec)
+        except ValueError as exc:
+            raise ConfigError(f"--prefill-coordinates {exc}") from None
 
 
 # Set by `kvbaton serve --workers N` in each worker's environment (not a setting):

@@ -86,8 +86,25 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "kv_connector",
-        "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse)",
-        choices=("nixl",),
+        "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse; "
+        "nixl-push: NixlPushConnector, P and D called concurrently, affinity only)",
+        choices=("nixl", "nixl-push"),
+    ),
+    Flag(
+        "data_parallel_size",
+        "an engine's internal data-parallel size (vllm serve --data-parallel-size), URL=N "
+        "(repeatable): each conversation stays on one rank (X-data-parallel-rank), new ones "
+        "are spread over the ranks",
+        many=True,
+        repeat=True,
+    ),
+    Flag(
+        "prefill_coordinates",
+        "nixl-push: a P instance's coordinates, URL=ENGINE_ID@SIDE_HOST:SIDE_PORT[,tp=N][,pp=N] "
+        "(repeatable; a P not named is probed for them), e.g. "
+        "http://10.0.0.1:8100=prefill-0@10.0.0.1:5600",
+        many=True,
+        repeat=True,
     ),
     Flag(
         "prefill_token_ids",

@@ -132,6 +132,8 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         now=svc.clock(),
         handle_ttl=svc.settings.handle_ttl,
         decode_started=turn.decode.ident.handle_started,
+        prefill_rank=turn.ranks.get("prefill", prev.prefill_rank if prev else -1),
+        decode_rank=turn.ranks.get("decode", -1),
     )
     assert turn.claim.key is not None
     return integrity.sign(svc.settings.session_secrets, turn.claim.key, state)

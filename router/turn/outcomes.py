@@ -73,6 +73,7 @@ class Reason(StrEnum):
     HANDLE_INVALID = "handle-invalid"
     REUSE_DISABLED = "reuse-disabled"
     NO_CONVERSATION_ID = "no-conversation-id"
+    PUSH_AFFINITY = "push-affinity"
     ERROR = "error"  # only on error responses: no turn ran
 
 
@@ -123,6 +124,9 @@ MEANINGS: dict[Reason, str] = {
     Reason.REUSE_DISABLED: "`--no-reuse`: affinity only",
     Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id` or "
     "`X-Session-ID`",
+    Reason.PUSH_AFFINITY: "`--kv-connector nixl-push`: vLLM has no D->P reuse for push "
+    "(vllm#46473), so nothing is read from D; the conversation keeps its P and D (affinity), "
+    "whose prefix caches may still hold its earlier turns",
     Reason.ERROR: "an error response: the request never became a turn",
 }
 

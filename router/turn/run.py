@@ -17,7 +17,7 @@ from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure, sse_error_event
 from router.services import Services
 from router.tracing import span
-from router.turn import decide, kv_aware, plan
+from router.turn import decide, kv_aware, plan, push
 from router.turn.claim import claim, verify
 from router.turn.commit import abort, finish
 from router.turn.incoming import Incoming
@@ -65,6 +65,8 @@ def final_headers(turn: Turn) -> dict[str, str]:
 
 async def _serve(turn: Turn) -> Response:
     svc = turn.svc
+    if svc.connector.name == "nixl-push":  # P and D concurrently: router/turn/push.py
+        return await push.serve(turn, _open_decode, _respond)
     state = turn.claim.state
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
     source = svc.pool.find("decode", state.decode) if state is not None else None
@@ -176,7 +178,7 @@ async def _open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | No
     try:
         with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream):
             resp = await svc.engines.open_stream(
-                url, body, request_id=turn.request_id, extra_headers=inc.forward_headers
+                url, body, request_id=turn.request_id, extra_headers=turn.leg_headers(d_inst)
             )
         if resp.status >= 500:
             text = await _read_error(resp)
@@ -201,10 +203,14 @@ async def _read_error(resp: EngineStream) -> str:
 
 
 async def _decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> Response:
-    svc, inc = turn.svc, turn.inc
     turn.decode = d_inst
     turn.want_token_ids = _wants_token_ids(turn, d_inst)
-    resp = await _open_decode(turn, d_inst, params)
+    return await _respond(turn, d_inst, await _open_decode(turn, d_inst, params))
+
+
+async def _respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
+    """Relay D's answer (streamed or whole) and commit at its end."""
+    svc, inc = turn.svc, turn.inc
     svc.pool.record_success(d_inst)
     strip = not inc.wants_token_ids and turn.want_token_ids
     if inc.stream:

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from router.config import ENV_PREFIX, FLAGS, Settings, load_settings
+from router.engines.coords import parse_spec
 from vllm_sim.config import SimSettings, parse_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,8 +89,10 @@ def test_every_service_is_known_and_both_profiles_exist() -> None:
     kinds = {name: kind(svc) for name, svc in SERVICES.items()}
     default = {kinds[n] for n in SERVICES if not profiles(n)}
     gpu = {kinds[n] for n in SERVICES if "gpu" in profiles(n)}
+    push = {kinds[n] for n in SERVICES if "push" in profiles(n)}
     assert default == {"redis", "router", "sim"}
     assert gpu == {"router", "vllm"}
+    assert push == {"router", "sim"}
 
 
 @pytest.mark.parametrize("name", named("router"))
@@ -110,8 +113,25 @@ def test_simulator_command_parses(name: str) -> None:
     settings = sim_settings(name)
     assert settings.host == "0.0.0.0"
     assert settings.side_channel_host == name, "the address the other engine pulls from"
-    assert settings.bidirectional
+    # Push mode has no bidirectional transfer (vllm#46473); pull mode needs it for reuse.
+    assert settings.bidirectional == (settings.kv_connector == "nixl")
+    assert settings.kv_connector == ("nixl-push" if "push" in profiles(name) else "nixl")
     assert settings.role in name
+
+
+def test_push_router_names_the_push_p_coordinates() -> None:
+    settings = router_settings("router-push")
+    assert settings.kv_connector == "nixl-push"
+    (spec,) = settings.prefill_coordinates
+    url, coords = parse_spec(spec)
+    assert url in settings.prefill
+    target = str(urlsplit(url).hostname)
+    sim = sim_settings(target)
+    assert (coords.engine_id, coords.host, coords.port) == (
+        sim.engine_id,
+        sim.side_channel_host,
+        sim.kv_port,
+    )
 
 
 @pytest.mark.parametrize("name", named("router"))
