@@ -52,7 +52,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     min_reuse_tokens: int = 0
     stream_kv_params: bool = False
-    kv_connector: Literal["nixl"] = "nixl"
+    kv_connector: Literal["nixl", "store"] = "nixl"
     prefill_token_ids: bool = True
     kv_events: tuple[str, ...] = ()
     kv_events_port: int = 0

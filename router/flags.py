@@ -75,8 +75,9 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "kv_connector",
-        "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse)",
-        choices=("nixl",),
+        "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse; "
+        "store: KV through a shared store such as MooncakeStoreConnector, no kv_transfer_params)",
+        choices=("nixl", "store"),
     ),
     Flag(
         "prefill_token_ids",
