@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from tests.e2e.conftest import reference_chat
+from tests.e2e.test_kv_events import LONG, events_flags, indexed, spec, wait_in_sync
 from tests.support.chat import chat_turn, client, get_json, post
 from tests.support.metrics import metric
 from tests.support.procs import SimProc, redis_server, wait_until
@@ -240,3 +241,56 @@ def test_a_flushed_store_gives_right_answers_and_an_honest_miss(ss: StoreStack) 
     assert lost.p_counts["external_kv_transfer"] == 0
     assert lost.p_counts["local_compute"] == lost.p_counts["prompt"]
     assert_read_from_store(conv.turn(), 4)  # D wrote turn 3's blocks again
+
+
+@pytest.fixture(scope="module")
+def events_stack() -> Iterator[StoreStack]:
+    """2 P publishing KV events and 1 D, in store mode, and a router subscribed to the Ps."""
+    from tests.support.router import router
+
+    ports = [events_flags(), events_flags()]
+    with redis_server() as (url, _port, _proc):
+        kv = with_db(url, 1)
+        store = ("--kv-connector", "store", "--kv-store", kv)
+        with start_stack(
+            prefill=[(*store, *ports[0]), (*store, *ports[1])],
+            decode=[(*store, "--kv-store-save-decode")],
+            routers=[],
+            redis=url,
+            name="store-events",
+        ) as st:
+            args = [
+                a
+                for p, f in zip(st.ps, ports, strict=True)
+                for a in ("--kv-events", spec(p.url, f))
+            ]
+            with router(
+                [p.url for p in st.ps], [st.d.url], "--kv-connector", "store", *args, redis_url=url
+            ) as r:
+                st.routers.append(r)
+                wait_in_sync(st)
+                yield StoreStack(st, kv)
+
+
+def test_a_new_conversation_goes_to_the_p_that_holds_its_prefix(events_stack: StoreStack) -> None:
+    """Any P could read the prefix from the store; the one whose own cache holds it (its KV
+    events say so) gets the turn, as round robin alone would not do."""
+    st = events_stack.st
+    api = client(st.router.base_url)
+    prefix = [{"role": "system", "content": f"{uuid.uuid4().hex[:6]} {LONG}"}]
+
+    def ask(content: str) -> list[float]:
+        before = [metric(p.url, "vllm:prompt_tokens_total") for p in st.ps]
+        chat_turn(api, [*prefix, {"role": "user", "content": content}], cid=None, max_tokens=8)
+        after = [metric(p.url, "vllm:prompt_tokens_total") for p in st.ps]
+        return [a - b for a, b in zip(after, before, strict=True)]
+
+    indexed_before = [indexed(st, p.url) for p in st.ps]
+    served = ask("One.")
+    holder = 0 if served[0] else 1
+    wait_until(lambda: indexed(st, st.ps[holder].url) > indexed_before[holder], "not indexed")
+    for n in range(4):
+        hits = metric(st.ps[holder].url, "vllm:prefix_cache_hits_total")
+        gained = ask(f"Question {n}?")
+        assert gained[holder] > 0 and gained[1 - holder] == 0, (n, gained)
+        assert metric(st.ps[holder].url, "vllm:prefix_cache_hits_total") > hits
