@@ -26,7 +26,8 @@ VIA_MEANINGS: dict[Via, str] = {
     Via.STORE: "`--kv-connector store`: P reported this many cached prompt tokens "
     "(`usage.prompt_tokens_details.cached_tokens`), found in the shared store or its own "
     "prefix cache (vLLM's per-request count does not say which; its "
-    "`vllm:prompt_tokens_by_source_total` does); no handle exists in this mode",
+    "`vllm:prompt_tokens_by_source_total` does; with `--kv-events`, a count that P's own "
+    "cache held entirely is `hit;via=prefill-cache` instead); no handle exists in this mode",
 }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.engines.pool import Instance
 from router.services import Services
@@ -24,6 +24,8 @@ class Turn:
     want_token_ids: bool = False  # D is asked for return_token_ids
     first_byte: float = 0.0
     reuse_counted: bool = False
+    # Prompt tokens each P's prefix cache held before the P leg, by its KV events (placement).
+    held: dict[str, int] = field(default_factory=dict)
 
     def headers(self) -> dict[str, str]:
         return {"X-Request-Id": self.request_id, "X-KV-Reuse": self.claim.reuse.header()}

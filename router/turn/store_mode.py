@@ -19,14 +19,18 @@ from router.turn.state import Turn
 log = logging.getLogger("kvbaton.reuse")
 
 
-def verdict(claimed: Reuse, continuing: bool, cached: int) -> Reuse:
+def verdict(claimed: Reuse, continuing: bool, cached: int, local: int | None = None) -> Reuse:
     """The turn's X-KV-Reuse: a skip or a first turn stays as claimed; a continuing
-    conversation is a hit on the tokens P reports cached, or a miss when it reports none."""
+    conversation is a hit on the tokens P reports cached, or a miss when it reports none.
+    `local`: what P's own cache held before the P leg, when its KV events say so: a hit it
+    covers entirely came from P's own cache (`via=prefill-cache`), not from the store."""
     if claimed.outcome is Outcome.SKIP or not continuing:
         return claimed
-    if cached > 0:
-        return Reuse.hit(cached, via=Via.STORE)
-    return Reuse.miss(Reason.STORE_MISSED)
+    if cached <= 0:
+        return Reuse.miss(Reason.STORE_MISSED)
+    if local is not None and cached <= local:
+        return Reuse.hit(cached, via=Via.PREFILL_CACHE)
+    return Reuse.hit(cached, via=Via.STORE)
 
 
 def note_prefill(turn: Turn, prefilled: Prefilled) -> None:
@@ -41,7 +45,8 @@ def note_prefill(turn: Turn, prefilled: Prefilled) -> None:
     svc.metrics.store_prompt_tokens.labels("cached").inc(cached)
     if prompt is not None and prompt >= cached:
         svc.metrics.store_prompt_tokens.labels("computed").inc(prompt - cached)
-    reuse = verdict(turn.claim.reuse, turn.claim.state is not None, cached)
+    local = turn.held.get(prefilled.instance.url)
+    reuse = verdict(turn.claim.reuse, turn.claim.state is not None, cached, local)
     if reuse != turn.claim.reuse:
         log.info(
             "turn %s: %s (P %s reports %d cached prompt tokens)",

@@ -18,7 +18,7 @@ import redis
 
 from tests.e2e.conftest import reference_chat
 from tests.e2e.test_kv_events import LONG, events_flags, indexed, spec, wait_in_sync
-from tests.support.chat import chat_turn, client, get_json, post
+from tests.support.chat import chat_turn, client, get_json, post, reference_answer
 from tests.support.metrics import metric
 from tests.support.procs import SimProc, redis_server, wait_until
 from tests.support.stack import Stack, start_stack
@@ -255,6 +255,7 @@ def events_stack() -> Iterator[StoreStack]:
         with start_stack(
             prefill=[(*store, *ports[0]), (*store, *ports[1])],
             decode=[(*store, "--kv-store-save-decode")],
+            reference=(),
             routers=[],
             redis=url,
             name="store-events",
@@ -294,3 +295,37 @@ def test_a_new_conversation_goes_to_the_p_that_holds_its_prefix(events_stack: St
         gained = ask(f"Question {n}?")
         assert gained[holder] > 0 and gained[1 - holder] == 0, (n, gained)
         assert metric(st.ps[holder].url, "vllm:prefix_cache_hits_total") > hits
+
+
+def test_with_kv_events_a_hit_from_p_s_own_cache_says_so(events_stack: StoreStack) -> None:
+    """KV events tell P's own part from the store's: a turn the store gave nothing to (it was
+    flushed; P's cache still holds the conversation) is `hit;via=prefill-cache`."""
+    st = events_stack.st
+    api = client(st.router.base_url)
+    cid = f"ev-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": f"{cid}: {LONG}"}]
+    p_of: dict[str, float] = {}
+
+    def ask(question: str) -> str:
+        messages.append({"role": "user", "content": question})
+        before = {p.url: pulled_from_store(p.url) for p in st.ps}
+        answer, reuse, _ = chat_turn(api, messages, cid=cid, max_tokens=MAX_TOKENS)
+        assert answer == reference_answer(st.ref.url, messages, MAX_TOKENS)
+        messages.append({"role": "assistant", "content": answer})
+        p_of.update({u: pulled_from_store(u) - b for u, b in before.items()})
+        return reuse
+
+    assert ask("One?") == "miss;reason=no-session"
+    indexed_now = {p.url: indexed(st, p.url) for p in st.ps}
+    assert ask("Two?") == "hit;via=store"  # the previous answer's blocks came from the store
+    assert sum(p_of.values()) > 0
+    # Turn 2's P cached its prompt's new blocks: the router's index must know them first.
+    served = next(u for u, n in p_of.items() if n > 0)
+    wait_until(lambda: indexed(st, served) > indexed_now[served], "turn 2 not indexed")
+    redis.Redis.from_url(events_stack.kv_url).flushdb()
+    assert ask("Three?") == "hit;via=prefill-cache"
+    assert sum(p_of.values()) == 0  # nothing came from the store
+
+
+def pulled_from_store(url: str) -> float:
+    return metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")

@@ -92,6 +92,10 @@ def test_verdict() -> None:
     claimed = Reuse.miss(Reason.NO_KV_PARAMS)
     assert verdict(claimed, True, 50) == Reuse.hit(50, via=Via.STORE)
     assert verdict(claimed, True, 0) == Reuse.miss(Reason.STORE_MISSED)
+    # With KV events: what P's own cache held before the leg tells its part from the store's.
+    assert verdict(claimed, True, 50, local=50) == Reuse.hit(50, via=Via.PREFILL_CACHE)
+    assert verdict(claimed, True, 50, local=34) == Reuse.hit(50, via=Via.STORE)
+    assert verdict(claimed, True, 0, local=34) == Reuse.miss(Reason.STORE_MISSED)
     assert Reuse.hit(50, via=Via.STORE).source == "store"
 
 
