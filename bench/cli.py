@@ -25,12 +25,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench import overhead, plots, profile, report, reuse, throughput
+from bench import events, hitpath, overhead, plots, profile, report, reuse, throughput
 from bench.plan import FULL, QUICK, Plan
 from bench.stack import LoadGen
 from tests.support.procs import ROOT
 
-PARTS = ("overhead", "throughput", "reuse", "profile")
+PARTS = ("overhead", "throughput", "reuse", "events", "profile")
 PNGS = {
     "overhead": "bench-overhead.png",
     "ttft": "bench-ttft.png",
@@ -55,11 +55,14 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
         # the cells; 4 chunk-cost configurations and the passthrough, 2 runs each; the Redis
         # round trip and the bare relay; the long streams (8, 1,000 and 16,000 tokens)
         n += len(plan.overhead_counts) * 2 + 5 * 2 + 2 + 1 + len(overhead.LONG_TOKENS)
+        n += hitpath.steps(plan)
     if "throughput" in parts:
         n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps
     if "reuse" in parts:
         arms = len(reuse.CACHES) * len(reuse.ARMS) - len(reuse.ONLY_AMPLE) * (len(reuse.CACHES) - 1)
         n += arms * plan.conv_rounds
+    if "events" in parts:
+        n += events.steps(plan)
     if "profile" in parts and plan.profile_s > 0:
         n += len(profile.PROFILES)
     return n
@@ -182,6 +185,8 @@ def run_parts(
             results["throughput"] = throughput.run(plan, lg, tick)
         if "reuse" in parts:
             results["reuse"] = reuse.run(plan, lg, tick, no_reuse)
+        if "events" in parts:
+            results["events"] = events.run(plan, lg, tick)
         if "profile" in parts and plan.profile_s > 0 and profile.available():
             results["profile"] = profile.run(plan, lg, tick)
     return results

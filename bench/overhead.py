@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from bench import floor, redis_cost
+from bench import floor, hitpath, redis_cost
 from bench.plan import Plan
 from bench.stack import LoadGen, RedisStats, cpu_seconds, passthrough, post, router_cpu, start_stack
 from bench.stats import per_chunk, summary_ms
@@ -155,6 +155,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
     tick("chunk cost of a bare relay (floor)")
     out["chunk_floor"] = floor.measure(connections=plan.chunk_runs)
     out["chunk_long"] = long_streams(plan, lg, tick)
+    out["hit_path"] = hitpath.run(plan, lg, tick)
     return out
 
 

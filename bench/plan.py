@@ -82,6 +82,18 @@ class Plan:
     max_model_len: int
     # 5. profile (0: skipped)
     profile_s: float
+    # 6. KV events: batches of 64 blocks for the ingest figure; conversations x turns per
+    # router per round for the per-turn cost with and without events
+    events_batches: int
+    events_convs: int
+    events_turns: int
+    events_rounds: int
+    # 1b. the hit path: clients per cell, conversations per run (at least 2 per client),
+    # turns each, alternating kvbaton/floor rounds
+    hit_clients: tuple[int, ...]
+    hit_min_convs: int
+    hit_turns: int
+    hit_rounds: int
     gpu: GpuProfile = GpuProfile()
 
     @property
@@ -112,6 +124,14 @@ FULL = Plan(
     small_prefill_blocks=1536,
     max_model_len=16384,
     profile_s=12.0,
+    events_batches=4000,
+    events_convs=10,
+    events_turns=6,
+    events_rounds=4,
+    hit_clients=(1, 16, 128),
+    hit_min_convs=24,
+    hit_turns=5,
+    hit_rounds=2,
 )
 
 QUICK = Plan(
@@ -137,4 +157,12 @@ QUICK = Plan(
     small_prefill_blocks=257,
     max_model_len=4096,
     profile_s=0.0,
+    events_batches=500,
+    events_convs=3,
+    events_turns=4,
+    events_rounds=2,
+    hit_clients=(1, 16),
+    hit_min_convs=6,
+    hit_turns=3,
+    hit_rounds=1,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench import redis_cost, reuse, throughput
+from bench import events, hitpath, redis_cost, reuse, throughput
 from bench.plan import SOURCES, Plan
 from bench.stats import fmt
 
@@ -17,6 +17,7 @@ SECTIONS = (
     "## 3. What reuse buys",
     "## 4. Redis cost per turn",
     "## 5. Profile",
+    "## 6. KV events",
     "## Configuration",
 )
 
@@ -60,6 +61,8 @@ def render(results: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> str:
         lines += reuse_section(results["reuse"], plan, pngs)
     lines += redis_section(results)
     lines += profile_section(results.get("profile"))
+    if "events" in results:
+        lines += events.section(results["events"])
     lines += config_section(results)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -124,6 +127,16 @@ def targets(results: dict[str, Any], plan: Plan) -> list[str]:
                 f"added p50 per turn < {limit:g} ms at concurrency {conc}",
                 f"{fmt(added)} ms{extra}",
                 _met(added < limit),
+            ]
+        )
+    for target, measured, limit, unit in hitpath.target_rows(
+        results.get("overhead", {}).get("hit_path")
+    ):
+        rows.append(
+            [
+                f"{target} <= {limit:g} {unit}",
+                f"{fmt(measured)} {unit}",
+                _met(None if measured != measured else measured <= limit),
             ]
         )
     chunk = results.get("overhead", {}).get("chunk_cpu", {})
@@ -300,6 +313,7 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
         "",
     ]
     lines += streaming_table(res)
+    lines += hitpath.section(res.get("hit_path"))
     lines += chunk_table(res)
     if "overhead" in pngs:
         lines += [f"![added latency vs concurrency]({pngs['overhead']})", ""]

@@ -1,7 +1,8 @@
 """The instance registry's storage: what the admin API decided about each engine URL.
 
 In Redis it is one HASH, `kvbaton:instances` (sessions/keys.py), URL -> JSON
-`{"role", "state", "updated_at"}`, a public contract operators read with redis-cli; without
+`{"role", "state", "updated_at"}` (and `"kv_events"` for an instance added with its KV-events
+endpoint), a public contract operators read with redis-cli; without
 Redis it lives in the process. Both pass tests/sessions/test_registry_contract.py.
 """
 
@@ -26,12 +27,13 @@ Role = Literal["prefill", "decode"]
 State = Literal["active", "draining", "removed"]
 
 
-class Entry(msgspec.Struct, frozen=True, kw_only=True):
+class Entry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What the admin API decided about one instance URL (the HASH value, as JSON)."""
 
     role: Role
     state: State
     updated_at: float = 0.0
+    kv_events: str = ""  # the engine's KV-events endpoint as `ENDPOINT[,REPLAY]` ("" for none)
 
 
 _decode_entry = msgspec.json.Decoder(Entry).decode

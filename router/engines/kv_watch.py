@@ -62,25 +62,53 @@ class KvEvents:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._ctx = zmq.asyncio.Context()
-        self.subscribers = {
-            url: Subscriber(src, EngineIndex(max_blocks=max_blocks), self._ctx, clock=clock)
-            for url, src in sources.items()
-        }
-        self._tasks: list[asyncio.Task[None]] = []
-        self._restarts: dict[str, int] = {}
+        self._max_blocks = max_blocks
         self._clock = clock
+        self.subscribers: dict[str, Subscriber] = {}
+        for src in sources.values():
+            self._subscriber(src)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._started = False
+        self._restarts: dict[str, int] = {}
+
+    def _subscriber(self, src: Source) -> Subscriber:
+        sub = Subscriber(
+            src, EngineIndex(max_blocks=self._max_blocks), self._ctx, clock=self._clock
+        )
+        self.subscribers[src.url] = sub
+        return sub
 
     @property
     def enabled(self) -> bool:
         return bool(self.subscribers)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(s.run()) for s in self.subscribers.values()]
+        self._started = True
+        self._tasks = {url: asyncio.create_task(s.run()) for url, s in self.subscribers.items()}
+
+    def follow(self, src: Source) -> bool:
+        """Subscribe to an engine added at run time (True), or keep the one it has (False)."""
+        if src.url in self.subscribers:
+            return False
+        sub = self._subscriber(src)
+        if self._started:
+            self._tasks[src.url] = asyncio.create_task(sub.run())
+        return True
+
+    async def forget(self, url: str) -> None:
+        """Stop following an engine that left the pool; its index goes with it."""
+        self.subscribers.pop(url, None)
+        self._restarts.pop(url, None)
+        task = self._tasks.pop(url, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        for task in self._tasks:
+        for task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._ctx.destroy(linger=0)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from router.engines.discovery import inspect
 from router.engines.dns import DnsExpander
+from router.engines.kv_watch import parse_sources
 from router.engines.pool import Instance, Role
+from router.errors import ConfigError
 from router.services import Services
 from sessions.registry_store import Entry, Registry, State
 from sessions.store import StoreError
@@ -55,8 +57,38 @@ async def admit(svc: Services, inst: Instance) -> str:
     return ""
 
 
-def entry(role: Role, state: State, clock: Callable[[], float] = time.time) -> Entry:
-    return Entry(role=role, state=state, updated_at=round(clock(), 3))
+def entry(
+    role: Role, state: State, clock: Callable[[], float] = time.time, kv_events: str = ""
+) -> Entry:
+    return Entry(role=role, state=state, updated_at=round(clock(), 3), kv_events=kv_events)
+
+
+def check_events_spec(url: str, spec: str) -> None:
+    """Raises ConfigError unless `spec` is empty or `ENDPOINT[,REPLAY]` (as --kv-events)."""
+    if spec:
+        parse_sources([f"{url}={spec}"], 0, (), "")
+
+
+def follow_events(svc: Services, url: str, spec: str) -> None:
+    """Read the KV events of an engine that joined at run time: from `spec` (the admin add's
+    `ENDPOINT[,REPLAY]`), else its `--kv-events` entry or `--kv-events-port` on its host."""
+    settings = svc.settings
+    specs = [*settings.kv_events, *([f"{url}={spec}"] if spec else [])]
+    try:
+        src = parse_sources(specs, settings.kv_events_port, [url], settings.kv_events_topic).get(
+            url
+        )
+    except ConfigError as exc:  # a registry entry written by hand
+        log.warning("not reading the KV events of %s: %s", url, exc)
+        return
+    if src is not None and svc.kv_events is not None and svc.kv_events.follow(src):
+        svc.metrics.watch_kv_events(svc.kv_events)
+        log.info("reading the KV events of %s from %s", url, src.endpoint)
+
+
+async def forget_events(svc: Services, url: str) -> None:
+    if svc.kv_events is not None:
+        await svc.kv_events.forget(url)
 
 
 @dataclass
@@ -116,6 +148,7 @@ class Syncer:
                 if self._drain_vanished(inst):
                     continue
                 pool.remove(inst)
+                await forget_events(self.svc, inst.url)
                 log.info("removed %s instance %s (registry or DNS)", inst.role, inst.url)
             elif inst.draining != want[key]:
                 inst.draining = want[key]
@@ -144,6 +177,8 @@ class Syncer:
         # Unreachable ones join unhealthy; the health loop re-admits them when they answer.
         self._refused.pop(inst.url, None)
         self.svc.pool.add(inst)
+        known = self._entries.get(inst.url)
+        follow_events(self.svc, inst.url, known.kv_events if known is not None else "")
         log.info(
             "added %s instance %s (registry)%s",
             inst.role,

@@ -18,7 +18,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.engines import registry as reg
 from router.engines.pool import Instance, Role
-from router.errors import BadRequest, Conflict, NotFound, Unauthorized, Unavailable, Unprocessable
+from router.errors import (
+    BadRequest,
+    ConfigError,
+    Conflict,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+    Unprocessable,
+)
 from router.http.status import instances_by_role, view
 from router.services import Services
 from router.turn.tenant import DEFAULT_TENANT, validate_conversation_id
@@ -36,6 +44,7 @@ MAX_PAGE = 1000
 class InstanceBody(msgspec.Struct, forbid_unknown_fields=True):
     url: str
     role: Role | None = None
+    kv_events: str = ""  # the engine's KV-events endpoint, `ENDPOINT[,REPLAY]` (add only)
 
 
 @dataclass
@@ -136,24 +145,33 @@ async def list_instances(request: Request) -> Response:
     )
 
 
-async def add(svc: Services, ops: Operations, url: str, role: Role) -> tuple[bool, Instance]:
+async def add(
+    svc: Services, ops: Operations, url: str, role: Role, kv_events: str = ""
+) -> tuple[bool, Instance]:
     """Add (True) or reactivate (False) an instance, validated against its /v1/models (as
-    vLLM's XpYd proxy does) before it joins, and recorded in the registry."""
+    vLLM's XpYd proxy does) before it joins, and recorded in the registry; its KV events
+    are read from `kv_events` (`ENDPOINT[,REPLAY]`), else as the command line says."""
+    try:
+        reg.check_events_spec(url, kv_events)
+    except ConfigError as exc:
+        raise BadRequest(str(exc).replace("--kv-events", "kv_events"), param="kv_events") from None
     async with ops.syncer.lock:
         other = svc.pool.find("decode" if role == "prefill" else "prefill", url)
         if other is not None:
             raise Conflict(f"{url} is already a {other.role} instance: remove it first")
         inst = svc.pool.find(role, url)
         if inst is not None:
-            await _record(ops, url, reg.entry(role, "active"))
+            await _record(ops, url, reg.entry(role, "active", kv_events=kv_events))
             inst.draining = False
+            reg.follow_events(svc, url, kv_events)
             return False, inst
         inst = Instance(url, role)
         reason = await reg.admit(svc, inst)
         if reason:
             raise Unprocessable(reason, param="url", code="instance_refused")
-        await _record(ops, url, reg.entry(role, "active"))
+        await _record(ops, url, reg.entry(role, "active", kv_events=kv_events))
         svc.pool.add(inst)
+        reg.follow_events(svc, url, kv_events)
     log.info("admin: added %s instance %s", role, url)
     return True, inst
 
@@ -164,7 +182,7 @@ async def add_instance(request: Request) -> Response:
     url = _url(body.url)
     if body.role is None:
         raise BadRequest("role is required: 'prefill' or 'decode'", param="role")
-    added, inst = await add(svc, ops, url, body.role)
+    added, inst = await add(svc, ops, url, body.role, body.kv_events)
     body_out = {"status": "added" if added else "active", "instance": view(svc, inst)}
     return _json(body_out, 201 if added else 200)
 
@@ -189,6 +207,7 @@ async def remove_instance(request: Request) -> Response:
         inst = _find(svc, _url(body.url), body.role)
         await _record(ops, inst.url, reg.entry(inst.role, "removed"))
         svc.pool.remove(inst)  # turns already on it finish
+        await reg.forget_events(svc, inst.url)
     log.info("admin: removed %s instance %s (%d in flight)", inst.role, inst.url, inst.outstanding)
     return _json({"status": "removed", "instance": view(svc, inst)})
 

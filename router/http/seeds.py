@@ -22,6 +22,7 @@ class SeedInstance(msgspec.Struct):
 
     type: Role
     instance: str
+    kv_events: str = ""  # kvbaton's addition: the engine's KV-events `ENDPOINT[,REPLAY]`
 
 
 def check_api_key(key: str, sent: str | None) -> None:
@@ -51,7 +52,7 @@ async def add_instance(request: Request) -> Response:
     url = base_url(body.instance)
     if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
         raise BadRequest(f"instance must be host:port or a base URL, not {body.instance!r}")
-    added, inst = await add(svc, request.app.state.operations, url, body.type)
+    added, inst = await add(svc, request.app.state.operations, url, body.type, body.kv_events)
     out = {
         "message": f"{'added' if added else 'already serving'} {body.type} instance {url}",
         "status": "added" if added else "active",

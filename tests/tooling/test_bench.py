@@ -75,7 +75,22 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
         check_png(quick_run / name)
         assert f"]({name})" in report, f"the report does not show {name}"
     raw = json.loads((quick_run / "bench-results.json").read_text())
-    assert {"meta", "overhead", "throughput", "reuse"} <= set(raw)
+    assert {"meta", "overhead", "throughput", "reuse", "events"} <= set(raw)
+    # The hit path: conversations through kvbaton (turns 2.. hit) and through the floor.
+    assert "### The hit path: conversations with history, latency in ms" in report
+    hit_cells = raw["overhead"]["hit_path"]["cells"]
+    assert {(c["stream"], c["concurrency"]) for c in hit_cells} == {
+        (s, n) for s in (False, True) for n in (1, 16)
+    }
+    for cell in hit_cells:
+        assert cell["kvbaton"]["failed"] == cell["floor"]["failed"] == 0, cell
+        assert set(cell["kvbaton"]["reuse"]) == {"hit"}, cell["kvbaton"]["reuse"]
+    # KV events: every published batch applied, and the hit path through both routers.
+    ingest, per_turn = raw["events"]["ingest"], raw["events"]["per_turn"]
+    assert ingest["batches"] == ingest["sent_batches"] > 0 and ingest["blocks_s"] > 0
+    for name in ("events-on", "events-off"):
+        assert per_turn[name]["failed"] == 0, per_turn[name]
+        assert per_turn[name]["reuse"].get("hit", 0) > 0, per_turn[name]
     # Throughput with two workers, beside one, each a JSON and a streaming sweep.
     assert "### One worker vs `--workers 2` (nothing pinned)" in report
     workers = raw["throughput"]["workers"]

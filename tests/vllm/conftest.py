@@ -22,8 +22,11 @@ from tests.vllm import engines
 from tests.vllm.engines import Engine, EngineSpec, KvEvents
 
 PYTHON_ENV = "KVBATON_TEST_VLLM_PYTHON"
-MODEL_ENV = "KVBATON_TEST_VLLM_MODEL"
-DEFAULT_MODEL = ROOT / ".vllm-test" / "tiny-llama"
+MODEL_ENV = {"char": "KVBATON_TEST_VLLM_MODEL", "bpe": "KVBATON_TEST_VLLM_BPE_MODEL"}
+DEFAULT_MODEL = {
+    "char": ROOT / ".vllm-test" / "tiny-llama",
+    "bpe": ROOT / ".vllm-test" / "tiny-llama-bpe",
+}
 # Three engines starting together on two cores take 48-103 s (measured), and the NIXL warm-up
 # after them under a second (up to ~80 s on a loaded machine); the first test also pays for
 # this in its timeout.
@@ -34,13 +37,16 @@ CPU_BIND = os.environ.get("KVBATON_TEST_VLLM_CPU_BIND", "nobind")
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The first test of this tier starts the engines: give it their start-up time too."""
-    mine = [item for item in items if item.path.parent == HERE]
-    if not mine:
-        return
-    marker = mine[0].get_closest_marker("timeout")
-    base = float(marker.args[0]) if marker and marker.args else float(config.getini("timeout"))
-    mine[0].add_marker(pytest.mark.timeout(base + 2 * START_TIMEOUT + 60))
+    """The first test of each module of this tier starts its engines (one tokenizer kind per
+    module): give it their start-up time too."""
+    firsts: dict[Path, pytest.Item] = {}
+    for item in items:
+        if item.path.parent == HERE:
+            firsts.setdefault(item.path, item)
+    for first in firsts.values():
+        marker = first.get_closest_marker("timeout")
+        base = float(marker.args[0]) if marker and marker.args else float(config.getini("timeout"))
+        first.add_marker(pytest.mark.timeout(base + 2 * START_TIMEOUT + 60))
 
 
 @dataclass(frozen=True)
@@ -60,12 +66,12 @@ def distinct_ports(n: int) -> list[int]:
     return ports
 
 
-def model_dir(python: str) -> Path:
-    """The tiny model `make test-vllm` built, or built here (5 s) when missing."""
-    path = Path(os.environ.get(MODEL_ENV) or DEFAULT_MODEL)
+def model_dir(python: str, kind: str) -> Path:
+    """The tiny model of that tokenizer kind `make test-vllm` built, or built here (5 s)."""
+    path = Path(os.environ.get(MODEL_ENV[kind]) or DEFAULT_MODEL[kind])
     if not (path / "config.json").exists():
         subprocess.run(
-            [python, str(HERE / "build_model.py"), str(path)],
+            [python, str(HERE / "build_model.py"), str(path), kind],
             check=True,
             capture_output=True,
             timeout=120,
@@ -83,20 +89,21 @@ def report(config: pytest.Config, line: str) -> None:
         print(line)
 
 
-@pytest.fixture(scope="session")
-def vllm_engines(
-    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+def start_engines(
+    kind: str, tmp_path_factory: pytest.TempPathFactory, config: pytest.Config
 ) -> Iterator[Engines]:
+    """P, D and the reference engine on the tiny model with the `kind` tokenizer; stopped when
+    the module that uses them is done (one set of three engines runs at a time)."""
     python = os.environ[PYTHON_ENV]
-    model = str(model_dir(python))
-    work = tmp_path_factory.mktemp("vllm")
+    model = str(model_dir(python, kind))
+    work = tmp_path_factory.mktemp(f"vllm-{kind}")
     log_dir = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
     log_dir.mkdir(exist_ok=True)
     p_port, d_port, ref_port, p_side, d_side = distinct_ports(5)
     specs = [
-        EngineSpec("p", p_port, CPU_BIND, p_side, f"ipc://{work}/kv-p.ipc"),
-        EngineSpec("d", d_port, CPU_BIND, d_side, f"ipc://{work}/kv-d.ipc"),
-        EngineSpec("ref", ref_port, CPU_BIND),
+        EngineSpec(f"p-{kind}", p_port, CPU_BIND, p_side, f"ipc://{work}/kv-p.ipc"),
+        EngineSpec(f"d-{kind}", d_port, CPU_BIND, d_side, f"ipc://{work}/kv-d.ipc"),
+        EngineSpec(f"ref-{kind}", ref_port, CPU_BIND),
     ]
     started: list[Engine] = []
     events: KvEvents | None = None
@@ -105,12 +112,13 @@ def vllm_engines(
         for spec in specs:
             started.append(engines.launch(python, model, spec, work, log_dir))
         engines.wait_ready(started, START_TIMEOUT)
-        report(pytestconfig, f"\nvLLM P, D and reference ready in {time.monotonic() - t0:.1f} s")
+        took = time.monotonic() - t0
+        report(config, f"\nvLLM P, D and reference ({kind} tokenizer) ready in {took:.1f} s")
         p, d, ref = started
         t0 = time.monotonic()
         retries = engines.warm_up(p, d, START_TIMEOUT)
         took = time.monotonic() - t0
-        report(pytestconfig, f"NIXL warm-up (P->D, D->P) took {took:.1f} s, {retries} retries")
+        report(config, f"NIXL warm-up (P->D, D->P) took {took:.1f} s, {retries} retries")
         # Subscribe before any traffic: PUB/SUB drops what is sent before the connection.
         events = KvEvents({"p": p.spec.kv_events, "d": d.spec.kv_events})
         events.start()
@@ -120,11 +128,26 @@ def vllm_engines(
         if events is not None:
             events.stop()
         engines.stop(started)
-        report(pytestconfig, f"\nvLLM engines stopped in {time.monotonic() - t0:.1f} s")
+        report(config, f"\nvLLM engines ({kind}) stopped in {time.monotonic() - t0:.1f} s")
 
 
-@pytest.fixture(scope="session")
-def vllm_router(vllm_engines: Engines, redis_url_session: str) -> Iterator[RouterProc]:
+@pytest.fixture(scope="module")
+def vllm_engines(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[Engines]:
+    """The character-tokenizer engines: every answer re-tokenizes into D's ids."""
+    yield from start_engines("char", tmp_path_factory, pytestconfig)
+
+
+@pytest.fixture(scope="module")
+def vllm_bpe_engines(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[Engines]:
+    """The byte-level BPE engines: answers often re-tokenize into other ids than D's."""
+    yield from start_engines("bpe", tmp_path_factory, pytestconfig)
+
+
+def start_router(engines_: Engines, redis_url: str, name: str) -> Iterator[RouterProc]:
     """kvbaton in front of P and D with its defaults (--verify-prefix tokens, block size
     read from vllm:cache_config_info, no --stream-kv-params: stock vLLM 0.32)."""
     # Generous timeouts: the defaults (120 s prefill, 60 s idle, 0.25 s store) are for real
@@ -141,12 +164,20 @@ def vllm_router(vllm_engines: Engines, redis_url_session: str) -> Iterator[Route
         "300",
     )
     # The router reads both engines' KV events (the same ipc:// publishers the tests read).
-    for engine in (vllm_engines.p, vllm_engines.d):
+    for engine in (engines_.p, engines_.d):
         args += ("--kv-events", f"{engine.url}={engine.spec.kv_events}")
-    urls = ([vllm_engines.p.url], [vllm_engines.d.url])
+    urls = ([engines_.p.url], [engines_.d.url])
     # The router checks every engine's /v1/models and /metrics before it listens, and again
     # as it starts: on a loaded machine that took over the harness's default 20 s.
-    with router(
-        *urls, *args, redis_url=redis_url_session, name="vllm-router", ready_timeout=START_TIMEOUT
-    ) as r:
+    with router(*urls, *args, redis_url=redis_url, name=name, ready_timeout=START_TIMEOUT) as r:
         yield r
+
+
+@pytest.fixture(scope="module")
+def vllm_router(vllm_engines: Engines, redis_url_session: str) -> Iterator[RouterProc]:
+    yield from start_router(vllm_engines, redis_url_session, "vllm-router")
+
+
+@pytest.fixture(scope="module")
+def vllm_bpe_router(vllm_bpe_engines: Engines, redis_url_session: str) -> Iterator[RouterProc]:
+    yield from start_router(vllm_bpe_engines, redis_url_session, "vllm-bpe-router")

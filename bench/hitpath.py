@@ -1,0 +1,178 @@
+"""1b. The hit path: conversations with real history through kvbaton and through the floor.
+
+Section 1's cells are first turns (the miss path). Here every conversation runs several
+turns, so each turn after the first claims its session, asks P's `/tokenize`, verifies the
+prefix, sends the token-ids P leg with D's handle (P reads from D) and commits. The same
+seeded conversations also go through the stack's floor (bench/passthrough.py: two legs,
+nothing else), which gives the same answers and so the same histories; *kvbaton minus
+floor* per turn is the router's own work on hits (and, for turn 1, on misses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench import overhead
+from bench.plan import Plan
+from bench.stack import LoadGen, cpu_seconds, passthrough, router_cpu, start_stack
+from bench.stats import summary_ms
+from tests.support.router import RouterProc
+from tests.support.stack import Stack, argv_of
+
+Tick = Callable[[str], None]
+
+# Zero-cost, bidirectional; D streams its handle (PR #40186) so streamed turns hit too, and
+# keeps its pins long enough for a conversation's next turn.
+P_ARGS = ["--bidirectional", "--kv-recompute-threshold", "0", "--num-blocks", "65536"]
+D_ARGS = ["--bidirectional", "--stream-kv-params", "--num-blocks", "65536"]
+# The floor never reads D's pins: let them go within a cell, not after 480 s.
+D_ARGS += ["--decoder-kv-blocks-ttl", "60"]
+ROUTER_ARGS = ["--stream-kv-params"]
+
+
+def job(plan: Plan, url: str, *, stream: bool, clients: int, rnd: int, ids: bool) -> dict[str, Any]:
+    tokens = overhead.STREAM_TOKENS if stream else overhead.NONSTREAM_TOKENS
+    return {
+        "kind": "conversations",
+        "target": {"mode": "router", "urls": [url]},
+        "conversation_ids": ids,
+        "n": max(plan.hit_min_convs, 2 * clients),
+        "turns": plan.hit_turns,
+        "concurrency": clients,
+        "stream": stream,
+        "system_words": (overhead.SYSTEM_WORDS, overhead.SYSTEM_WORDS),
+        "user_words": (overhead.USER_WORDS, overhead.USER_WORDS),
+        "output_tokens": (tokens, tokens),
+        "jitter_s": 0.0,
+        "seed": 500 + rnd,
+        "deadline_s": 180.0,
+        "request_timeout_s": 60.0,
+    }
+
+
+def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
+    out: dict[str, Any] = {"cells": []}
+    with start_stack(
+        prefill_args=[P_ARGS], decode_args=[D_ARGS], router_args=[ROUTER_ARGS], name="hitpath"
+    ) as st:
+        with passthrough(st.ps[0].url, st.ds[0].url, "hitpath-floor") as floor_app:
+            st.commands["floor"] = argv_of(floor_app.proc)
+            for stream in (False, True):
+                for clients in plan.hit_clients:
+                    tick(f"hit path {'stream' if stream else 'json'} c={clients}")
+                    out["cells"].append(_cell(plan, st, lg, floor_app, stream, clients))
+        out["commands"] = st.commands
+    return out
+
+
+def steps(plan: Plan) -> int:
+    return 2 * len(plan.hit_clients)
+
+
+def _cell(
+    plan: Plan, st: Stack, lg: LoadGen, floor_app: RouterProc, stream: bool, clients: int
+) -> dict[str, Any]:
+    """kvbaton and the floor in alternating rounds, each round new conversations."""
+    turns: dict[str, list[dict[str, Any]]] = {"kvbaton": [], "floor": []}
+    cpu = {"kvbaton": 0.0, "floor": 0.0}
+    for rnd in range(plan.hit_rounds):
+        arms = [("kvbaton", st.routers[0].url), ("floor", floor_app.url)]
+        for arm, url in arms if rnd % 2 == 0 else arms[::-1]:
+            overhead.reset_caches(st)
+            before = router_cpu(st) if arm == "kvbaton" else cpu_seconds(floor_app.proc.pid)
+            spec = job(plan, url, stream=stream, clients=clients, rnd=rnd, ids=arm == "kvbaton")
+            turns[arm] += lg.run(spec, timeout=240.0)["turns"]
+            after = router_cpu(st) if arm == "kvbaton" else cpu_seconds(floor_app.proc.pid)
+            cpu[arm] += after - before
+    cell: dict[str, Any] = {"stream": stream, "concurrency": clients}
+    for arm, rows in turns.items():
+        good = [t for t in rows if t["ok"]]
+        later = [t for t in good if t["turn"] > 1]
+        cell[arm] = {
+            "first": summary_ms([t["latency"] for t in good if t["turn"] == 1]),
+            "later": summary_ms([t["latency"] for t in later]),
+            "later_ttft": summary_ms([t["ttft"] for t in later]),
+            "reuse": {k: sum(1 for t in later if t["reuse"] == k) for k in _kinds(later)},
+            "turns": len(rows),
+            "failed": len(rows) - len(good),
+            "cpu_ms_per_turn": cpu[arm] / max(1, len(rows)) * 1000.0,
+        }
+    return cell
+
+
+def _kinds(rows: list[dict[str, Any]]) -> list[str]:
+    return sorted({str(t["reuse"]) for t in rows if t["reuse"]})
+
+
+def _fmt(value: float, digits: int = 2) -> str:
+    return "n/a" if value != value else f"{value:.{digits}f}"  # NaN: nothing measured
+
+
+def own(cell: dict[str, Any], key: str) -> float:
+    """kvbaton minus floor, p50 ms, of first turns ("first") or later turns ("later")."""
+    return float(cell["kvbaton"][key]["p50"] - cell["floor"][key]["p50"])
+
+
+def section(res: dict[str, Any] | None) -> list[str]:
+    if not res or not res.get("cells"):
+        return []
+    lines = [
+        "### The hit path: conversations with history, latency in ms",
+        "",
+        "Multi-turn conversations (system prompt and user messages as above, the answers sent",
+        "back as history), through kvbaton (every turn after the first claims, asks P's",
+        "`/tokenize`, verifies, sends P the token ids and D's handle, and commits) and through",
+        "the floor (the same conversations, two legs, nothing else), in alternating rounds.",
+        "D streams its handle (`--stream-kv-params`), so streamed turns hit too.",
+        "*own* is kvbaton minus floor at p50: the router's own work per turn.",
+        "",
+    ]
+    rows = []
+    for c in res["cells"]:
+        k, f = c["kvbaton"], c["floor"]
+        outcomes = ", ".join(f"{n} {v}" for n, v in k["reuse"].items()) or "n/a"
+        rows.append(
+            [
+                "stream" if c["stream"] else "json",
+                str(c["concurrency"]),
+                f"{k['turns']} (+{k['failed']} failed)",
+                f"{_fmt(k['first']['p50'])} / {_fmt(f['first']['p50'])} / {_fmt(own(c, 'first'))}",
+                f"{_fmt(k['later']['p50'])} / {_fmt(f['later']['p50'])} / {_fmt(own(c, 'later'))}",
+                f"{_fmt(k['later']['p99'])} / {_fmt(f['later']['p99'])}",
+                f"{_fmt(k['cpu_ms_per_turn'], 3)} / {_fmt(f['cpu_ms_per_turn'], 3)}",
+                outcomes,
+            ]
+        )
+    header = [
+        "turns",
+        "clients",
+        "kvbaton turns",
+        "turn 1 p50: kvbaton / floor / own",
+        "turns 2.. p50: kvbaton / floor / own",
+        "turns 2.. p99: kvbaton / floor",
+        "CPU ms/turn: kvbaton / floor",
+        "kvbaton turns 2..",
+    ]
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, *out, ""]
+
+
+def target_rows(res: dict[str, Any] | None) -> list[tuple[str, float, float, str]]:
+    """(target, measured, limit, unit) for the hit-path targets at 1 client (JSON turns)."""
+    cells = [c for c in (res or {}).get("cells", []) if not c["stream"] and c["concurrency"] == 1]
+    if not cells:
+        return []
+    c = cells[0]
+    ratio = c["kvbaton"]["cpu_ms_per_turn"] / max(1e-9, c["floor"]["cpu_ms_per_turn"])
+    return [
+        (
+            "router's own added p50 on first turns (kvbaton - floor), 1 client",
+            own(c, "first"),
+            0.5,
+            "ms",
+        ),
+        ("router's own added p50 on hits (kvbaton - floor), 1 client", own(c, "later"), 1.0, "ms"),
+        ("router CPU per conversation turn vs the floor's, 1 client", ratio, 1.6, "x"),
+    ]
