@@ -18,6 +18,8 @@ import redis
 
 from tests.e2e.conftest import reference_chat
 from tests.e2e.test_kv_events import LONG, events_flags, indexed, spec, wait_in_sync
+from tests.e2e.test_responses import reference as responses_reference
+from tests.e2e.test_responses import responses_turn
 from tests.support.chat import chat_turn, client, get_json, post, reference_answer
 from tests.support.metrics import metric
 from tests.support.procs import SimProc, redis_server, wait_until
@@ -329,3 +331,26 @@ def test_with_kv_events_a_hit_from_p_s_own_cache_says_so(events_stack: StoreStac
 
 def pulled_from_store(url: str) -> float:
     return metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_responses_conversation_reads_its_history_from_the_store(
+    ss: StoreStack, stream: bool
+) -> None:
+    """The Responses API: P's usage is `input_tokens_details`; the verdict reads it too."""
+    st = ss.st
+    api = client(st.router.base_url)
+    cid = f"resp-{uuid.uuid4().hex[:8]}"
+    items: list[dict[str, Any]] = []
+    for turn in range(1, 4):
+        items.append({"role": "user", "content": f"Reading {turn} {cid}: wind and rain?"})
+        before = sum(pulled_from_store(p.url) for p in st.ps if p.proc.poll() is None)
+        answer, reuse, _ = responses_turn(api, items, stream=stream, cid=cid)
+        assert answer == responses_reference(st, items), f"turn {turn}"
+        after = sum(pulled_from_store(p.url) for p in st.ps if p.proc.poll() is None)
+        if turn == 1:
+            assert reuse == "miss;reason=no-session"
+        else:
+            assert reuse == "hit;via=store", f"turn {turn}: {reuse}"
+            assert after > before, f"turn {turn}: P read nothing from the store"
+        items.append({"role": "assistant", "content": answer})
