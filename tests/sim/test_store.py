@@ -141,3 +141,29 @@ def test_the_store_url_is_checked_at_start() -> None:
     with pytest.raises(SystemExit):
         parse_settings(["--kv-connector", "store", "--kv-store", "http://x"])
     assert parse_settings(["--kv-connector", "store", "--kv-store", "redis://h:1/2"]).kv_store
+
+
+@pytest.mark.unit
+def test_resp_urls_and_replies() -> None:
+    import asyncio
+
+    from vllm_sim.resp import RespError, encode, parse_url, read_reply
+
+    a = parse_url("redis://user:p%40ss@h:7000/5")
+    assert (a.host, a.port, a.db, a.username, a.password) == ("h", 7000, 5, "user", "p@ss")
+    assert parse_url("redis://h").port == 6379 and parse_url("redis://h").db == 0
+    wire = b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n\x00v\r\n$1\r\n7\r\n"
+    assert encode("SET", "k", b"\x00v", 7) == wire
+
+    async def replies(raw: bytes, n: int) -> list[object]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(raw)
+        reader.feed_eof()
+        return [await read_reply(reader) for _ in range(n)]
+
+    got = asyncio.run(replies(b"+OK\r\n:12\r\n$-1\r\n*2\r\n$2\r\nab\r\n$-1\r\n", 4))
+    assert got == ["OK", 12, None, [b"ab", None]]
+    with pytest.raises(RespError, match="WRONGTYPE"):
+        asyncio.run(replies(b"-WRONGTYPE bad\r\n", 1))
+    with pytest.raises(RespError, match="closed"):
+        asyncio.run(replies(b"", 1))
