@@ -354,3 +354,18 @@ def test_a_responses_conversation_reads_its_history_from_the_store(
             assert reuse == "hit;via=store", f"turn {turn}: {reuse}"
             assert after > before, f"turn {turn}: P read nothing from the store"
         items.append({"role": "assistant", "content": answer})
+
+
+def test_a_conversation_without_an_id_is_found_by_its_history(ss: StoreStack) -> None:
+    st = ss.st
+    api = client(st.router.base_url)
+    messages = [
+        {"role": "system", "content": f"{uuid.uuid4().hex[:8]}: a terse assistant."},
+        {"role": "user", "content": "Is it going to rain on the tea today?"},
+    ]
+    answer, reuse, _ = chat_turn(api, messages, cid=None, max_tokens=MAX_TOKENS)
+    assert reuse == "miss;reason=no-session"
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    answer, reuse, _ = chat_turn(api, messages, cid=None, max_tokens=MAX_TOKENS)
+    assert reuse == "hit;via=store"
+    assert answer == reference_chat(st, messages, MAX_TOKENS)
