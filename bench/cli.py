@@ -59,7 +59,7 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     if "throughput" in parts:
         n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps
     if "reuse" in parts:
-        arms = len(reuse.CACHES) * len(reuse.ARMS) - len(reuse.ONLY_AMPLE) * (len(reuse.CACHES) - 1)
+        arms = sum(len(reuse.arms_for(plan, cache, no_reuse)) for cache in reuse.CACHES)
         n += arms * plan.conv_rounds
     if "events" in parts:
         n += events.steps(plan)

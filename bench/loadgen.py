@@ -60,6 +60,7 @@ class Sample:
     ttft: float = 0.0
     span: float = 0.0  # first to last SSE event
     events: int = 0
+    gap_max: float = 0.0  # the longest wait between two SSE events after the first
     text: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     reuse: str = ""
@@ -85,6 +86,8 @@ async def read_stream(resp: aiohttp.ClientResponse, sample: Sample, t0: float, p
                 continue
             if sample.events == 0:
                 sample.ttft = now
+            else:
+                sample.gap_max = max(sample.gap_max, now - last)
             last = now
             sample.events += 1
             if parse and part.startswith(b"data: {"):
@@ -375,6 +378,9 @@ def _turn_record(c: int, t: int, x: Sample) -> dict[str, Any]:
         "completion_tokens": usage.get("completion_tokens", 0),
         "reuse": x.reuse,
         "error": x.error,
+        # Inter-token latency as this stream saw it: mean and worst gap between SSE events.
+        "itl": x.span / (x.events - 1) if x.events > 1 else 0.0,
+        "gap_max": x.gap_max,
     }
 
 

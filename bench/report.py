@@ -653,8 +653,22 @@ def reuse_section(res: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> list
         "the working set). D always has the ample pool; `--max-model-len` "
         f"{plan.max_model_len}.",
         "",
-        "The simulator charges each request its own cost with no batching between requests, so",
-        "a long recompute here never slows other requests' decode, as it would on a GPU.",
+        "- (p) **kvbaton, placement, stock engines**: engines `--bidirectional` without",
+        "  `--stream-kv-params` (stock vLLM 0.32: no handle in a streamed chat turn), the router",
+        "  with its defaults: a turn whose new tokens D's cache lacks are few runs on that D alone",
+        "  (`hit;via=decode`), others are P/D turns. Compare it with (b) and (c). Ample cache",
+        "  only.",
+        "- (n) and (q) **JSON turns on stock engines** (full run only, ample cache): the same",
+        "  conversations not streamed, so every turn can leave a handle; (n) with every plan",
+        "  allowed (pull from D, run on D, recompute), (q) pull only",
+        "  (`--decode-local-max-tokens 0`). Their *TTFT* is the whole JSON turn. A JSON turn",
+        "  leaves D's handle, and the plan runs a turn on D only when there is none, so the two",
+        "  are expected to do the same work (a 6 x 3 trial gave identical token counts).",
+        "",
+        "Each simulator runs one step loop, as a GPU batches its requests: a step carries one",
+        "token of every running decode plus the prompt tokens of every new prefill, so a prefill",
+        "on D (the decode plan's, or a recompute) slows the other streams on D. *ITL* below is",
+        "each stream's mean and worst gap between SSE events, over every conversation.",
         "",
     ]
     tok = res["runs"].get("ample/a", {}).get("tokenize")
@@ -705,7 +719,7 @@ def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
         for arm, label in reuse.ARMS.items():
             run = res["runs"].get(f"{cache}/{arm}", {})
             if "pending" in run or "tokens" not in run:
-                rows.append([cache, f"({arm}) {label}", *["pending"] * 8])
+                rows.append([cache, f"({arm}) {label}", *["pending"] * 10])
                 continue
             busy = run.get("machine_busy")
             p, d = run["tokens"]["P"], run["tokens"]["D"]
@@ -719,6 +733,8 @@ def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
                     f"{p.get('local_cache_hit', 0):,.0f}",
                     f"{p.get('external_kv_transfer', 0):,.0f}",
                     f"{d.get('external_kv_transfer', 0):,.0f}",
+                    f"{d.get('local_compute', 0):,.0f}",
+                    _itl(run),
                     f"{run['wall_s']:.1f} s; last turn {pair(last, 'p50', 'p90', 0)} ms",
                     ", ".join(f"{k} {v}" for k, v in sorted(run["reuse"].items())),
                     f"{busy * 100:.0f}%" if busy is not None else "n/a",
@@ -730,9 +746,11 @@ def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
         "From the simulators' `vllm:prompt_tokens_by_source_total`, summed over the two P or",
         "the two D: *computed on P* (`local_compute`), P's prefix-cache hits, *pulled by P*",
         "from D (D->P reads, `external_kv_transfer` on P) and pulled by D from P (the usual P->D",
-        "handoff). End to end: the whole workload's wall time, and the last turn's whole-response",
-        "latency p50 / p90. *Machine CPU busy*: both CPUs' busy time over the arm's runs (from",
-        "`/proc/stat`); near 100% the processes queue for a CPU, and TTFT measures that",
+        "handoff), *computed on D* (D's `local_compute`: the decode plan's new tokens), each",
+        "stream's inter-token latency (*ITL*). End to end: the whole workload's wall time, and",
+        "the last turn's whole-response latency p50 / p90. *Machine CPU busy*: both CPUs' busy",
+        "time over the arm's runs (from `/proc/stat`); near 100% the processes queue for a CPU,",
+        "and TTFT measures that",
         "queueing as well as the cost model.",
         "",
         *table(
@@ -744,6 +762,8 @@ def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
                 "P cache hits",
                 "pulled by P (D->P)",
                 "pulled by D (P->D)",
+                "computed on D",
+                "ITL p50 / p90 (ms); worst gap p90",
                 "end to end",
                 "X-KV-Reuse",
                 "machine CPU busy",
@@ -751,6 +771,12 @@ def tokens_table(res: dict[str, Any], plan: Plan) -> list[str]:
             rows,
         ),
     ]
+
+
+def _itl(run: dict[str, Any]) -> str:
+    if "itl" not in run:
+        return "n/a"  # a run recorded before ITL was measured
+    return f"{pair(run['itl'], 'p50', 'p90', 1)}; {fmt(run['gap_max']['p90'], 1)}"
 
 
 def redis_rows(results: dict[str, Any]) -> list[list[str]]:

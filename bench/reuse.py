@@ -3,7 +3,9 @@
 Arms: (a) kvbaton with reuse and affinity, (b) kvbaton with affinity only (`--no-reuse`),
 (c) round robin over P and over D with the null handoff and no session (vLLM's toy proxy,
 done by the load generator itself, so it pays no proxy hop). Each with an ample prefill cache
-and with one smaller than the conversations' working set.
+and with one smaller than the conversations' working set. (h) and (p), ample cache only: no
+conversation id (history sessions), and stock engines whose streams carry no handle, where
+reuse is the decode plan's (per-turn placement).
 """
 
 from __future__ import annotations
@@ -30,11 +32,28 @@ ARMS = {
     "b": "kvbaton, affinity only (--no-reuse)",
     "c": "round robin, no reuse (toy proxy)",
     "h": "kvbaton, reuse, no conversation id (history sessions)",
+    "p": "kvbaton, placement, stock engines (no handle in streams)",
+    "n": "kvbaton, JSON turns, all plans (pull, decode, recompute)",
+    "q": "kvbaton, JSON turns, pull only (--decode-local-max-tokens 0)",
 }
 # The small cache measures what eviction costs reuse; how a session is found does not change
 # that, so arm (h) runs with the ample cache only (and --quick stays under 2 minutes).
-ONLY_AMPLE = ("h",)
+ONLY_AMPLE = ("h", "p", "n", "q")
+# Non-streaming turns, the plans compared: a full run only (--quick stays under 2 minutes).
+FULL_ONLY = ("n", "q")
+JSON_ARMS = ("n", "q")
 CACHES = ("ample", "small")
+
+
+def arms_for(plan: Plan, cache: str, no_reuse: bool) -> list[str]:
+    """The arms that run with this cache in this plan."""
+    return [
+        a
+        for a in ARMS
+        if (a != "b" or no_reuse)
+        and (cache == "ample" or a not in ONLY_AMPLE)
+        and not (plan.quick and a in FULL_ONLY)
+    ]
 
 
 def sim_args(plan: Plan, arm: str, cache: str) -> tuple[list[list[str]], list[list[str]]]:
@@ -42,6 +61,9 @@ def sim_args(plan: Plan, arm: str, cache: str) -> tuple[list[list[str]], list[li
     p_blocks = plan.ample_blocks if cache == "ample" else plan.small_prefill_blocks
     p = [*base, "--num-blocks", str(p_blocks)]
     d = [*base, "--num-blocks", str(plan.ample_blocks)]
+    if arm in ("p", *JSON_ARMS):  # stock vLLM 0.32: streams carry no kv_transfer_params
+        p += ["--bidirectional"]
+        d += ["--bidirectional"]
     if arm in ("a", "h"):
         # Stock vLLM streams no kv_transfer_params; TTFT needs streaming, so arm (a) runs the
         # engines with PR #40186 (--stream-kv-params) and the router told so.
@@ -51,17 +73,25 @@ def sim_args(plan: Plan, arm: str, cache: str) -> tuple[list[list[str]], list[li
 
 
 def router_args(arm: str) -> list[list[str]]:
-    args = {"a": [["--stream-kv-params"]], "b": [["--no-reuse"]], "c": []}
+    args: dict[str, list[list[str]]] = {
+        "a": [["--stream-kv-params"]],
+        "b": [["--no-reuse"]],
+        "c": [],
+        "p": [[]],  # the defaults: placement on, nothing told about the engines
+        "n": [[]],
+        "q": [["--decode-local-max-tokens", "0"]],
+    }
     return args.get(arm, [["--stream-kv-params"]])
 
 
 def conversation_job(
-    plan: Plan, target: dict[str, Any], rnd: int = 0, *, ids: bool = True
+    plan: Plan, target: dict[str, Any], rnd: int = 0, *, ids: bool = True, stream: bool = True
 ) -> dict[str, Any]:
     """Round rnd's share of the conversations: the same ones for every arm (`ids`: the
     client sends a conversation id, else only the history)."""
     return {
         "conversation_ids": ids,
+        "stream": stream,
         "kind": "conversations",
         "target": target,
         "n": plan.conv_n // plan.conv_rounds,
@@ -81,14 +111,16 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
     """Per cache size, the three arms' stacks run side by side and take turns, round by round
     (a, b, c, then c, b, a, ...), so that a change in the machine's load hits every arm."""
     out: dict[str, Any] = {"gpu": dataclasses.asdict(plan.gpu), "runs": {}, "commands": {}}
-    arms = [a for a in ARMS if a != "b" or no_reuse]
     if not no_reuse:
         for cache in CACHES:
             out["runs"][f"{cache}/b"] = {"pending": "the router has no --no-reuse flag yet"}
     for arm in ONLY_AMPLE:
         out["runs"][f"small/{arm}"] = {"pending": "runs with the ample cache only"}
+    if plan.quick:
+        for arm in FULL_ONLY:
+            out["runs"][f"ample/{arm}"] = {"pending": "a full run only"}
     for cache in CACHES:
-        here = [a for a in arms if cache == "ample" or a not in ONLY_AMPLE]
+        here = arms_for(plan, cache, no_reuse)
         with contextlib.ExitStack() as stack:
             arms_up = {arm: stack.enter_context(Arm(plan, arm, cache)) for arm in here}
             for rnd in range(plan.conv_rounds):
@@ -143,7 +175,9 @@ class Arm:
         target = overhead.direct(self.st) if self.arm == "c" else overhead.via_router(self.st)
         cpu0 = router_cpu(self.st)
         busy0, total0 = machine_cpu()
-        job = conversation_job(self.plan, target, rnd, ids=self.arm != "h")
+        job = conversation_job(
+            self.plan, target, rnd, ids=self.arm != "h", stream=self.arm not in JSON_ARMS
+        )
         r = lg.run(job, timeout=420.0)
         self.cpu += router_cpu(self.st) - cpu0
         busy1, total1 = machine_cpu()
@@ -207,6 +241,8 @@ def summarize(
     return {
         "ttft_by_turn": by_turn,
         "latency_by_turn": latency,
+        "itl": summary_ms([x["itl"] for x in ok]),
+        "gap_max": summary_ms([x["gap_max"] for x in ok]),
         "turns_ok": len(ok),
         "turns_failed": len(turns) - len(ok),
         "errors": [x["error"] for x in turns if not x["ok"]][:3],

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from router.engines import coords, ranks
 from router.errors import ConfigError
 from router.flags import FLAGS, Flag
 
@@ -52,7 +53,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     min_reuse_tokens: int = 0
     stream_kv_params: bool = False
-    kv_connector: Literal["nixl", "store"] = "nixl"
+    decode_local_max_tokens: int = 512
+    decode_local_max_inflight: int = 16
+    kv_connector: Literal["nixl", "nixl-push", "store"] = "nixl"
+    prefill_coordinates: tuple[str, ...] = ()
+    data_parallel_size: tuple[str, ...] = ()
     prefill_token_ids: bool = True
     kv_events: tuple[str, ...] = ()
     kv_events_port: int = 0
@@ -237,11 +242,14 @@ def _check(settings: Settings) -> None:
     """What msgspec's types cannot say about the settings together."""
     if settings.handle_ttl <= 0 or settings.session_ttl < settings.handle_ttl:
         raise ConfigError("--handle-ttl must be > 0 and not above --session-ttl")
-    if settings.block_size < 0 or settings.min_reuse_tokens < 0:
-        raise ConfigError("--block-size and --min-reuse-tokens must be >= 0")
+    if min(settings.block_size, settings.min_reuse_tokens, settings.decode_local_max_tokens) < 0:
+        raise ConfigError("--block-size, --min-reuse-tokens, --decode-local-max-tokens: >= 0")
+    if settings.decode_local_max_inflight < 1:
+        raise ConfigError("--decode-local-max-inflight must be >= 1")
     if any(len(s) < 16 for s in settings.session_secrets):
         raise ConfigError("--session-secret: each secret needs at least 16 characters")
     _check_kv_events(settings)
+    _check_coordinates(settings)
     if settings.workers < 1 or min(settings.header_timeout, settings.body_timeout) <= 0:
         raise ConfigError("--workers must be >= 1, --header-timeout and --body-timeout > 0")
     if settings.workers > 1 and settings.session_store == "memory":
@@ -257,6 +265,19 @@ def _check_kv_events(settings: Settings) -> None:
     for spec in settings.kv_events:
         if "=" not in spec or not spec.partition("=")[2].startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--kv-events {spec!r}: expected URL=tcp://HOST:PORT[,REPLAY]")
+
+
+def _check_coordinates(settings: Settings) -> None:
+    for spec in settings.data_parallel_size:
+        try:
+            ranks.parse_spec(spec)
+        except ValueError as exc:
+            raise ConfigError(f"--data-parallel-size {exc}") from None
+    for spec in settings.prefill_coordinates:
+        try:
+            coords.parse_spec(spec)
+        except ValueError as exc:
+            raise ConfigError(f"--prefill-coordinates {exc}") from None
 
 
 # Set by `kvbaton serve --workers N` in each worker's environment (not a setting):

@@ -153,24 +153,33 @@ async def start_redis(stack: Stack, redis_url: str | None) -> list[str]:
     return ["--redis-url", url]
 
 
-def launch_sim(stack: Stack, role: str, port: int, kv_port: int) -> tuple[str, Proc]:
+def launch_sim(
+    stack: Stack, role: str, port: int, kv_port: int, connector: str
+) -> tuple[str, Proc]:
     flags = f"--role {role} --host {HOST} --port {port} --kv-port {kv_port} --engine-id demo-{role}"
-    argv = [sys.executable, "-m", "vllm_sim", *f"{flags} {BIDIR} {COST_MODEL}".split()]
+    mode = BIDIR if connector == "nixl" else f"--kv-connector {connector}"
+    argv = [sys.executable, "-m", "vllm_sim", *f"{flags} {mode} {COST_MODEL}".split()]
     return f"http://{HOST}:{port}", stack.start(role, argv)
 
 
-async def start_sims(stack: Stack) -> tuple[str, str]:
+async def start_sims(stack: Stack, connector: str) -> tuple[str, str]:
     """P and D start together; each is ready when its /health answers."""
     ports = iter(free_ports(4))  # HTTP and side channel of P, then of D
-    launched = {role: launch_sim(stack, role, next(ports), next(ports)) for role in ROLES}
+    launched = {
+        role: launch_sim(stack, role, next(ports), next(ports), connector) for role in ROLES
+    }
+    what = "bidirectional KV transfer" if connector == "nixl" else "push mode: P writes D's blocks"
     for role, (url, proc) in launched.items():
         await wait_ready(stack, role, proc, url + "/health")
-        print(f"  {role:<10} {url}  (vllm_sim, bidirectional KV transfer)")
+        print(f"  {role:<10} {url}  (vllm_sim, {what})")
     return launched["prefill"][0], launched["decode"][0]
 
 
-async def start_router(stack: Stack, port: int, store: list[str], p: str, d: str) -> str:
+async def start_router(
+    stack: Stack, port: int, store: list[str], p: str, d: str, connector: str
+) -> str:
     flags = f"--host {HOST} --port {port} --prefill {p} --decode {d}".split()
+    flags += ["--kv-connector", connector]
     argv = [sys.executable, "-m", "router", "serve", *flags, *store]
     url = f"http://{HOST}:{port}"
     await wait_ready(stack, "router", stack.start("router", argv), url + "/health")
@@ -202,7 +211,17 @@ async def one_turn(
         return elapsed_ms, resp.headers.get("X-KV-Reuse", "-"), data
 
 
-async def converse(url: str, conv_id: str) -> None:
+PUSH_LEGEND = f"""
+  latency  the whole request: P and D called together, P writes D the blocks D lacks, then up
+           to {MAX_TOKENS} tokens decoded on D (simulated costs: 0.5 ms per computed prompt
+           token, 0.05 ms per KV block written, 2 ms per generated token)
+  cached   prompt tokens D did not compute: its own prefix cache plus the blocks P wrote
+  push-affinity  no D->P reuse in push mode (vllm#46473): the same P and D keep the
+           conversation in their prefix caches, so P computes and writes only the new turn
+"""
+
+
+async def converse(url: str, conv_id: str, connector: str = "nixl") -> None:
     """The scripted chat: each turn resends the whole history, as chat clients do."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
     print(f"\nA {len(QUESTIONS)}-turn chat, conversation_id={conv_id!r}, non-streaming:\n")
@@ -219,7 +238,7 @@ async def converse(url: str, conv_id: str) -> None:
                 f"  {turn:>4}  {ms:>5.0f} ms  {reuse:<34} {usage.get('prompt_tokens', '?'):>6} "
                 f"{'-' if cached is None else cached:>6}  {first_words(answer)}"
             )
-    print(LEGEND)
+    print(LEGEND if connector == "nixl" else PUSH_LEGEND)
 
 
 def print_usage(url: str, conv_id: str, store: list[str]) -> None:
@@ -250,16 +269,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help="router port (default: 8000 if free)")
     parser.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
     parser.add_argument("--no-serve", action="store_true", help="exit after the scripted chat")
+    parser.add_argument(
+        "--kv-connector",
+        choices=("nixl", "nixl-push"),
+        default="nixl",
+        help="the engines' KV-transfer mode (docs/connectors.md); nixl-push: affinity only",
+    )
     return parser.parse_args(list(argv))
 
 
 async def run(args: argparse.Namespace, stack: Stack) -> None:
     print(f"Starting the demo stack (logs in {stack.logs}):")
     store = await start_redis(stack, args.redis_url)
-    p_url, d_url = await start_sims(stack)
-    url = await start_router(stack, args.port or free_ports(1, 8000)[0], store, p_url, d_url)
+    p_url, d_url = await start_sims(stack, args.kv_connector)
+    port = args.port or free_ports(1, 8000)[0]
+    url = await start_router(stack, port, store, p_url, d_url, args.kv_connector)
     conv_id = f"demo-{uuid.uuid4().hex[:8]}"
-    await converse(url, conv_id)
+    await converse(url, conv_id, args.kv_connector)
     print_usage(url, conv_id, store)
     if args.no_serve:
         return

@@ -74,10 +74,38 @@ FLAGS: tuple[Flag, ...] = (
         bool,
     ),
     Flag(
+        "decode_local_max_tokens",
+        "the decode plan: a turn whose new tokens (those the previous D's prefix cache lacks) "
+        "are at most this many runs on that D alone, no P leg (0: never)",
+        int,
+    ),
+    Flag(
+        "decode_local_max_inflight",
+        "the decode plan only while the previous D has fewer requests in flight than this",
+        int,
+    ),
+    Flag(
         "kv_connector",
         "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse; "
+        "nixl-push: NixlPushConnector, P and D called concurrently, affinity only; "
         "store: KV through a shared store such as MooncakeStoreConnector, no kv_transfer_params)",
-        choices=("nixl", "store"),
+        choices=("nixl", "nixl-push", "store"),
+    ),
+    Flag(
+        "data_parallel_size",
+        "an engine's internal data-parallel size (vllm serve --data-parallel-size), URL=N "
+        "(repeatable): each conversation stays on one rank (X-data-parallel-rank), new ones "
+        "are spread over the ranks",
+        many=True,
+        repeat=True,
+    ),
+    Flag(
+        "prefill_coordinates",
+        "nixl-push: a P instance's coordinates, URL=ENGINE_ID@SIDE_HOST:SIDE_PORT[,tp=N][,pp=N] "
+        "(repeatable; a P not named is probed for them), e.g. "
+        "http://10.0.0.1:8100=prefill-0@10.0.0.1:5600",
+        many=True,
+        repeat=True,
     ),
     Flag(
         "prefill_token_ids",

@@ -44,6 +44,10 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True):
     updated_at: float = 0.0
     inflight: str = ""  # request id of the turn that claimed the handle; "" when none
     mac: str = ""  # HMAC of what the next turn trusts (sessions/integrity.py); "" unsigned
+    # The data-parallel ranks (X-data-parallel-rank) the last turn ran on; -1: none chosen
+    # (engines without internal data parallelism, or sessions stored before these fields).
+    prefill_rank: int = -1
+    decode_rank: int = -1
 
 
 class StateDecodeError(ValueError):
@@ -137,11 +141,19 @@ def next_state(
     now: float,
     handle_ttl: float,
     decode_started: float = 0.0,
+    cache_tokens: bool = False,
+    prefill_rank: int = -1,
+    decode_rank: int = -1,
 ) -> SessionState:
-    """The state after a turn that finished normally (the caller commits it with CAS)."""
+    """The state after a turn that finished normally (the caller commits it with CAS).
+
+    `cache_tokens`: without a handle, D's prefix cache still holds the turn's sequence (all
+    but the last token, which has no KV yet); its digests are kept for the decode plan."""
     # A copy the caller cannot change (JSON values: a round trip in C, ~8x a deepcopy).
     params = _DECODE(_JSON.encode(kv_transfer_params)) if kv_transfer_params else None
     held = _remote_num_tokens(params)
+    if not params and cache_tokens and token_ids:
+        held = len(token_ids) - 1
     blocks: tuple[str, ...] = ()
     seq = ""
     if token_ids is not None and held and len(token_ids) >= held:
@@ -153,7 +165,7 @@ def next_state(
         prefill=prefill,
         decode=decode,
         decode_engine_id=str(params.get("remote_engine_id") or "") if params else "",
-        decode_started=decode_started if params else 0.0,
+        decode_started=decode_started if held else 0.0,
         kv_transfer_params=params,
         no_handle_reason="" if params else no_handle_reason,
         prefix_digest=prefix_digest,
@@ -168,11 +180,14 @@ def next_state(
         created_at=prev.created_at if prev else now,
         updated_at=now,
         inflight="",
+        prefill_rank=prefill_rank,
+        decode_rank=decode_rank,
     )
 
 
 # The Redis HASH encoding: one field per attribute, in this order (HGETALL keeps it).
 _INT_FIELDS = ("turn", "prefix_len", "prompt_len", "token_count", "block_size")
+_RANK_FIELDS = ("prefill_rank", "decode_rank")
 _FLOAT_FIELDS = ("decode_started", "handle_expires_at", "created_at", "updated_at")
 _STR_FIELDS = (
     "api",
@@ -222,6 +237,8 @@ def to_fields(state: SessionState) -> dict[str, str]:
         "updated": _iso(state.updated_at),
         "inflight": state.inflight,
         "mac": state.mac,
+        "prefill_rank": "" if state.prefill_rank < 0 else str(state.prefill_rank),
+        "decode_rank": "" if state.decode_rank < 0 else str(state.decode_rank),
     }
 
 
@@ -280,4 +297,7 @@ def from_fields(fields: Fields) -> SessionState:
             values[name] = _parse_float(name, raw[name])
     values["kv_transfer_params"] = _parse_params(raw.get("kv_transfer_params", ""))
     values["block_digests"] = tuple(raw.get("block_digests", "").split())
+    for name in _RANK_FIELDS:  # "" or absent (older sessions): no rank
+        if raw.get(name):
+            values[name] = _parse_int(name, raw[name])
     return SessionState(**values)

@@ -45,7 +45,11 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     log_requests: bool = False
     sweep_interval: float = 1.0
     handshake_timeout: float = 5.0
-    kv_connector: str = "nixl"  # or "store": KV through a shared store (MooncakeStoreConnector)
+    # nixl: NixlConnector pull; nixl-push: NixlPushConnector (vllm_sim/push.py); store: KV
+    # through a shared store (MooncakeStoreConnector, vllm_sim/kvstore.py)
+    kv_connector: str = "nixl"
+    push_registration_timeout: float = 10.0
+    data_parallel_size: int = 1  # vllm_sim/dp.py
     kv_store: str = ""  # the store's redis:// URL
     kv_store_save_decode: bool = False
 
@@ -71,6 +75,26 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-lease-duration", type=float, default=30.0)
     a("--kv-recompute-threshold", type=int, default=None, help="default: 64 if bidir else 0")
     a("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
+    a(
+        "--kv-connector",
+        choices=["nixl", "nixl-push", "store"],
+        default="nixl",
+        help="nixl: NixlConnector pull; nixl-push: NixlPushConnector (D registers, P writes); "
+        "store: a shared store (--kv-store)",
+    )
+    a(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="N engines (ranks) behind one API server, each with its own prefix cache, engine id "
+        "<id>_dp<rank> and side channel --kv-port + rank; X-data-parallel-rank picks one",
+    )
+    a(
+        "--push-registration-timeout",
+        type=float,
+        default=10.0,
+        help="push mode: seconds D waits for P to write the blocks it registered",
+    )
     a("--stream-kv-params", action="store_true", help="vLLM PR #40186: params in final chunk")
     a("--reasoning-tokens", type=int, default=0, help="first N output tokens are reasoning")
     a("--prefill-ms-per-token", type=float, default=0.0)
@@ -84,7 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-request-id-headers", action="store_true", help="echo X-Request-Id")
     a("--log-requests", action="store_true", help="log each request's X-Request-Id (INFO)")
     a("--sweep-interval", type=float, default=1.0, help="seconds between expired-pin sweeps")
-    a("--kv-connector", choices=["nixl", "store"], default="nixl", help="store: a shared store")
     a("--kv-store", default="", help="the shared KV store (store connector): redis://host:port/db")
     a(
         "--kv-store-save-decode",
@@ -119,6 +142,9 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         kv_recompute_threshold=threshold,
         threshold_gates_prefill_pulls=ns.kv_recompute_threshold is not None,
         kv_load_failure_policy=ns.kv_load_failure_policy,
+        kv_connector=ns.kv_connector,
+        push_registration_timeout=ns.push_registration_timeout,
+        data_parallel_size=ns.data_parallel_size,
         stream_kv_params=ns.stream_kv_params,
         reasoning_tokens=ns.reasoning_tokens,
         prefill_ms_per_token=ns.prefill_ms_per_token,
@@ -132,7 +158,6 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         enable_request_id_headers=ns.enable_request_id_headers,
         log_requests=ns.log_requests,
         sweep_interval=ns.sweep_interval,
-        kv_connector=ns.kv_connector,
         kv_store=ns.kv_store,
         kv_store_save_decode=ns.kv_store_save_decode,
     )
@@ -142,6 +167,11 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
 
 def check(s: SimSettings) -> None:
     """Reject settings the engine cannot honour (vLLM refuses to start on these too)."""
+    if s.kv_connector == "nixl-push" and s.bidirectional:
+        # vllm#46473: the push connector raises NotImplementedError for bidirectional_kv_xfer.
+        raise SystemExit("--bidirectional is not supported with --kv-connector nixl-push")
+    if s.data_parallel_size < 1:
+        raise SystemExit("--data-parallel-size must be at least 1")
     if s.block_size < 1 or s.max_model_len < 2 or s.max_num_seqs < 1:
         raise SystemExit("block-size, max-model-len and max-num-seqs must be positive")
     needed = -(-s.max_model_len // s.block_size) + 1

@@ -1,4 +1,5 @@
-"""The cost model: prefill time from computed tokens and pulled blocks, then per-token decode."""
+"""The cost model's parameters and the KV pulls' time. Prefill and decode time is the step
+loop's (`steps.py`): they share each step of one engine."""
 
 from __future__ import annotations
 
@@ -12,15 +13,9 @@ class CostModel:
     transfer_ms_per_block: float = 0.0
     decode_ms_per_token: float = 0.0
 
-    def prefill_s(self, computed_tokens: int, pulled_blocks: int) -> float:
-        """Prefix-cache hits are free; computed tokens and pulled blocks cost time."""
-        ms = (
-            computed_tokens * self.prefill_ms_per_token + pulled_blocks * self.transfer_ms_per_block
-        )
-        return ms / 1000.0
-
-    def decode_s(self) -> float:
-        return self.decode_ms_per_token / 1000.0
+    def transfer_s(self, pulled_blocks: int) -> float:
+        """Pulled blocks cost time (an asynchronous read: it holds up only its request)."""
+        return pulled_blocks * self.transfer_ms_per_block / 1000.0
 
 
 async def spend(seconds: float) -> None:

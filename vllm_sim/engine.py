@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_sim import model, transfer
+from vllm_sim import model, push, transfer
 from vllm_sim.blocks import BlockPool, CacheEvent
 from vllm_sim.config import SimSettings
 from vllm_sim.costs import CostModel, spend
@@ -23,6 +23,7 @@ from vllm_sim.kvstore import KVStore
 from vllm_sim.metrics import Counters, Gauges
 from vllm_sim.output import OutputText
 from vllm_sim.pins import Pin, PinTable
+from vllm_sim.steps import StepLoop
 from vllm_sim.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     kv_params: dict[str, Any] | None = None
+    base_id: str = ""  # the X-Request-Id it came with (push mode pairs P and D by it)
+    dp_rank: int | None = None  # X-data-parallel-rank (None: any rank; vllm_sim/dp.py)
 
 
 @dataclass(frozen=True)
@@ -95,12 +98,24 @@ class Engine:
             settings.transfer_ms_per_block,
             settings.decode_ms_per_token,
         )
+        self.steps = StepLoop(settings.prefill_ms_per_token, settings.decode_ms_per_token)
         self.channel = channel or KVChannelClient(settings.handshake_timeout)
         self.store: KVStore | None = None
         if settings.kv_connector == "store":
             self.store = KVStore(settings.kv_store, settings.model, self.block_size, self.counters)
         self._clock = clock
         self._on_events = on_events
+        self.push = (
+            push.PushSide(
+                self.engine_id,
+                self.block_size,
+                self.pool.read,
+                settings.kv_lease_duration,
+                settings.push_registration_timeout,
+            )
+            if settings.kv_connector == "nixl-push"
+            else None
+        )
         self._slots = asyncio.Semaphore(settings.max_num_seqs)
         self._freed = asyncio.Event()
         self.running = 0
@@ -132,6 +147,8 @@ class Engine:
 
     def sweep(self) -> int:
         """Free expired pins; the number of requests whose pins expired."""
+        if self.push is not None:
+            self.push.sweep()
         expired = self.pins.sweep(self.now())
         for pin in expired:
             logger.info("Releasing expired KV blocks for request %s", pin.request_id)
@@ -173,9 +190,12 @@ class Engine:
         try:
             seq = await self._admit(req)
             # The store connector reads no kv_transfer_params (MooncakeStoreConnector).
-            params = req.kv_params if self.store is None else None
-            leg = transfer.classify(params, self.settings.bidirectional)
+            leg = self._classify(req.kv_params if self.store is None else None)
             await self._prefill(req, seq, leg, result)
+            if leg.kind == "push_producer" and self.push is not None:
+                await self.push.produce(
+                    leg, req.base_id, len(req.prompt), seq.block_ids, self.channel
+                )
             async for step in self._decode(req, seq, leg, result):
                 yield step
         finally:
@@ -185,6 +205,10 @@ class Engine:
             self._publish()
             self.running -= 1
             self._slots.release()
+
+    def _classify(self, params: dict[str, Any] | None) -> transfer.Leg:
+        pushed = push.classify(params) if self.push is not None else None
+        return pushed or transfer.classify(params, self.settings.bidirectional)
 
     async def _admit(self, req: GenRequest) -> _Seq:
         """Wait until the blocks for prompt + max_tokens fit, then take hits and allocate."""
@@ -220,6 +244,9 @@ class Engine:
         pulled = 0
         if leg.source is not None:
             pulled = await self._pull_or_notify(leg.source, seq, hit, count)
+        elif leg.kind in ("push_consumer", "push_broken"):
+            c.external_prefix_cache_queries += n - hit
+            pulled = await self._receive_push(leg, seq, hit, n - hit)
         elif self.store is not None:
             pulled = await self._store_load(req, seq)
         c.external_prefix_cache_hits += pulled
@@ -246,7 +273,8 @@ class Engine:
         c.prompt_tokens_cached += res.cached_tokens
         self._publish()
         pulled_blocks = -(-pulled // self.block_size) if pulled else 0
-        await spend(self.costs.prefill_s(computed, pulled_blocks))
+        await spend(self.costs.transfer_s(pulled_blocks))  # NIXL reads: outside the steps
+        await self.steps.prefill(computed)  # shares its step with the running decodes
 
     async def _pull_or_notify(
         self, src: transfer.RemoteSource, seq: _Seq, start: int, count: int
@@ -283,6 +311,26 @@ class Engine:
                 logger.warning("KV load failed (policy fail): %s", exc)
                 raise KVLoadError(str(exc)) from exc
             logger.warning("KV load failed, recomputing: %s", exc)
+            return 0
+        self._copy_pulled(seq, start, count, blocks)
+        self.counters.nixl_transfers += 1
+        self.counters.nixl_bytes_transferred += len(blocks) * self.block_size * 8
+        return count
+
+    async def _receive_push(self, leg: transfer.Leg, seq: _Seq, start: int, count: int) -> int:
+        """Push mode's D: register the blocks it lacks with P and wait for P's write."""
+        try:
+            if self.push is None or leg.push is None:
+                raise TransferError("push params without P's coordinates")
+            me = (self.settings.side_channel_host, self.kv_port)
+            blocks = await self.push.consume(leg, start, count, seq.block_ids, me, self.channel)
+        except TransferError as exc:
+            self.counters.nixl_failed_transfers += 1
+            if self.settings.kv_load_failure_policy == "fail":
+                self.counters.sim_requests_failed += 1
+                logger.warning("push KV load failed (policy fail): %s", exc)
+                raise KVLoadError(str(exc)) from exc
+            logger.warning("push KV load failed, recomputing: %s", exc)
             return 0
         self._copy_pulled(seq, start, count, blocks)
         self.counters.nixl_transfers += 1
@@ -354,7 +402,7 @@ class Engine:
         emittable = self.tok.emittable
         for i in range(req.max_tokens):
             if i:
-                await spend(self.costs.decode_s())
+                await self.steps.decode()
             token = model.sample(seq.last_kv, emittable)
             seq.tokens.append(token)
             res.output_ids.append(token)
@@ -393,6 +441,11 @@ class Engine:
             return None
         if not leg.is_producer and not self.settings.bidirectional:
             return None  # a D node without bidirectional_kv_xfer returns no params
+        if leg.kind == "push_producer":
+            # Written already (or the lease ended): push mode pins nothing after the finish.
+            return push.producer_params(
+                self.engine_id, self.settings.side_channel_host, self.kv_port, len(req.prompt)
+            )
         num_kv = len(seq.tokens) - 1  # the last sampled token has no KV yet
         keep = -(-num_kv // self.block_size)
         pinned, spare = seq.block_ids[:keep], seq.block_ids[keep:]
@@ -407,7 +460,7 @@ class Engine:
         kind = "lease" if leg.is_producer else "decoder"
         self.pins.pin(Pin(req.request_id, pinned, expiry, kind))
         self.counters.sim_blocks_pinned += len(pinned)
-        return transfer.finished_params(
+        params = transfer.finished_params(
             is_producer=leg.is_producer,
             block_ids=pinned,
             engine_id=self.engine_id,
@@ -418,3 +471,6 @@ class Engine:
             expiry=None if leg.is_producer else expiry,
             cached_tokens=res.cached_tokens,
         )
+        if self.push is not None:
+            params["transfer_mode"] = "push"
+        return params

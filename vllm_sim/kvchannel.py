@@ -50,11 +50,11 @@ class Handshake:
         return local_now + self.offset
 
 
-def _pack(obj: Any, status: int = 200) -> web.Response:
+def pack(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.msgpack.encode(obj), status=status, content_type=_MSGPACK)
 
 
-async def _unpack(request: web.Request) -> dict[str, Any]:
+async def unpack(request: web.Request) -> dict[str, Any]:
     try:
         body = msgspec.msgpack.decode(await request.read())
     except msgspec.DecodeError as exc:
@@ -68,9 +68,9 @@ def _refused(source: KVSource, body: dict[str, Any]) -> web.Response | None:
     """Another engine, or an agent of another process (the reader's handshake was with the
     process before a restart): NIXL's remote-disconnect error."""
     if body.get("engine_id") != source.engine_id:
-        return _pack({"error": "engine id mismatch"}, status=409)
+        return pack({"error": "engine id mismatch"}, status=409)
     if "agent" in body and body["agent"] != source.agent:
-        return _pack({"error": "NIXL_ERR_REMOTE_DISCONNECT: unknown agent"}, status=409)
+        return pack({"error": "NIXL_ERR_REMOTE_DISCONNECT: unknown agent"}, status=409)
     return None
 
 
@@ -79,18 +79,20 @@ def _read_refused(source: KVSource, body: dict[str, Any]) -> web.Response | None
     if (error := _refused(source, body)) is not None:
         return error
     if body.get("block_size") != source.block_size:
-        return _pack({"error": "block size mismatch"}, status=409)
+        return pack({"error": "block size mismatch"}, status=409)
     ids = body.get("block_ids")
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        return _pack({"error": "block_ids must be a list of ints"}, status=400)
+        return pack({"error": "block_ids must be a list of ints"}, status=400)
     return None
 
 
-def side_channel_app(source: KVSource) -> web.Application:
-    """The producer's side-channel server."""
+def side_channel_app(
+    source: KVSource, extra: Callable[[web.Application], None] | None = None
+) -> web.Application:
+    """The producer's side-channel server (`extra` adds routes: push mode's)."""
 
     async def handshake(_: web.Request) -> web.Response:
-        return _pack(
+        return pack(
             {
                 "engine_id": source.engine_id,
                 "now": source.now(),
@@ -100,30 +102,32 @@ def side_channel_app(source: KVSource) -> web.Application:
         )
 
     async def read(request: web.Request) -> web.Response:
-        body = await _unpack(request)
+        body = await unpack(request)
         if (error := _read_refused(source, body)) is not None:
             return error
         blocks = source.read_blocks(body["block_ids"])
         if blocks is None:
-            return _pack({"error": "block id out of range"}, status=400)
+            return pack({"error": "block id out of range"}, status=400)
         notify = body.get("notify")
         if isinstance(notify, str):
             source.release(notify)
-        return _pack({"blocks": blocks})
+        return pack({"blocks": blocks})
 
     async def notify(request: web.Request) -> web.Response:
-        body = await _unpack(request)
+        body = await unpack(request)
         if (error := _refused(source, body)) is not None:
             return error
         request_id = body.get("request_id")
         if not isinstance(request_id, str):
-            return _pack({"error": "request_id must be a string"}, status=400)
-        return _pack({"released": source.release(request_id)})
+            return pack({"error": "request_id must be a string"}, status=400)
+        return pack({"released": source.release(request_id)})
 
     app = web.Application()
     app.router.add_get("/handshake", handshake)
     app.router.add_post("/read", read)
     app.router.add_post("/notify", notify)
+    if extra is not None:
+        extra(app)
     return app
 
 
@@ -162,6 +166,10 @@ class KVChannelClient:
         if status != 200 or not isinstance(out, dict):
             raise TransferError(f"{method} {url}: HTTP {status} {out!r:.200}")
         return out
+
+    async def post(self, url: str, body: Any) -> dict[str, Any]:
+        """One msgpack POST on a peer's side channel (push mode's registration and write)."""
+        return await self._call("POST", url, body)
 
     async def handshake(self, host: str, port: int, engine_id: str) -> Handshake:
         t0 = self._clock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -106,7 +107,16 @@ def _fmt(value: float) -> str:
     return repr(float(value))
 
 
-def render(c: Counters, g: Gauges, model: str, cache_labels: dict[str, str], started: float) -> str:
+def render(
+    c: Counters,
+    g: Gauges,
+    model: str,
+    cache_labels: dict[str, str],
+    started: float,
+    running: Sequence[int] = (),
+) -> str:
+    """vLLM's /metrics text; `running` (one per data-parallel rank) gives
+    vllm:num_requests_running one series per engine index, as vLLM labels each engine."""
     base = f'engine="0",model_name="{model}"'
     # prometheus_client's process collector comes first in vLLM's output; a restart changes it.
     lines = [
@@ -157,7 +167,10 @@ def render(c: Counters, g: Gauges, model: str, cache_labels: dict[str, str], sta
         "KV-cache usage (1 = 100%).",
         [(base, g.kv_cache_usage)],
     )
-    metric("vllm:num_requests_running", "gauge", "Requests running.", [(base, g.running)])
+    per_engine = [(f'engine="{i}",model_name="{model}"', float(n)) for i, n in enumerate(running)]
+    metric(
+        "vllm:num_requests_running", "gauge", "Requests running.", per_engine or [(base, g.running)]
+    )
     metric("vllm:num_requests_waiting", "gauge", "Requests waiting.", [(base, g.waiting)])
     info = ",".join(f'{k}="{v}"' for k, v in cache_labels.items())
     metric(

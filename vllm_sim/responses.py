@@ -16,10 +16,11 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import api
+from vllm_sim import api, dp
 from vllm_sim import responses_api as rapi
 from vllm_sim import responses_shapes as rs
-from vllm_sim.engine import Engine, GenRequest, RunResult
+from vllm_sim.dp import Ranks
+from vllm_sim.engine import GenRequest, RunResult
 from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
 from vllm_sim.faults import Faults, Injection
 from vllm_sim.serving import Sink, abort_connection, json_response, require_json
@@ -57,7 +58,7 @@ class _Call:
 
 
 class ResponsesRoute:
-    def __init__(self, engine: Engine, faults: Faults) -> None:
+    def __init__(self, engine: Ranks, faults: Faults) -> None:
         self.engine = engine
         self.faults = faults
         self.model = engine.settings.model
@@ -95,6 +96,8 @@ class ResponsesRoute:
             stop=parsed.stop,
             include_stop_str_in_output=parsed.include_stop_str_in_output,
             kv_params=parsed.kv_transfer_params,
+            base_id=request.headers.get("X-Request-Id", ""),
+            dp_rank=dp.header_rank(request, self.engine.size),
         )
         if parsed.stream:
             return await self._stream(request, call, req)

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import api, metrics, shapes
+from vllm_sim import api, dp, metrics, push, shapes
 from vllm_sim.blocks import CacheEvent, Cleared, Removed, Stored
 from vllm_sim.clock import SimClock
 from vllm_sim.config import SimSettings
@@ -45,11 +45,18 @@ class Sim:
             topic=settings.kv_events_topic,
             host=settings.host if settings.host not in ("", "0.0.0.0", "::") else "127.0.0.1",
         )
-        self.engine = Engine(
-            settings, kv_port=settings.kv_port, clock=self.clock, on_events=self._publish
+        self.ranks = dp.Ranks(
+            [
+                Engine(r, kv_port=r.kv_port, clock=self.clock, on_events=self._publish)
+                for r in (
+                    dp.rank_settings(settings, rank)
+                    for rank in range(max(1, settings.data_parallel_size))
+                )
+            ]
         )
-        self.routes = GenerationRoutes(self.engine, self.faults)
-        self.responses = ResponsesRoute(self.engine, self.faults)
+        self.engine = self.ranks.engines[0]  # rank 0: /sim/state's engine fields
+        self.routes = GenerationRoutes(self.ranks, self.faults)
+        self.responses = ResponsesRoute(self.ranks, self.faults)
         self.started = time.time()  # process_start_time_seconds
         self.created = int(self.started)
         # vLLM's session identity as the last generation requests carried it (/sim/state).
@@ -70,15 +77,8 @@ class Sim:
     async def lifespan(self, _: web.Application) -> AsyncIterator[None]:
         s = self.settings
         async with contextlib.AsyncExitStack() as stack:
-            await self.engine.channel.start()
-            stack.push_async_callback(self.engine.channel.close)
-            side = web.AppRunner(
-                side_channel_app(self.engine), access_log=None, shutdown_timeout=0.5
-            )
-            await side.setup()
-            stack.push_async_callback(side.cleanup)
-            await web.TCPSite(side, s.host, s.kv_port, backlog=1024).start()
-            self.engine.kv_port = int(side.addresses[0][1])
+            for engine in self.ranks.engines:
+                await self._side_channel(stack, engine, s.host)
             self.publisher.start()
             stack.callback(self.publisher.close)
             if self.engine.store is not None:
@@ -87,10 +87,26 @@ class Sim:
             stack.push_async_callback(_cancel, sweeper)
             yield
 
+    @staticmethod
+    async def _side_channel(stack: contextlib.AsyncExitStack, engine: Engine, host: str) -> None:
+        """One rank's side channel (with push mode's routes when it pushes)."""
+        await engine.channel.start()
+        stack.push_async_callback(engine.channel.close)
+        side_push = engine.push
+        extra = (lambda app: push.add_routes(app, side_push)) if side_push is not None else None
+        side = web.AppRunner(side_channel_app(engine, extra), access_log=None, shutdown_timeout=0.5)
+        await side.setup()
+        stack.push_async_callback(side.cleanup)
+        await web.TCPSite(side, host, engine.kv_port, backlog=1024).start()
+        engine.kv_port = int(side.addresses[0][1])
+
+    def _sweep(self) -> int:
+        return sum(engine.sweep() for engine in self.ranks.engines)
+
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.settings.sweep_interval)
-            self.engine.sweep()
+            self._sweep()
 
     # -- routes ---------------------------------------------------------------------------
 
@@ -111,8 +127,16 @@ class Sim:
             "prefix_caching_hash_algo": "sim64",
         }
         text = metrics.render(
-            self.engine.counters, self.engine.gauges(), s.model, labels, self.started
+            self.ranks.counters(),
+            self.ranks.gauges(),
+            s.model,
+            labels,
+            self.started,
+            [e.running for e in self.ranks.engines] if self.ranks.size > 1 else (),
         )
+        pushing = [e.push.counters for e in self.ranks.engines if e.push is not None]
+        if pushing:
+            text += push.metrics_text(push.summed(pushing))
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -131,7 +155,8 @@ class Sim:
         )
 
     async def reset_prefix_cache(self, _: web.Request) -> web.Response:
-        self.engine.reset_prefix_cache()
+        for engine in self.ranks.engines:
+            engine.reset_prefix_cache()
         return web.Response(status=200)
 
     async def set_faults(self, request: web.Request) -> web.Response:
@@ -152,7 +177,7 @@ class Sim:
         if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < 0:
             raise ApiError("'advance_s' must be a non-negative number", param="advance_s")
         self.clock.advance(float(seconds))
-        expired = self.engine.sweep()
+        expired = self._sweep()
         return json_response({"now": self.clock(), "expired_requests": expired})
 
     async def state(self, _: web.Request) -> web.Response:
@@ -179,6 +204,18 @@ class Sim:
             "faults": self.faults.state(),
             "sessions": list(self.sessions),
             "settings": {k: getattr(s, k) for k in s.__struct_fields__ if k != "api_key"},
+            # --data-parallel-size: each rank's engine id, side channel and prefix cache.
+            "ranks": [
+                {
+                    "rank": rank,
+                    "engine_id": r.engine_id,
+                    "kv_port": r.kv_port,
+                    "cached_blocks": r.pool.num_cached,
+                    "prefix_cache_hits": r.counters.prefix_cache_hits,
+                    "prompt_tokens": r.counters.prompt_tokens,
+                }
+                for rank, r in enumerate(self.ranks.engines)
+            ],
         }
         return json_response(body)
 

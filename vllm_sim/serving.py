@@ -18,8 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import api, shapes
-from vllm_sim.engine import Engine, GenRequest, RunResult, Step
+from vllm_sim import api, dp, shapes
+from vllm_sim.dp import Ranks
+from vllm_sim.engine import GenRequest, RunResult, Step
 from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
 from vllm_sim.faults import Faults, Injection
 
@@ -61,7 +62,7 @@ def require_json(request: web.Request) -> None:
 
 
 class GenerationRoutes:
-    def __init__(self, engine: Engine, faults: Faults) -> None:
+    def __init__(self, engine: Ranks, faults: Faults) -> None:
         self.engine = engine
         self.faults = faults
         s = engine.settings
@@ -111,6 +112,8 @@ class GenerationRoutes:
             stop=parsed.stop,
             include_stop_str_in_output=parsed.include_stop_str_in_output,
             kv_params=parsed.kv_transfer_params,
+            base_id=ids.base,
+            dp_rank=dp.header_rank(request, self.engine.size),
         )
         if parsed.stream:
             return await self._stream(request, parsed, req, ids, inj, headers)

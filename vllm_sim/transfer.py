@@ -10,7 +10,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-LegKind = Literal["none", "plain", "pull_prompt", "pull_bidir"]
+LegKind = Literal[
+    "none", "plain", "pull_prompt", "pull_bidir", "push_producer", "push_consumer", "push_broken"
+]
 
 # vllm#47021: P declines a turn-2 read this close to D's deadline.
 EXPIRY_SAFETY_MARGIN = 5.0
@@ -31,10 +33,24 @@ class RemoteSource:
 
 
 @dataclass(frozen=True)
+class PushPeer:
+    """Push mode (vllm_sim/push.py): P's coordinates as D was told them, and the transfer id."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    pp_size: int
+    request_id: str
+    transfer_id: str
+
+
+@dataclass(frozen=True)
 class Leg:
     kind: LegKind
     is_producer: bool  # do_remote_decode: pin and return P-style params at the end
     source: RemoteSource | None = None
+    push: PushPeer | None = None
 
 
 def _group0(block_ids: Any) -> list[int] | None:

@@ -1,5 +1,6 @@
 """Health probing: every interval, re-admit ejected instances whose /health answers again, and
-read each D's process start time so that a restart is seen within one interval."""
+read each D's process start time so that a restart is seen within one interval, and its
+scheduler's request count (the decode plan's load limit counts other routers' requests too)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import logging
 
 from router.engines.client import EngineClient
-from router.engines.identity import process_started
+from router.engines.identity import engine_requests, process_started
 from router.engines.pool import Instance, Pool
 from router.errors import UpstreamFailure
 
@@ -26,6 +27,7 @@ async def read_started(engines: EngineClient, inst: Instance, timeout: float) ->
         return
     if status == 200:
         inst.ident.note_started(process_started(metrics))
+        inst.engine_requests = engine_requests(metrics)
     inst.ident.note_reachable(True)
 
 

@@ -19,6 +19,10 @@ PAUSE_MAX_S = 600.0
 
 # prometheus_client's process collector, which vLLM's API server exports (measured on 0.32).
 _STARTED = re.compile(rb"^process_start_time_seconds (\S+)$", re.MULTILINE)
+# vLLM's scheduler gauges, one sample per engine (data-parallel rank) of the process.
+_REQUESTS = re.compile(
+    rb"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)$", re.MULTILINE
+)
 # vLLM appends `_dp<rank>` to the engine id of each data-parallel engine of one D process.
 _DP_SUFFIX = re.compile(r"_dp\d+$")
 
@@ -30,6 +34,17 @@ def process_started(metrics: bytes) -> float:
         return float(match.group(1)) if match else 0.0
     except ValueError:
         return 0.0
+
+
+def engine_requests(metrics: bytes) -> int:
+    """Requests an engine runs or queues (every router's), from its /metrics text; 0 if absent."""
+    total = 0.0
+    for match in _REQUESTS.finditer(metrics):
+        try:
+            total += float(match.group(1))
+        except ValueError:
+            continue
+    return int(total)
 
 
 def engine_family(engine_id: str) -> str:
@@ -65,6 +80,10 @@ class EngineIdentity:
     # the new process's memory. Its handles wait for a read that connects.
     unreachable: bool = False
     restarts: int = 0  # restarts seen (a new start time)
+    # A D seen streaming kv_transfer_params (vLLM PR #40186) in a final chunk: from then on it
+    # is asked for token ids on streams and its streamed handles are kept. Not kept across a
+    # restart (the new process may be another vLLM).
+    streams_params: bool = False
     refused_by: dict[str, Refusals] = field(default_factory=dict)  # a D's, by P URL
 
     @property
@@ -82,6 +101,7 @@ class EngineIdentity:
         if self.started:
             self.restarts += 1
             self.refused_by.clear()  # a new process: P may read from it again
+            self.streams_params = False  # learned again from its streams
             if not self.started_stale:  # else the engine id is already the new process's
                 self.engine_id = ""  # learned again from its next handle
             log.warning(
@@ -105,6 +125,7 @@ class EngineIdentity:
         if self.engine_id:
             self.started_stale = True
             self.refused_by.clear()
+            self.streams_params = False
             log.warning(
                 "%s has a new engine id (%s, was %s): it restarted; handles made before are "
                 "not used",
@@ -113,6 +134,12 @@ class EngineIdentity:
                 self.engine_id,
             )
         self.engine_id = family
+
+    def note_streams_params(self) -> None:
+        """A streamed answer of this D carried its kv_transfer_params."""
+        if not self.streams_params:
+            log.info("%s streams kv_transfer_params: its streamed handles are kept", self.label)
+        self.streams_params = True
 
     def note_reachable(self, reachable: bool, why: str = "") -> None:
         if not reachable and not self.unreachable:

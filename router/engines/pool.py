@@ -9,6 +9,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from router.engines.coords import Known
 from router.engines.identity import EngineIdentity
 from router.errors import Unavailable
 
@@ -27,6 +28,9 @@ class Instance:
     role: Role
     healthy: bool = True
     outstanding: int = 0
+    # Requests the engine itself runs or queues, every router's, from the health loop's last
+    # read of a D's /metrics (every --health-interval): a hint, beside `outstanding`.
+    engine_requests: int = 0
     failures: int = 0
     block_size: int = 0
     model: str = ""
@@ -34,6 +38,9 @@ class Instance:
     draining: bool = False
     last_error: str = ""
     ident: EngineIdentity = field(default_factory=EngineIdentity)
+    kv: Known = field(default_factory=Known)  # push mode: a P's coordinates (coords.py)
+    next_rank: int = 0  # the data-parallel rank the next new conversation gets (ranks.py)
+    dp_size: int = 0  # data-parallel ranks its /metrics shows (0: not read; ranks.py)
 
     def __post_init__(self) -> None:
         self.ident.label = f"{self.role} instance {self.url}"

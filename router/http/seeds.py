@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from router.config import base_url
+from router.engines.coords import Coordinates
 from router.engines.pool import Role
 from router.errors import BadRequest, NotFound, Unauthorized
 from router.http.admin import add
@@ -18,11 +19,33 @@ from router.services import Services
 
 
 class SeedInstance(msgspec.Struct):
-    """The seeds' body: `{"type": "prefill", "instance": "host:port"}`."""
+    """The seeds' body: `{"type": "prefill", "instance": "host:port"}`; in push mode a P may
+    come with its coordinates (`engine_id`, `side_channel_host`, `side_channel_port`,
+    `tp_size`, `pp_size`), else the router probes it for them."""
 
     type: Role
     instance: str
     kv_events: str = ""  # kvbaton's addition: the engine's KV-events `ENDPOINT[,REPLAY]`
+    engine_id: str | None = None
+    side_channel_host: str | None = None
+    side_channel_port: int | None = None
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def coordinates(self) -> Coordinates | None:
+        given = (self.engine_id, self.side_channel_host, self.side_channel_port)
+        if all(v is None for v in given):
+            return None
+        engine_id, host, port = given
+        if not engine_id or not host or port is None or not 0 < port < 65536:
+            raise BadRequest(
+                "push coordinates need engine_id, side_channel_host and side_channel_port "
+                "(1-65535) together",
+                param="engine_id",
+            )
+        if min(self.tp_size, self.pp_size) < 1 or self.type != "prefill":
+            raise BadRequest("coordinates are for prefill instances, tp_size/pp_size >= 1")
+        return Coordinates(engine_id, host, port, self.tp_size, self.pp_size, source="admin")
 
 
 def check_api_key(key: str, sent: str | None) -> None:
@@ -52,7 +75,10 @@ async def add_instance(request: Request) -> Response:
     url = base_url(body.instance)
     if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
         raise BadRequest(f"instance must be host:port or a base URL, not {body.instance!r}")
+    given = body.coordinates()
     added, inst = await add(svc, request.app.state.operations, url, body.type, body.kv_events)
+    if given is not None:
+        inst.kv.coords, inst.kv.why_unknown = given, ""
     out = {
         "message": f"{'added' if added else 'already serving'} {body.type} instance {url}",
         "status": "added" if added else "active",

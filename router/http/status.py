@@ -15,6 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from router.engines import coords, ranks
 from router.engines.dns import DnsExpander
 from router.engines.pool import Instance, Role
 from router.services import Services
@@ -45,6 +46,8 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
         "restarts": inst.ident.restarts,
         "unreachable": inst.ident.unreachable,
         "reads_paused": inst.ident.paused_for(time.monotonic()),
+        "engine_requests": inst.engine_requests,
+        "streams_params": inst.ident.streams_params,
         "source": source,
     }
 
@@ -60,7 +63,11 @@ def view(svc: Services, inst: Instance, dns: DnsExpander | None = None) -> dict[
         source = "dns"
     else:
         source = "admin"
-    return instance_view(inst, source)
+    out = instance_view(inst, source)
+    # The KV-transfer mode, and in push mode a P's coordinates (or why they are unknown).
+    out["kv"] = coords.view(settings.kv_connector, inst.role, inst.kv)
+    out["data_parallel_size"] = ranks.size_of(settings.data_parallel_size, inst)
+    return out
 
 
 def instances_by_role(

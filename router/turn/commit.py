@@ -52,7 +52,7 @@ async def release(turn: Turn) -> None:
 
 async def _commit(turn: Turn, captured: Captured) -> str:
     key = turn.claim.key
-    if key is None or turn.prefill is None or turn.decode is None:
+    if key is None or turn.decode is None:
         return "no-conversation-id"
     state = next_state(turn, captured)
     expected = turn.claim.state.turn if turn.claim.state else 0
@@ -90,8 +90,11 @@ async def _index_history(turn: Turn, state: sm.SessionState, captured: Captured)
 
 def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     svc, inc = turn.svc, turn.inc
-    assert turn.prefill is not None and turn.decode is not None
+    assert turn.decode is not None
     params = captured.kv_transfer_params
+    if inc.stream and svc.connector.is_handle(params):
+        turn.decode.ident.note_streams_params()
+    prev = turn.claim.state
     end = decide.ending(
         handle=svc.connector.is_handle(params),
         reuse_on=svc.settings.reuse,
@@ -101,6 +104,7 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         d_prompt_ids=captured.prompt_token_ids,
         token_ids_wanted=turn.want_token_ids,
         token_ids_needed=svc.settings.verify_prefix == "tokens" and inc.api != "responses",
+        local=turn.prefill is None,
     )
     if end.ids_differ:
         _switch_ids_leg_off(turn, captured)
@@ -114,9 +118,10 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     state = sm.next_state(
         turn.claim.state,
         api=inc.api,
-        prefill=turn.prefill.url,
+        prefill=turn.prefill.url if turn.prefill else (prev.prefill if prev else ""),
         decode=turn.decode.url,
         kv_transfer_params=kept,
+        cache_tokens=end.reason in decide.CACHE_KEPT,
         no_handle_reason=str(end.reason or ""),
         prefix_digest=prefix_digest,
         prefix_len=prefix_len,
@@ -127,6 +132,8 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
         now=svc.clock(),
         handle_ttl=svc.settings.handle_ttl,
         decode_started=turn.decode.ident.handle_started,
+        prefill_rank=turn.ranks.get("prefill", prev.prefill_rank if prev else -1),
+        decode_rank=turn.ranks.get("decode", -1),
     )
     assert turn.claim.key is not None
     return integrity.sign(svc.settings.session_secrets, turn.claim.key, state)

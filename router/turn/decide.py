@@ -246,6 +246,7 @@ def ending(
     d_prompt_ids: list[int] | None,
     token_ids_wanted: bool,
     token_ids_needed: bool,
+    local: bool = False,
 ) -> Ending:
     """The handle D returned is kept only when the next turn can verify and read it."""
     differ = sent_ids is not None and d_prompt_ids is not None and d_prompt_ids != sent_ids
@@ -254,6 +255,8 @@ def ending(
         reason = Reason.REUSE_DISABLED
     elif tool_calls:
         reason = Reason.TOOL_CALLS
+    elif not handle and local:
+        reason = Reason.DECODE_LOCAL  # D got no params, so vLLM gives none back
     elif not handle:
         reason = Reason.STREAM_NO_KV_PARAMS if stream else Reason.NO_KV_PARAMS
     if differ:
@@ -262,3 +265,8 @@ def ending(
     if reason is None and token_ids_needed and not have_ids:
         reason = Reason.NO_TOKEN_IDS
     return Ending(keep_handle=reason is None, reason=reason, ids_differ=differ)
+
+
+# Without a handle, D's prefix cache still holds the turn's sequence: its token digests are
+# kept for the decode plan, unless they are not to be trusted (ids differ) or not wanted.
+CACHE_KEPT = frozenset({Reason.STREAM_NO_KV_PARAMS, Reason.NO_KV_PARAMS, Reason.DECODE_LOCAL})

@@ -17,12 +17,16 @@ class Via(StrEnum):
     """How a hit's verified prefix reached P when P read nothing from D (`hit;via=...`)."""
 
     PREFILL_CACHE = "prefill-cache"  # P's own prefix cache held it (KV events): no handle sent
+    DECODE = "decode"  # the decode plan: the turn ran on the previous D alone, no P leg
     STORE = "store"  # --kv-connector store: P reported cached prompt tokens (store or its own)
 
 
 VIA_MEANINGS: dict[Via, str] = {
     Via.PREFILL_CACHE: "the verified prefix was already in the chosen P's own prefix cache "
     "(its KV events say so): no handle was sent, nothing was read from D",
+    Via.DECODE: "the decode plan: the whole turn went to the previous D, whose prefix cache "
+    "holds the verified prefix; no P leg, nothing moved, D computed only the new tokens "
+    "(`--decode-local-max-tokens`)",
     Via.STORE: "`--kv-connector store`: P reported this many cached prompt tokens "
     "(`usage.prompt_tokens_details.cached_tokens`), found in the shared store or its own "
     "prefix cache (vLLM's per-request count does not say which; its "
@@ -63,6 +67,8 @@ class Reason(StrEnum):
     HANDLE_REJECTED = "handle-rejected"
     READS_PAUSED = "reads-paused"
     DECODE_RETRIED = "decode-retried"
+    DECODE_LOCAL = "decode-local"
+    DECODE_LOCAL_FAILED = "decode-local-failed"
     DECODE_REMOVED = "decode-removed"
     DECODE_UNHEALTHY = "decode-unhealthy"
     DECODE_RESTARTED = "decode-restarted"
@@ -74,6 +80,7 @@ class Reason(StrEnum):
     STORE_MISSED = "store-missed"
     REUSE_DISABLED = "reuse-disabled"
     NO_CONVERSATION_ID = "no-conversation-id"
+    PUSH_AFFINITY = "push-affinity"
     ERROR = "error"  # only on error responses: no turn ran
 
 
@@ -85,7 +92,9 @@ MEANINGS: dict[Reason, str] = {
     Reason.NO_KV_PARAMS: "D returned no `kv_transfer_params` (D without `bidirectional_kv_xfer`)",
     Reason.STREAM_NO_KV_PARAMS: "the previous turn streamed on an engine without PR #40186",
     Reason.TOOL_CALLS: "the previous answer had tool calls (not reproducible by digest)",
-    Reason.NO_TOKEN_IDS: "the previous turn's token ids were not captured",
+    Reason.NO_TOKEN_IDS: "the previous turn's token ids were not captured (its D was not yet "
+    "known to stream `kv_transfer_params` and the decode plan is off, or an engine without "
+    "`return_token_ids`)",
     Reason.NO_TOKEN_DIGESTS: "the stored state has no token digests to verify against",
     Reason.PROMPT_IDS_DIFFER: "D tokenized the previous prompt into other ids than P computed "
     "them from (see *The P leg by token ids*)",
@@ -99,6 +108,11 @@ MEANINGS: dict[Reason, str] = {
     Reason.READS_PAUSED: "the P refused the D's last handles in a row; it gets none of them for "
     "a while (30 s, doubling up to 10 min), and another P is used for hits if there is one",
     Reason.DECODE_RETRIED: "D failed before its first byte; the turn was redone",
+    Reason.DECODE_LOCAL: "the previous turn ran on D alone (the decode plan): vLLM returns "
+    "`kv_transfer_params` only to a request that carried some, so it left no handle to pull "
+    "(its D's prefix cache still holds the conversation)",
+    Reason.DECODE_LOCAL_FAILED: "the decode plan's D failed before its first byte; the turn "
+    "was redone as an ordinary P/D turn on another D where there is one",
     Reason.DECODE_REMOVED: "the D holding the blocks was removed from the pool",
     Reason.DECODE_UNHEALTHY: "the D holding the blocks is ejected",
     Reason.DECODE_RESTARTED: "the D restarted since the handle was made (a new "
@@ -120,6 +134,9 @@ MEANINGS: dict[Reason, str] = {
     Reason.REUSE_DISABLED: "`--no-reuse`: affinity only",
     Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id` or "
     "`X-Session-ID`",
+    Reason.PUSH_AFFINITY: "`--kv-connector nixl-push`: vLLM has no D->P reuse for push "
+    "(vllm#46473), so nothing is read from D; the conversation keeps its P and D (affinity), "
+    "whose prefix caches may still hold its earlier turns",
     Reason.ERROR: "an error response: the request never became a turn",
 }
 

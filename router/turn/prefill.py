@@ -66,7 +66,7 @@ async def _attempt(
                 inst.url + path,
                 body,
                 request_id=turn.request_id,
-                extra_headers=turn.inc.forward_headers,
+                extra_headers=turn.leg_headers(inst),
                 timeout=svc.settings.prefill_timeout,
             )
             failure = f"HTTP {status}"

@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
@@ -16,7 +17,7 @@ from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure, sse_error_event
 from router.services import Services
 from router.tracing import span
-from router.turn import decide, kv_aware, store_mode
+from router.turn import decide, kv_aware, plan, push, store_mode
 from router.turn.claim import claim, verify
 from router.turn.commit import abort, finish
 from router.turn.incoming import Incoming
@@ -64,6 +65,8 @@ def final_headers(turn: Turn) -> dict[str, str]:
 
 async def _serve(turn: Turn) -> Response:
     svc = turn.svc
+    if svc.connector.name == "nixl-push":  # P and D concurrently: router/turn/push.py
+        return await push.serve(turn, _open_decode, _respond)
     state = turn.claim.state
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
     source = svc.pool.find("decode", state.decode) if state is not None else None
@@ -71,9 +74,17 @@ async def _serve(turn: Turn) -> Response:
         p_inst = _reader(turn, source, p_inst)
     turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id)
     kv_aware.check_handle(turn, p_inst, source)
-    p_inst = await kv_aware.place_prefill(turn, p_inst)
-    turn.want_token_ids = _wants_token_ids(turn)
     failed: list[str] = []
+    local = await plan.decode_here(turn, source, p_inst)
+    if local is not None:
+        try:
+            return await _decode(turn, local, None)
+        except UpstreamFailure as exc:  # before its first byte: an ordinary P/D turn
+            svc.pool.record_failure(local, str(exc))
+            failed.append(local.url)
+            log.warning("decode plan on %s failed before the first byte: %s", local.url, exc)
+            turn.claim = turn.claim.miss(Reason.DECODE_LOCAL_FAILED)
+    p_inst = await kv_aware.place_prefill(turn, p_inst)
     while True:
         sent = source if turn.claim.params is not None else None  # the handle's D, if sent
         prefilled = await prefill(turn, p_inst)
@@ -81,7 +92,7 @@ async def _serve(turn: Turn) -> Response:
         store_mode.note_prefill(turn, prefilled)
         d_inst = _pick_decode(svc, state.decode if state else "", failed)
         try:
-            return await _decode(turn, d_inst, prefilled)
+            return await _decode(turn, d_inst, prefilled.params)
         except UpstreamFailure as exc:
             # D failed before its first byte: redo the whole turn with a new P leg, since
             # P's params are single use (never send them to a second D).
@@ -96,12 +107,20 @@ async def _serve(turn: Turn) -> Response:
             p_inst = _pick_other(svc, "prefill", prefilled.instance)
 
 
-def _wants_token_ids(turn: Turn) -> bool:
+def _wants_token_ids(turn: Turn, d_inst: Instance) -> bool:
+    """D's token ids verify the next turn: a pull, or the decode plan (what D's cache holds).
+    On a stream they are worth asking when a handle may come (D is known to stream
+    kv_transfer_params, or --stream-kv-params says so) or when the decode plan is on."""
     settings, inc = turn.svc.settings, turn.inc
+    streamed_use = (
+        settings.stream_kv_params
+        or d_inst.ident.streams_params
+        or settings.decode_local_max_tokens > 0
+    )
     return (
         settings.verify_prefix == "tokens"
         and inc.api != "responses"  # vLLM's /tokenize cannot render Responses input: digest
-        and (not inc.stream or settings.stream_kv_params)
+        and (not inc.stream or streamed_use)
     )
 
 
@@ -148,10 +167,11 @@ def _pick_decode(svc: Services, prefer: str, failed: list[str]) -> Instance:
         return svc.pool.pick("decode", prefer=prefer)
 
 
-async def _open_decode(turn: Turn, d_inst: Instance, prefilled: Prefilled) -> EngineStream:
-    """Send the D leg and check its status before our response starts."""
+async def _open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> EngineStream:
+    """Send the D leg (P's params, or none: D computes what its cache lacks) and check its
+    status before our response starts."""
     svc, inc = turn.svc, turn.inc
-    kv = svc.connector.decode_params(prefilled.params)
+    kv = svc.connector.decode_params(params)
     body = decode_body(inc.body, kv, return_token_ids=turn.want_token_ids)
     url = d_inst.url + PATHS[inc.api]
     started = time.monotonic()
@@ -159,7 +179,7 @@ async def _open_decode(turn: Turn, d_inst: Instance, prefilled: Prefilled) -> En
     try:
         with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream):
             resp = await svc.engines.open_stream(
-                url, body, request_id=turn.request_id, extra_headers=inc.forward_headers
+                url, body, request_id=turn.request_id, extra_headers=turn.leg_headers(d_inst)
             )
         if resp.status >= 500:
             text = await _read_error(resp)
@@ -183,10 +203,15 @@ async def _read_error(resp: EngineStream) -> str:
         return ""
 
 
-async def _decode(turn: Turn, d_inst: Instance, prefilled: Prefilled) -> Response:
-    svc, inc = turn.svc, turn.inc
+async def _decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> Response:
     turn.decode = d_inst
-    resp = await _open_decode(turn, d_inst, prefilled)
+    turn.want_token_ids = _wants_token_ids(turn, d_inst)
+    return await _respond(turn, d_inst, await _open_decode(turn, d_inst, params))
+
+
+async def _respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
+    """Relay D's answer (streamed or whole) and commit at its end."""
+    svc, inc = turn.svc, turn.inc
     svc.pool.record_success(d_inst)
     strip = not inc.wants_token_ids and turn.want_token_ids
     if inc.stream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from router.engines import ranks
 from router.engines.pool import Instance
 from router.services import Services
 from router.turn.claim import Claim
@@ -26,6 +27,24 @@ class Turn:
     reuse_counted: bool = False
     # Prompt tokens each P's prefix cache held before the P leg, by its KV events (placement).
     held: dict[str, int] = field(default_factory=dict)
+    ranks: dict[str, int] = field(default_factory=dict)  # data-parallel rank sent, by role
+
+    def leg_headers(self, inst: Instance) -> dict[str, str]:
+        """The headers of a leg to `inst`: the client's forwarded ones, and the conversation's
+        data-parallel rank on an engine that runs several (engines/ranks.py)."""
+        state = self.claim.state
+        previous = -1
+        if state is not None and inst.url == (
+            state.prefill if inst.role == "prefill" else state.decode
+        ):
+            previous = state.prefill_rank if inst.role == "prefill" else state.decode_rank
+        size = ranks.size_of(self.svc.settings.data_parallel_size, inst)
+        rank = ranks.choose(inst, size, previous)
+        self.ranks[inst.role] = rank
+        headers = dict(self.inc.forward_headers)
+        if rank >= 0:
+            headers[ranks.HEADER] = str(rank)
+        return headers
 
     def headers(self) -> dict[str, str]:
         return {"X-Request-Id": self.request_id, "X-KV-Reuse": self.claim.reuse.header()}

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from router.config import ENV_PREFIX, FLAGS, Settings, load_settings
+from router.engines.coords import parse_spec
 from vllm_sim.config import SimSettings, parse_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,9 +89,11 @@ def test_every_service_is_known_and_both_profiles_exist() -> None:
     kinds = {name: kind(svc) for name, svc in SERVICES.items()}
     default = {kinds[n] for n in SERVICES if not profiles(n)}
     gpu = {kinds[n] for n in SERVICES if "gpu" in profiles(n)}
+    push = {kinds[n] for n in SERVICES if "push" in profiles(n)}
     store = {kinds[n] for n in SERVICES if "store" in profiles(n)}
     assert default == {"redis", "router", "sim"}
     assert gpu == {"router", "vllm"}
+    assert push == {"router", "sim"}
     assert store == {"router", "sim"}
 
 
@@ -116,7 +119,10 @@ def test_simulator_command_parses(name: str) -> None:
         assert profiles(name) == {"store"}
         return
     assert settings.side_channel_host == name, "the address the other engine pulls from"
-    assert settings.bidirectional
+    # Push mode has no bidirectional transfer (vllm#46473); pull mode needs it for reuse.
+    assert settings.bidirectional == (settings.kv_connector == "nixl")
+    assert settings.kv_connector == ("nixl-push" if "push" in profiles(name) else "nixl")
+    assert settings.role in name
 
 
 def test_the_store_profile_shares_one_store_apart_from_the_sessions() -> None:
@@ -135,6 +141,21 @@ def test_the_store_profile_shares_one_store_apart_from_the_sessions() -> None:
         stores.add(sim.kv_store)
     assert len(stores) == 1, "every engine on the same store"
     assert urlsplit(stores.pop()).path != urlsplit(router.redis_url).path, "not the sessions' db"
+
+
+def test_push_router_names_the_push_p_coordinates() -> None:
+    settings = router_settings("router-push")
+    assert settings.kv_connector == "nixl-push"
+    (spec,) = settings.prefill_coordinates
+    url, coords = parse_spec(spec)
+    assert url in settings.prefill
+    target = str(urlsplit(url).hostname)
+    sim = sim_settings(target)
+    assert (coords.engine_id, coords.host, coords.port) == (
+        sim.engine_id,
+        sim.side_channel_host,
+        sim.kv_port,
+    )
 
 
 @pytest.mark.parametrize("name", named("router"))

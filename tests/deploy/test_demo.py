@@ -69,6 +69,18 @@ def test_demo_runs_four_turns_with_reuse_from_turn_two(capsys: pytest.CaptureFix
 
 
 @pytest.mark.timeout(120)
+def test_demo_in_push_mode_keeps_affinity(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo_main(["--no-serve", "--port", str(free_port()), "--kv-connector", "nixl-push"]) == 0
+    out = capsys.readouterr().out
+    assert "push mode" in out
+    reuse = reuse_by_turn(out)
+    assert reuse[1] == "miss;reason=no-session", out
+    assert [reuse[turn] for turn in (2, 3, 4)] == ["miss;reason=push-affinity"] * 3, out
+    latency = [int(ms) for ms in re.findall(r"^\s+\d\s+(\d+) ms", out, re.MULTILINE)]
+    assert all(ms < latency[0] for ms in latency[1:]), out  # P's prefix cache: the new turn only
+
+
+@pytest.mark.timeout(120)
 def test_demo_without_redis_server_uses_the_memory_store(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

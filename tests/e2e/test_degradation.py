@@ -21,8 +21,10 @@ from tests.support.router import router
 
 @pytest.fixture(scope="module")
 def stock(redis_url_session: str) -> Iterator[Stack]:
-    """Engines as stock vLLM 0.32: no kv_transfer_params in streams (PR #40186 unmerged)."""
-    with pd_stack(redis_url_session, "stock") as st:
+    """Engines as stock vLLM 0.32: no kv_transfer_params in streams (PR #40186 unmerged).
+    The decode plan is off here, so the P/D paths are what these tests see (the plan is
+    tests/e2e/test_placement.py's)."""
+    with pd_stack(redis_url_session, "stock", "--decode-local-max-tokens", "0") as st:
         yield st
 
 

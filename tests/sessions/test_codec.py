@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -59,6 +60,8 @@ def test_fields_are_readable() -> None:
         "updated": "2024-11-30T02:42:30.125+00:00",
         "inflight": "req-7",
         "mac": "",
+        "prefill_rank": "",
+        "decode_rank": "",
     }
 
 
@@ -146,3 +149,15 @@ def test_round_trip_property(state: SessionState) -> None:
     assert from_fields(fields) == state
     # What Redis hands back: UTF-8 bytes.
     assert from_fields({k.encode(): v.encode() for k, v in fields.items()}) == state
+
+
+def test_data_parallel_ranks_round_trip_and_old_sessions_decode() -> None:
+    ranked = msgspec.structs.replace(STATE, prefill_rank=0, decode_rank=3)
+    fields = to_fields(ranked)
+    assert (fields["prefill_rank"], fields["decode_rank"]) == ("0", "3")
+    assert from_fields(fields) == ranked
+    assert to_fields(STATE)["decode_rank"] == ""  # no rank chosen
+    old = {k: v for k, v in to_fields(STATE).items() if not k.endswith("_rank")}
+    assert from_fields(old).decode_rank == -1  # stored before the fields existed
+    with pytest.raises(StateDecodeError):
+        from_fields({**fields, "decode_rank": "-2"})

@@ -155,7 +155,10 @@ class FakeEngines:
                 }
             ],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out)},
-            "kv_transfer_params": self._params(url, len(prompt) + len(out) - 1),
+            # vLLM's request_finished: no params in, none out (a request D ran alone).
+            "kv_transfer_params": self._params(url, len(prompt) + len(out) - 1)
+            if body.get("kv_transfer_params")
+            else None,
         }
         if body.get("return_token_ids"):
             out_body["prompt_token_ids"] = prompt

@@ -11,7 +11,14 @@ from aiohttp import web
 from router.config import Settings
 from router.engines.client import Upstream
 from router.engines.health import check
-from router.engines.identity import PAUSE_FIRST_S, PAUSE_MAX_S, REFUSALS_TO_PAUSE, process_started
+from router.engines.identity import (
+    PAUSE_FIRST_S,
+    PAUSE_MAX_S,
+    REFUSALS_TO_PAUSE,
+    EngineIdentity,
+    engine_requests,
+    process_started,
+)
 from router.engines.pool import AFFINITY_SLACK, Pool
 from router.errors import Unavailable
 from router.turn.decide import decode_blocker
@@ -224,3 +231,33 @@ def test_a_prefill_that_keeps_refusing_a_decodes_handles_gets_none_for_a_while()
     d1.ident.note_started(100.0)
     d1.ident.note_started(200.0)  # D restarted: a new process may be readable again
     assert not d1.ident.reads_paused(p2, at)
+
+
+def test_a_d_learned_to_stream_params_is_forgotten_when_it_restarts() -> None:
+    by_start = EngineIdentity()
+    by_start.note_started(100.0)
+    by_start.note_streams_params()
+    assert by_start.streams_params
+    by_start.note_started(100.0)  # the same process
+    assert by_start.streams_params
+    by_start.note_started(200.0)  # a new process: maybe another vLLM
+    assert not by_start.streams_params
+    by_id = EngineIdentity()
+    by_id.note_engine_id("e1")
+    by_id.note_streams_params()
+    by_id.note_engine_id("e2")  # a new engine id: restarted
+    assert not by_id.streams_params
+
+
+def test_engine_requests_sums_running_and_waiting_of_every_engine() -> None:
+
+    text = (
+        b"# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+        b'vllm:num_requests_waiting_by_reason{engine="0",reason="x"} 9.0\n'
+        b"vllm:num_requests_running 1.0\n"
+    )
+    assert engine_requests(text) == 10
+    assert engine_requests(b"process_start_time_seconds 1.0\n") == 0

@@ -234,7 +234,8 @@ async def test_a_prefill_leg_that_times_out_on_a_hung_decode_s_handle_blames_the
 async def test_a_busy_prefill_429_goes_to_another_and_is_relayed_only_when_all_are_busy() -> None:
     engines = FakeEngines()
     engines.scripts[P1] = lambda call: 429 if "/v1/" in call.url else None
-    svc = services(engines)
+    # The same prompt each turn: D's cache holds it, so the decode plan would skip P.
+    svc = services(engines, decode_local_max_tokens=0)
     for _ in range(3):
         status, headers, _ = await turn(svc, [{"role": "user", "content": "hi"}])
         assert status == 200
@@ -285,3 +286,64 @@ async def test_a_decode_redo_goes_to_another_prefill() -> None:
 )
 def test_after_prefill(attempt: Attempt, after: AfterPrefill) -> None:
     assert decide.after_prefill(attempt) == after
+
+
+def crowd_prefill(svc: Services) -> None:
+    """Both P as crowded as --decode-local-max-inflight 1: the decode plan beats a pull."""
+    for inst in svc.pool.instances("prefill"):
+        inst.outstanding = 1
+
+
+async def test_the_decode_plan_runs_the_turn_on_d_alone_and_keeps_its_tokens() -> None:
+    engines = FakeEngines()
+    svc = services(engines, decode_local_max_inflight=1)
+    await conversation(svc, 1)
+    first = await state_of(svc)
+    crowd_prefill(svc)
+    calls = len(engines.calls)
+    messages = second_turn("and then?")
+    status, headers, body = await turn(svc, messages, request_id="r1")
+    assert (status, headers["x-kv-reuse"]) == (200, "hit;via=decode")
+    assert answer(body) == expected_answer(messages)
+    legs = [c for c in engines.calls[calls:] if "/v1/" in c.url]
+    assert [c.url.split("/v1/")[0] for c in legs] == [first.decode], "D alone, no P leg"
+    assert "kv_transfer_params" not in legs[0].body and legs[0].body["return_token_ids"]
+    state = await state_of(svc)
+    assert state.kv_transfer_params is None and state.no_handle_reason == "decode-local"
+    assert (state.decode, state.prefill) == (first.decode, first.prefill)
+    assert state.token_count > first.token_count and state.block_digests
+    # The next turn finds what D's cache holds by those digests: the decode plan again.
+    messages += [{"role": "assistant", "content": answer(body)}, {"role": "user", "content": "ok"}]
+    status, headers, _ = await turn(svc, messages, request_id="r2")
+    assert (status, headers["x-kv-reuse"]) == (200, "hit;via=decode")
+
+
+async def test_a_decode_plan_whose_d_fails_first_is_an_ordinary_pd_turn() -> None:
+    engines = FakeEngines()
+    svc = services(engines, decode_local_max_inflight=1)
+    await conversation(svc, 1)
+    first = await state_of(svc)
+    crowd_prefill(svc)
+    failed: list[str] = []
+    engines.scripts[first.decode] = _fail_first_decode(failed)
+    messages = second_turn("and then?")
+    status, headers, body = await turn(svc, messages, request_id="r1")
+    assert (status, headers["x-kv-reuse"]) == (200, "miss;reason=decode-local-failed")
+    assert answer(body) == expected_answer(messages)
+    assert failed == [first.decode + "/v1/chat/completions"]
+    state = await state_of(svc)
+    assert state.turn == 2 and state.decode != first.decode, "redone on the other D"
+    assert state.kv_transfer_params is not None, "an ordinary P/D turn leaves a handle"
+
+
+async def test_a_failed_decode_plan_and_redo_commit_nothing() -> None:
+    engines = FakeEngines()
+    svc = services(engines, decode_local_max_inflight=1)
+    await conversation(svc, 1)
+    first = await state_of(svc)
+    crowd_prefill(svc)
+    engines.scripts[D1] = engines.scripts[D2] = lambda call: 500 if "/v1/" in call.url else None
+    with pytest.raises(UpstreamError):
+        await turn(svc, second_turn("and then?"), request_id="r1")
+    state = await state_of(svc)
+    assert (state.turn, state.inflight) == (first.turn, ""), "nothing committed, claim released"

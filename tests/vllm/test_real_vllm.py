@@ -23,7 +23,16 @@ from tests.support.router import RouterProc
 from tests.vllm import engines
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import MODEL_NAME, by_source, failed_transfers
-from tests.vllm.turns import MAX_TOKENS, Message, chat, client, opening, reference, session_fields
+from tests.vllm.turns import (
+    MAX_TOKENS,
+    Message,
+    chat,
+    client,
+    opening,
+    reference,
+    session_fields,
+    streamed_decode_plan,
+)
 
 if not os.environ.get(PYTHON_ENV):
     pytest.skip(
@@ -141,39 +150,23 @@ def test_token_verification_against_real_tokenize(
     assert got == reference(vllm_engines, changed)
 
 
-def test_streaming_on_stock_vllm_keeps_affinity_and_says_why(
+def test_streaming_on_stock_vllm_runs_later_turns_on_d(
     vllm_engines: Engines, vllm_router: RouterProc, redis_url_session: str
 ) -> None:
-    """Stock 0.32 streams no kv_transfer_params: no handle, but the same P and D."""
-    p, d = vllm_engines.p.url, vllm_engines.d.url
-    cid = f"stream-{uuid.uuid4().hex[:8]}"
-    messages = opening("stream")
-    for turn in (1, 2):
-        d_cached = by_source(d, "local_cache_hit")
-        answer, reuse, _ = chat(vllm_router, messages, cid=cid, stream=True)
-        assert answer == reference(vllm_engines, messages), f"turn {turn}"
-        if turn == 1:
-            assert reuse == "miss;reason=no-session"
-        else:
-            assert reuse == "miss;reason=stream-no-kv-params"
-            # Affinity: D's own prefix cache still holds turn 1 (prompt and answer).
-            assert by_source(d, "local_cache_hit") > d_cached
-        _, fields = session_fields(redis_url_session, cid)
-        assert fields["kv_transfer_params"] == ""
-        assert fields["no_handle_reason"] == "stream-no-kv-params"
-        assert (fields["prefill"], fields["decode"]) == (p, d)
-        messages += [
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": f"And in hour {turn}?"},
-        ]
-    # A non-streaming turn captures D's handle again; the streaming turn after it hits.
+    """Stock 0.32 streams no kv_transfer_params, so a streamed turn leaves no handle; with
+    the decode plan (on by default) turns 2..4 run on D alone (`hit;via=decode`): no P leg,
+    no KV moved, D's own prefix cache serves the earlier turns (prompt and answer)."""
+    streamed_decode_plan(vllm_engines, vllm_router, redis_url_session, "stream")
+    # A non-streaming turn then captures D's handle again, and the streaming turn after it
+    # pulls from D.
+    cid = f"stream-pull-{uuid.uuid4().hex[:8]}"
+    messages = opening("stream-pull")
     answer, reuse, _ = chat(vllm_router, messages, cid=cid)
-    assert reuse == "miss;reason=stream-no-kv-params"
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Ok?"}]
-    before = by_source(p, "external_kv_transfer")
+    before = by_source(vllm_engines.p.url, "external_kv_transfer")
     answer, reuse, _ = chat(vllm_router, messages, cid=cid, stream=True)
     assert reuse == "hit"
-    assert by_source(p, "external_kv_transfer") > before
+    assert by_source(vllm_engines.p.url, "external_kv_transfer") > before
     assert answer == reference(vllm_engines, messages)
 
 

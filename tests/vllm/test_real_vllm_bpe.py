@@ -18,7 +18,7 @@ from tests.support.metrics import metric
 from tests.support.router import RouterProc
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import by_source, failed_transfers
-from tests.vllm.turns import chat, opening, reference
+from tests.vllm.turns import chat, opening, reference, streamed_decode_plan
 
 if not os.environ.get(PYTHON_ENV):
     pytest.skip(
@@ -77,3 +77,14 @@ def test_every_hit_moves_kv_or_says_it_was_in_p(
     # The byte-level tokenizer makes the case the character tier cannot: at least one turn
     # whose verified prefix P already held (measured: see docs/real-vllm.md).
     assert verdicts.get("hit;via=prefill-cache", 0) > 0, verdicts
+
+
+def test_streaming_on_stock_vllm_runs_later_turns_on_d(
+    vllm_bpe_engines: Engines, vllm_bpe_router: RouterProc, redis_url_session: str
+) -> None:
+    """The decode plan with a byte-level tokenizer: D verifies its own ids with its own
+    `/tokenize` (an answer that re-tokenizes otherwise verifies fewer blocks, and D computes
+    the rest); the turns still run on D alone, and answer right."""
+    streamed_decode_plan(
+        vllm_bpe_engines, vllm_bpe_router, redis_url_session, "bpe-stream", exact=False
+    )

@@ -13,7 +13,7 @@ from tests.support.chat import Turn, chat_turn, reference_answer
 from tests.support.chat import client as support_client
 from tests.support.router import RouterProc
 from tests.vllm.conftest import Engines
-from tests.vllm.engines import MODEL_NAME
+from tests.vllm.engines import MODEL_NAME, by_source, metric
 
 MAX_TOKENS = 48
 SYSTEM = "You are a terse assistant. You answer questions about tea, rain and the valley."
@@ -78,3 +78,46 @@ def session_fields(r_url: str, cid: str) -> tuple[str, dict[str, str]]:
         return keys[0], client_.hgetall(keys[0])
     finally:
         client_.close()
+
+
+def p_requests(url: str) -> float:
+    """Requests P's HTTP server answered on its OpenAI routes (chat, completions, tokenize)."""
+    return sum(
+        metric(url, "http_requests_total", handler=h)
+        for h in ("/v1/chat/completions", "/v1/completions", "/tokenize")
+    )
+
+
+def streamed_decode_plan(
+    engines_: Engines, r: RouterProc, redis_url: str, tag: str, *, exact: bool = True
+) -> None:
+    """A 4-turn streamed chat conversation on stock engines: turn 1 is P/D; turns 2..4 say
+    `hit;via=decode` with no request to P and no KV read by D, D's `local_cache_hit` rising
+    (its cache held the earlier turns) and, where answers re-tokenize exactly (`exact`), D
+    computing fewer tokens than its cache served; every answer is the from-scratch one."""
+    p, d = engines_.p.url, engines_.d.url
+    cid = f"{tag}-{uuid.uuid4().hex[:8]}"
+    messages = opening(tag)
+    for turn in range(1, 5):
+        cached, computed = by_source(d, "local_cache_hit"), by_source(d, "local_compute")
+        external, asked_p = by_source(d, "external_kv_transfer"), p_requests(p)
+        answer, reuse, _ = chat(r, messages, cid=cid, stream=True)
+        assert answer == reference(engines_, messages), f"turn {turn}"
+        _, fields = session_fields(redis_url, cid)
+        assert fields["kv_transfer_params"] == "", f"turn {turn}: stock 0.32 streams no handle"
+        if turn == 1:
+            assert reuse == "miss;reason=no-session"
+        else:
+            assert reuse == "hit;via=decode", f"turn {turn}: {reuse}"
+            assert p_requests(p) == asked_p, f"turn {turn}: P was called"
+            assert by_source(d, "external_kv_transfer") == external, f"turn {turn}: KV moved"
+            assert by_source(d, "local_cache_hit") > cached, f"turn {turn}: D's cache unused"
+            held = by_source(d, "local_cache_hit") - cached
+            if exact:
+                assert by_source(d, "local_compute") - computed < held, f"turn {turn}"
+            assert fields["no_handle_reason"] == "decode-local"
+        assert fields["decode"] == d
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"And in hour {turn}?"},
+        ]

@@ -1,0 +1,96 @@
+"""The turn's plan applied: what the previous D's prefix cache holds of the new prompt, and
+whether the turn runs there alone (the decode plan, `hit;via=decode`). `placement` decides."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from router.engines.kv_index import held_tokens
+from router.engines.pool import Instance
+from router.turn import decide, placement
+from router.turn.claim import prefix_verdict, prompt_token_ids
+from router.turn.outcomes import Found, Reason, Reuse, Via
+from router.turn.state import Turn
+from sessions import model as sm
+
+log = logging.getLogger("kvbaton.reuse")
+
+# The misses that only say no handle could be made: D still holds the conversation. Any
+# other reason (an edited history, another turn in flight, a failed or expired handle) keeps
+# its P/D turn and its diagnosis.
+NO_HANDLE_MADE = frozenset({Reason.STREAM_NO_KV_PARAMS, Reason.NO_KV_PARAMS, Reason.DECODE_LOCAL})
+
+
+def limits(turn: Turn) -> placement.Limits:
+    s = turn.svc.settings
+    return placement.Limits(s.decode_local_max_tokens, s.decode_local_max_inflight)
+
+
+def _candidate(turn: Turn, source: Instance | None) -> bool:
+    """Whether the decode plan is worth a look: a usable previous D with room, and a state
+    that records D's token sequence; a hit from P's own cache needs no plan."""
+    svc, claim, state = turn.svc, turn.claim, turn.claim.state
+    if state is None or source is None or not svc.settings.reuse or turn.inc.api == "responses":
+        return False
+    if not state.block_digests and not state.seq_digest:
+        return False
+    if claim.reuse.is_hit and not claim.reuse.pulls:
+        return False
+    if not claim.reuse.is_hit and (
+        claim.reuse.reason not in NO_HANDLE_MADE
+        or prefix_verdict(turn.inc, state) is decide.Prefix.MISMATCH
+    ):
+        return False
+    if not source.usable or decide.decode_blocker(source, state) is not None:
+        return False
+    return placement.d_has_room(d_load(source), limits(turn))
+
+
+def d_load(inst: Instance) -> int:
+    """D's requests in flight: this router's, or the engine's own count (every router's, as
+    of the last health read) when that is higher."""
+    return max(inst.outstanding, inst.engine_requests)
+
+
+async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> Instance | None:
+    """The previous D when the decode plan is chosen (the claim then says `hit;via=decode`
+    and carries no handle), else None: the turn pulls or recomputes as before."""
+    if not _candidate(turn, source):
+        return None
+    assert source is not None and turn.claim.state is not None
+    svc, claim, state = turn.svc, turn.claim, turn.claim.state
+    tokens = claim.tokens if claim.reuse.pulls else None
+    holds = claim.reuse.tokens
+    if tokens is None:
+        # No handle: D's own /tokenize says how the new prompt starts (its tokens are what
+        # its prefix cache is keyed by), checked against D's recorded sequence.
+        tokens = await prompt_token_ids(svc, turn.inc, source.url, turn.request_id)
+        if tokens is None:
+            return None
+        holds = sm.verified_tokens(state, tokens)
+    kv = svc.kv_events
+    index = kv.index(source.url, source.ident.restarts) if kv is not None else None
+    if index is not None:  # D's KV events: what it still holds (nothing evicted since)
+        holds = min(holds, held_tokens(index, tokens))
+    inputs = placement.Inputs(
+        prompt_tokens=len(tokens),
+        d_holds=holds,
+        handle=claim.reuse.pulls,
+        d_inflight=d_load(source),
+        p_inflight=p_inst.outstanding,
+        api=turn.inc.api,
+    )
+    plan = placement.choose(inputs, limits(turn))
+    if plan is not placement.Plan.DECODE:
+        return None
+    found = Found.HISTORY if claim.history_id else None
+    turn.claim = replace(claim, reuse=Reuse.hit(holds, Via.DECODE, found), params=None)
+    log.info(
+        "turn %s: decode plan on %s (holds %d of %d prompt tokens)",
+        turn.request_id,
+        source.url,
+        holds,
+        len(tokens),
+    )
+    return source

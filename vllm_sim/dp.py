@@ -1,0 +1,94 @@
+"""Data parallelism inside one instance (`--data-parallel-size N`), as vLLM's internal DP runs
+it: N engines behind one API server, each with its own block pool and prefix cache, its own
+engine id `<id>_dp<rank>` and its own side-channel port (`--kv-port` + rank, as vLLM's
+VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index). A request goes to the rank its
+`X-data-parallel-rank` header names, else round robin (vLLM's internal load balancer)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncGenerator, Sequence
+
+import msgspec
+from aiohttp import web
+
+from vllm_sim.config import SimSettings
+from vllm_sim.engine import Engine, GenRequest, RunResult, Step
+from vllm_sim.errors import ApiError
+from vllm_sim.metrics import Counters, Gauges
+
+HEADER = "X-data-parallel-rank"
+
+
+def rank_settings(settings: SimSettings, rank: int) -> SimSettings:
+    """One rank's settings: the `_dp<rank>` engine id and its side-channel port."""
+    if settings.data_parallel_size <= 1:
+        return settings
+    port = settings.kv_port + rank if settings.kv_port else 0
+    return msgspec.structs.replace(
+        settings, engine_id=f"{settings.engine_id}_dp{rank}", kv_port=port
+    )
+
+
+def header_rank(request: web.Request, size: int) -> int | None:
+    """The rank the request asks for (None: any); a 400 for one this instance does not run."""
+    raw = request.headers.get(HEADER)
+    if raw is None:
+        return None
+    try:
+        rank = int(raw)
+    except ValueError:
+        raise ApiError(f"{HEADER} must be an integer, not {raw!r}") from None
+    if not 0 <= rank < size:
+        raise ApiError(f"{HEADER} {rank} is out of range: data parallel size is {size}")
+    return rank
+
+
+class Ranks:
+    """The engines of one instance; what the routes generate with."""
+
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        self.engines = list(engines)
+        self.settings = engines[0].settings
+        self.tok = engines[0].tok
+        self._next = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.engines)
+
+    def pick(self, rank: int | None) -> Engine:
+        if rank is None:
+            rank = self._next % len(self.engines)
+            self._next += 1
+        return self.engines[rank]
+
+    def generate(self, req: GenRequest, result: RunResult) -> AsyncGenerator[Step, None]:
+        return self.pick(req.dp_rank).generate(req, result)
+
+    def counters(self) -> Counters:
+        """Every rank's counters summed (vLLM's /metrics has one series per engine; the
+        simulator sums them and shows each rank in /sim/state)."""
+        if len(self.engines) == 1:
+            return self.engines[0].counters
+        total = Counters()
+        for engine in self.engines:
+            for f in dataclasses.fields(Counters):
+                mine, theirs = getattr(total, f.name), getattr(engine.counters, f.name)
+                if isinstance(mine, dict):
+                    for key, value in theirs.items():
+                        mine[key] = mine.get(key, 0) + value
+                else:
+                    setattr(total, f.name, mine + theirs)
+        return total
+
+    def gauges(self) -> Gauges:
+        gauges = [e.gauges() for e in self.engines]
+        n = len(gauges)
+        return Gauges(
+            kv_cache_usage=sum(g.kv_cache_usage for g in gauges) / n,
+            running=sum(g.running for g in gauges),
+            waiting=sum(g.waiting for g in gauges),
+            pinned_requests=sum(g.pinned_requests for g in gauges),
+            pinned_blocks=sum(g.pinned_blocks for g in gauges),
+        )

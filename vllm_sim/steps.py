@@ -1,0 +1,65 @@
+"""One engine's step loop: running decodes and new prefill tokens share each step's time, as
+in vLLM's continuous batching on one GPU. A step lasts `--decode-ms-per-token` when it carries
+any decode, plus `--prefill-ms-per-token` for every prompt token it computes: a prefill on D
+slows every decode batched with it, and concurrent prefills share the GPU instead of running
+side by side. KV pulls (`--transfer-ms-per-block`) are asynchronous reads outside the steps.
+
+With both per-token costs at zero (the default) nothing waits on the loop: a request never
+yields to the event loop here, so the simulator is as fast as without a cost model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepLoop:
+    prefill_ms_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    steps: int = 0  # steps run so far
+    _prefills: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
+    _decodes: list[asyncio.Future[None]] = field(default_factory=list)
+    _task: asyncio.Task[None] | None = None
+
+    def step_s(self, prefill_tokens: int, decodes: int) -> float:
+        """How long one step takes: its decodes' share and its prefill tokens."""
+        ms = prefill_tokens * self.prefill_ms_per_token
+        if decodes:
+            ms += self.decode_ms_per_token
+        return ms / 1000.0
+
+    async def prefill(self, tokens: int) -> None:
+        """Compute `tokens` prompt tokens in the next step (the first output token with them)."""
+        if tokens <= 0 or self.prefill_ms_per_token <= 0:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._prefills.append((tokens, fut))
+        await self._wait(fut)
+
+    async def decode(self) -> None:
+        """One output token: the next step that carries this decode."""
+        if self.decode_ms_per_token <= 0:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._decodes.append(fut)
+        await self._wait(fut)
+
+    async def _wait(self, fut: asyncio.Future[None]) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        await fut
+
+    async def _run(self) -> None:
+        """Steps while work is queued: each takes what was queued when it began."""
+        while self._prefills or self._decodes:
+            prefills, self._prefills = self._prefills, []
+            decodes, self._decodes = self._decodes, []
+            tokens = sum(n for n, fut in prefills if not fut.done())
+            live = sum(1 for fut in decodes if not fut.done())
+            await asyncio.sleep(self.step_s(tokens, live))
+            self.steps += 1
+            for fut in [f for _, f in prefills] + decodes:
+                if not fut.done():  # a cancelled request (client gone) is skipped
+                    fut.set_result(None)
