@@ -37,11 +37,18 @@ def test_check_fails_when_out_of_date(
     assert "out of date" in capsys.readouterr().err
 
 
+REPEATED = {
+    "kv_events": ("http://x:1=tcp://x:5557", "http://y:2=tcp://y:7,tcp://y:9"),
+    "prefill_coordinates": ("http://x:1=e1@x:5600", "http://y:2=e2@y:5601,tp=2,pp=1"),
+    "data_parallel_size": ("http://x:1=2", "http://y:2=4"),
+}
+
+
 def sample(flag: Flag) -> Any:
     """A valid value different from the default."""
     default = getattr(DEFAULTS, flag.name)
-    if flag.repeat:  # --kv-events: values with commas, one per flag
-        return ("http://x:1=tcp://x:5557", "http://y:2=tcp://y:7,tcp://y:9")
+    if flag.repeat:  # URL=VALUE flags: values with commas, one per flag
+        return REPEATED[flag.name]
     if flag.many:
         return ("http://x:1", "http://y:2")
     if flag.kind is bool:
