@@ -87,8 +87,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "kv_connector",
         "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse; "
-        "nixl-push: NixlPushConnector, P and D called concurrently, affinity only)",
-        choices=("nixl", "nixl-push"),
+        "nixl-push: NixlPushConnector, P and D called concurrently, affinity only; "
+        "store: KV through a shared store such as MooncakeStoreConnector, no kv_transfer_params)",
+        choices=("nixl", "nixl-push", "store"),
     ),
     Flag(
         "data_parallel_size",

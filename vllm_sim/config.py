@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from vllm_sim.resp import parse_url
+
 
 class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     role: str = "prefill"
@@ -43,10 +45,13 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     log_requests: bool = False
     sweep_interval: float = 1.0
     handshake_timeout: float = 5.0
-    # nixl: NixlConnector pull; nixl-push: NixlPushConnector (vllm_sim/push.py)
+    # nixl: NixlConnector pull; nixl-push: NixlPushConnector (vllm_sim/push.py); store: KV
+    # through a shared store (MooncakeStoreConnector, vllm_sim/kvstore.py)
     kv_connector: str = "nixl"
     push_registration_timeout: float = 10.0
     data_parallel_size: int = 1  # vllm_sim/dp.py
+    kv_store: str = ""  # the store's redis:// URL
+    kv_store_save_decode: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
     a(
         "--kv-connector",
-        choices=["nixl", "nixl-push"],
+        choices=["nixl", "nixl-push", "store"],
         default="nixl",
-        help="nixl: NixlConnector pull; nixl-push: NixlPushConnector (D registers, P writes)",
+        help="nixl: NixlConnector pull; nixl-push: NixlPushConnector (D registers, P writes); "
+        "store: a shared store (--kv-store)",
     )
     a(
         "--data-parallel-size",
@@ -102,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-request-id-headers", action="store_true", help="echo X-Request-Id")
     a("--log-requests", action="store_true", help="log each request's X-Request-Id (INFO)")
     a("--sweep-interval", type=float, default=1.0, help="seconds between expired-pin sweeps")
+    a("--kv-store", default="", help="the shared KV store (store connector): redis://host:port/db")
+    a(
+        "--kv-store-save-decode",
+        action="store_true",
+        help="store: also write decode output blocks (on D: the prompt's too, vLLM's kv_both)",
+    )
     return p
 
 
@@ -146,6 +158,8 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         enable_request_id_headers=ns.enable_request_id_headers,
         log_requests=ns.log_requests,
         sweep_interval=ns.sweep_interval,
+        kv_store=ns.kv_store,
+        kv_store_save_decode=ns.kv_store_save_decode,
     )
     check(settings)
     return settings
@@ -166,3 +180,10 @@ def check(s: SimSettings) -> None:
             f"--num-blocks {s.num_blocks} cannot hold one max-model-len sequence "
             f"({needed} blocks including the reserved null block)"
         )
+    if (s.kv_connector == "store") != bool(s.kv_store):
+        raise SystemExit("--kv-store URL goes with --kv-connector store, and only with it")
+    if s.kv_store:
+        try:
+            parse_url(s.kv_store)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None

@@ -1,8 +1,9 @@
 """The connector seam: what the turn needs from a KV-transfer protocol's fields.
 
 One module per protocol implements it (`nixl.py`: NixlConnector pull with bidirectional D->P
-reuse; `nixl_push.py`: NixlPushConnector, whose concurrent legs are router/turn/push.py's);
-`select` picks one by `--kv-connector`. The turn never reads a protocol field itself.
+reuse; `nixl_push.py`: NixlPushConnector, whose concurrent legs are router/turn/push.py's;
+`store.py`: KV through a shared store, no fields); `select` picks one by `--kv-connector`.
+The turn never reads a protocol field itself.
 """
 
 from __future__ import annotations
@@ -47,8 +48,13 @@ def select(name: str) -> Connector:
     """The connector for `--kv-connector NAME`."""
     from router.connectors.nixl import NixlPull  # one import per protocol module
     from router.connectors.nixl_push import NixlPush
+    from router.connectors.store import StoreConnector
 
-    connectors: dict[str, Connector] = {"nixl": NixlPull(), "nixl-push": NixlPush()}
+    connectors: dict[str, Connector] = {
+        "nixl": NixlPull(),
+        "nixl-push": NixlPush(),
+        "store": StoreConnector(),
+    }
     try:
         return connectors[name]
     except KeyError:
