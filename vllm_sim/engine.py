@@ -305,17 +305,8 @@ class Engine:
                 src.host, src.port, src.engine_id, self.block_size, remote, src.request_id
             )
         except TransferError as exc:
-            self.counters.nixl_failed_transfers += 1
-            if self.settings.kv_load_failure_policy == "fail":
-                self.counters.sim_requests_failed += 1
-                logger.warning("KV load failed (policy fail): %s", exc)
-                raise KVLoadError(str(exc)) from exc
-            logger.warning("KV load failed, recomputing: %s", exc)
-            return 0
-        self._copy_pulled(seq, start, count, blocks)
-        self.counters.nixl_transfers += 1
-        self.counters.nixl_bytes_transferred += len(blocks) * self.block_size * 8
-        return count
+            return self._load_failed(exc, "KV load")
+        return self._loaded(seq, start, count, blocks)
 
     async def _receive_push(self, leg: transfer.Leg, seq: _Seq, start: int, count: int) -> int:
         """Push mode's D: register the blocks it lacks with P and wait for P's write."""
@@ -325,13 +316,20 @@ class Engine:
             me = (self.settings.side_channel_host, self.kv_port)
             blocks = await self.push.consume(leg, start, count, seq.block_ids, me, self.channel)
         except TransferError as exc:
-            self.counters.nixl_failed_transfers += 1
-            if self.settings.kv_load_failure_policy == "fail":
-                self.counters.sim_requests_failed += 1
-                logger.warning("push KV load failed (policy fail): %s", exc)
-                raise KVLoadError(str(exc)) from exc
-            logger.warning("push KV load failed, recomputing: %s", exc)
-            return 0
+            return self._load_failed(exc, "push KV load")
+        return self._loaded(seq, start, count, blocks)
+
+    def _load_failed(self, exc: TransferError, what: str) -> int:
+        """A failed KV load: the request fails (policy fail) or recomputes (0 tokens loaded)."""
+        self.counters.nixl_failed_transfers += 1
+        if self.settings.kv_load_failure_policy == "fail":
+            self.counters.sim_requests_failed += 1
+            logger.warning("%s failed (policy fail): %s", what, exc)
+            raise KVLoadError(str(exc)) from exc
+        logger.warning("%s failed, recomputing: %s", what, exc)
+        return 0
+
+    def _loaded(self, seq: _Seq, start: int, count: int, blocks: list[list[int]]) -> int:
         self._copy_pulled(seq, start, count, blocks)
         self.counters.nixl_transfers += 1
         self.counters.nixl_bytes_transferred += len(blocks) * self.block_size * 8

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from router.connectors.nixl import NULL_HANDOFF
 from router.errors import UpstreamFailure
 
 log = logging.getLogger("kvbaton.backends")
@@ -25,14 +26,7 @@ SPEC_HELP = "URL=ENGINE_ID@SIDE_HOST:SIDE_PORT[,tp=N][,pp=N]"
 PROBE_EVERY_S = 5.0
 
 # The pull null handoff: P prefills one token and answers with its own params (coordinates).
-PROBE_PARAMS: Mapping[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PROBE_PARAMS: Mapping[str, Any] = NULL_HANDOFF
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ class Prefilled:
     body: dict[str, Any] | None = None  # P's answer (its usage: what it found cached)
 
 
-def _parse(raw: bytes) -> dict[str, Any] | None:
+def parse_answer(raw: bytes) -> dict[str, Any] | None:
+    """An engine's JSON answer as a dict (None: not JSON, or not an object)."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError:
@@ -73,7 +74,7 @@ async def _attempt(
         except UpstreamFailure as exc:
             status, raw, failure = 0, b"", str(exc)
             reached = exc.reached
-    parsed = _parse(raw) if status else None
+    parsed = parse_answer(raw) if status else None
     outcome = "ok" if status == 200 else "error" if status == 0 or status >= 500 else "rejected"
     svc.metrics.upstream.labels("prefill", inst.url, outcome).observe(time.monotonic() - started)
     ok = status == 200 and parsed is not None and not svc.connector.prefill_failed(status, parsed)

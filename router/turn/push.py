@@ -24,7 +24,6 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import msgspec
 from starlette.responses import Response
 
 from router.engines import coords, ranks
@@ -35,6 +34,7 @@ from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailu
 from router.tracing import span
 from router.turn import decide
 from router.turn.outcomes import Reason
+from router.turn.prefill import parse_answer
 from router.turn.rewrite import PATHS, prefill_body
 from router.turn.state import Turn
 
@@ -135,7 +135,7 @@ async def _prefill(turn: Turn, inst: Instance, transfer_id: str) -> None:
                 extra_headers=headers,
                 timeout=svc.settings.prefill_timeout,
             )
-        parsed = _parse(raw)
+        parsed = parse_answer(raw)
         if 400 <= status < 500:
             outcome = "rejected"
             raise EngineReply(status, raw)
@@ -147,14 +147,6 @@ async def _prefill(turn: Turn, inst: Instance, transfer_id: str) -> None:
             time.monotonic() - started
         )
     coords.learn(inst.kv, parsed.get("kv_transfer_params"), "response", f"prefill {inst.url}")
-
-
-def _parse(raw: bytes) -> dict[str, Any] | None:
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return None
-    return body if isinstance(body, dict) else None
 
 
 async def _settle(task: asyncio.Task[Any]) -> BaseException | None:

@@ -14,20 +14,13 @@ import pytest
 
 from tests.sim.client import metric, post, words
 from tests.sim.conftest import InProc, running
+from tests.support.chat import NULL_HANDOFF
 
 N = 8
 
 
 def p_params(transfer_id: str) -> dict[str, Any]:
-    return {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-        "transfer_id": transfer_id,
-    }
+    return {**NULL_HANDOFF, "transfer_id": transfer_id}
 
 
 def d_params(p: InProc, request_id: str, transfer_id: str, **override: Any) -> dict[str, Any]:
