@@ -138,7 +138,7 @@ class EngineIdentity:
     def note_streams_params(self) -> None:
         """A streamed answer of this D carried its kv_transfer_params."""
         if not self.streams_params:
-            log.info("%s streams kv_transfer_params: its streamed handles are kept", self.label)
+            log.info("%s streams its handle (vLLM PR #40186): handles kept", self.label)
         self.streams_params = True
 
     def note_reachable(self, reachable: bool, why: str = "") -> None:

@@ -119,13 +119,15 @@ class Syncer:
         registry read: an address change does not wait for Redis)."""
         base = await self._base_urls()
         error: StoreError | None = None
-        try:
-            self._entries = await self.registry.load()
-        except StoreError as exc:
-            if self.dns is None:
-                raise
-            error = exc
+        # Read and apply under the lock the admin API holds while it changes an entry: a read
+        # from before an admin add, applied after it, would take the new instance out again.
         async with self.lock:
+            try:
+                self._entries = await self.registry.load()
+            except StoreError as exc:
+                if self.dns is None:
+                    raise
+                error = exc
             await self._apply(desired(base, self._entries))
         if error is not None:
             raise error
