@@ -55,7 +55,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_kv_params: bool = False
     decode_local_max_tokens: int = 512
     decode_local_max_inflight: int = 16
-    kv_connector: Literal["nixl", "nixl-push"] = "nixl"
+    kv_connector: Literal["nixl", "nixl-push", "moriio"] = "nixl"
+    moriio_register: str = ""
+    moriio_register_ttl: float = 30.0
     prefill_coordinates: tuple[str, ...] = ()
     data_parallel_size: tuple[str, ...] = ()
     prefill_token_ids: bool = True
@@ -224,7 +226,7 @@ def validate(values: Mapping[str, Any]) -> Settings:
     data.setdefault("decode", ())
     for role in ("prefill", "decode"):
         urls = tuple(base_url(url) for url in data[role])
-        if not urls:
+        if not urls and not data.get("moriio_register"):  # else: instances announce themselves
             raise ConfigError(f"at least one --{role} URL is required")
         for url in urls:
             if not url.startswith(("http://", "https://")):

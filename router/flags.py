@@ -87,8 +87,19 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "kv_connector",
         "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse; "
-        "nixl-push: NixlPushConnector, P and D called concurrently, affinity only)",
-        choices=("nixl", "nixl-push"),
+        "nixl-push: NixlPushConnector, P and D called concurrently, affinity only; "
+        "moriio: MoRIIOConnector, READ or WRITE as the instances announce, affinity only)",
+        choices=("nixl", "nixl-push", "moriio"),
+    ),
+    Flag(
+        "moriio_register",
+        "a ZMQ endpoint (tcp://HOST:PORT) the router binds for MoRI-IO instances' "
+        "announcements (vLLM's toy proxy binds tcp://0.0.0.0:36367); empty: none",
+    ),
+    Flag(
+        "moriio_register_ttl",
+        "seconds after its last announcement that a MoRI-IO instance is dropped",
+        float,
     ),
     Flag(
         "data_parallel_size",

@@ -1,7 +1,8 @@
 """The connector seam: what the turn needs from a KV-transfer protocol's fields.
 
 One module per protocol implements it (`nixl.py`: NixlConnector pull with bidirectional D->P
-reuse; `nixl_push.py`: NixlPushConnector, whose concurrent legs are router/turn/push.py's);
+reuse; `nixl_push.py`: NixlPushConnector, whose concurrent legs are router/turn/push.py's;
+`moriio.py`: MoRIIOConnector, legs in router/turn/moriio.py);
 `select` picks one by `--kv-connector`. The turn never reads a protocol field itself.
 """
 
@@ -45,10 +46,15 @@ class Connector(Protocol):
 
 def select(name: str) -> Connector:
     """The connector for `--kv-connector NAME`."""
+    from router.connectors.moriio import MoriIO
     from router.connectors.nixl import NixlPull  # one import per protocol module
     from router.connectors.nixl_push import NixlPush
 
-    connectors: dict[str, Connector] = {"nixl": NixlPull(), "nixl-push": NixlPush()}
+    connectors: dict[str, Connector] = {
+        "nixl": NixlPull(),
+        "nixl-push": NixlPush(),
+        "moriio": MoriIO(),
+    }
     try:
         return connectors[name]
     except KeyError:
