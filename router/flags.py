@@ -25,12 +25,14 @@ class Flag:
 FLAGS: tuple[Flag, ...] = (
     Flag(
         "prefill",
-        "prefill (P) instance base URLs (a bare host:port means http://host:port)",
+        "prefill (P) instance base URLs (a bare host:port means http://host:port); none needed "
+        "with --moriio-register",
         many=True,
     ),
     Flag(
         "decode",
-        "decode (D) instance base URLs (a bare host:port means http://host:port)",
+        "decode (D) instance base URLs (a bare host:port means http://host:port); none needed "
+        "with --moriio-register",
         many=True,
     ),
     Flag("host", "address to listen on"),

@@ -7,9 +7,11 @@ address each fail, and an instance that stops announcing is dropped."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -105,18 +107,19 @@ def moved(m: Mori) -> float:
     return metric(m.p.url, "vllm_sim:push_blocks_written_total")
 
 
-def chat(m: Mori, messages: list[dict[str, str]], cid: str, stream: bool) -> tuple[str, str]:
-    """(answer, the X-Request-Id the router answered)."""
+def chat(m: Mori, messages: list[dict[str, str]], cid: str, stream: bool) -> tuple[str, str, str]:
+    """(answer, the X-Request-Id and the X-KV-Reuse the router answered)."""
     with client(m.router.base_url) as api:
         kwargs: dict[str, Any] = {"model": "sim-model", "messages": messages, "max_tokens": 24}
         kwargs["extra_body"] = {"conversation_id": cid}
         if stream:
             with api.chat.completions.with_streaming_response.create(stream=True, **kwargs) as r:
-                rid = r.headers["x-request-id"]
+                rid, reuse = r.headers["x-request-id"], r.headers["x-kv-reuse"]
                 text = "".join(c.choices[0].delta.content or "" for c in r.parse() if c.choices)
-            return text, rid
+            return text, rid, reuse
         raw = api.chat.completions.with_raw_response.create(**kwargs)
-        return raw.parse().choices[0].message.content or "", raw.headers["x-request-id"]
+        text = raw.parse().choices[0].message.content or ""
+        return text, raw.headers["x-request-id"], raw.headers["x-kv-reuse"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -137,7 +140,8 @@ def test_five_turns_answer_as_from_scratch_with_the_transfer_on_the_pinned_rank(
             rank_reads(mori),
             rank_prompts(mori),
         )
-        answer, rid = chat(mori, messages, cid, stream)
+        answer, rid, reuse = chat(mori, messages, cid, stream)
+        assert reuse == ("miss;reason=no-session" if turn == 1 else "miss;reason=push-affinity")
         assert answer == reference_answer(mori.ref.url, messages, 24), f"turn {turn}"
         assert rid.startswith(f"___prefill_addr_{p_zmq}___decode_addr_{d_zmq}_"), rid
         assert moved(mori) > before_moved, f"turn {turn}: no KV moved P -> D"
@@ -193,8 +197,6 @@ def _by_hand(m: Mori, p_rank: int, told_rank: int, prefill_zmq: str) -> int:
         return post(
             m.d.url + "/v1/chat/completions", {**body, "kv_transfer_params": d_kv}, headers=headers
         ).status
-    import concurrent.futures
-
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         p_fut = pool.submit(post, m.p.url + "/v1/chat/completions", p_body, headers=p_headers)
         d_fut = pool.submit(
@@ -233,7 +235,5 @@ def test_an_announced_instance_joins_and_one_that_stops_is_dropped(mori: Mori) -
 def test_an_announcement_with_another_mode_is_refused(mori: Mori) -> None:
     other = "WRITE" if mori.mode == "READ" else "READ"
     with sim("decode", *sim_flags(mori.reg, other), name=f"mori-{mori.mode}-odd") as odd:
-        import time
-
         time.sleep(1.0)
         assert odd.url not in get_json(mori.router.url + "/status")["decode_nodes"]
