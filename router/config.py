@@ -240,6 +240,17 @@ def validate(values: Mapping[str, Any]) -> Settings:
     return settings
 
 
+def _check_moriio(settings: Settings) -> None:
+    moriio = settings.kv_connector == "moriio"
+    if moriio != bool(settings.moriio_register):
+        # MoRI-IO peers are addressed by the ZMQ addresses they announce, nothing else.
+        raise ConfigError("--kv-connector moriio and --moriio-register go together")
+    if settings.moriio_register and settings.workers > 1:
+        raise ConfigError("--moriio-register binds one socket: it needs --workers 1")
+    if settings.moriio_register_ttl <= 0:
+        raise ConfigError("--moriio-register-ttl must be > 0")
+
+
 def _check(settings: Settings) -> None:
     """What msgspec's types cannot say about the settings together."""
     if settings.handle_ttl <= 0 or settings.session_ttl < settings.handle_ttl:
@@ -252,6 +263,7 @@ def _check(settings: Settings) -> None:
         raise ConfigError("--session-secret: each secret needs at least 16 characters")
     _check_kv_events(settings)
     _check_coordinates(settings)
+    _check_moriio(settings)
     if settings.workers < 1 or min(settings.header_timeout, settings.body_timeout) <= 0:
         raise ConfigError("--workers must be >= 1, --header-timeout and --body-timeout > 0")
     if settings.workers > 1 and settings.session_store == "memory":

@@ -21,9 +21,8 @@ import pytest
 
 from tests.support.chat import client, get_json, post, reference_answer
 from tests.support.metrics import metric
-from tests.support.procs import free_port, sim, wait_until
+from tests.support.procs import SimProc, free_port, sim, wait_until
 from tests.support.router import RouterProc, http_process
-from tests.support.stack import SimProc
 
 SYSTEM = "You are a terse assistant about rivers and bridges."
 TTL = 2.0
@@ -237,3 +236,32 @@ def test_an_announcement_with_another_mode_is_refused(mori: Mori) -> None:
     with sim("decode", *sim_flags(mori.reg, other), name=f"mori-{mori.mode}-odd") as odd:
         time.sleep(1.0)
         assert odd.url not in get_json(mori.router.url + "/status")["decode_nodes"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_five_turn_completions_and_responses(mori: Mori, stream: bool) -> None:
+    with client(mori.router.base_url) as api, client(mori.ref.url + "/v1") as ref:
+        cid = f"mcmpl-{uuid.uuid4().hex[:8]}"
+        prompt = "The river report for the coming week says"
+        items: list[dict[str, Any]] = []
+        for turn in range(1, 6):
+            kwargs: dict[str, Any] = {"model": "sim-model", "prompt": prompt, "max_tokens": 16}
+            before = moved(mori)
+            if stream:
+                with api.completions.with_streaming_response.create(
+                    stream=True, extra_body={"conversation_id": cid}, **kwargs
+                ) as resp:
+                    text = "".join(c.choices[0].text for c in resp.parse() if c.choices)
+            else:
+                text = api.completions.create(extra_body={"conversation_id": cid}, **kwargs)
+                text = text.choices[0].text
+            assert text == ref.completions.create(**kwargs).choices[0].text, f"turn {turn}"
+            assert moved(mori) > before, f"completions turn {turn}: no KV moved"
+            prompt = prompt + text + f" and on day {turn} it"
+            items.append({"role": "user", "content": f"Turn {turn}: water level?"})
+            rkw: dict[str, Any] = {"model": "sim-model", "input": items, "max_output_tokens": 16}
+            before = moved(mori)
+            answer = api.responses.create(extra_body={"conversation_id": cid + "r"}, **rkw)
+            assert answer.output_text == ref.responses.create(**rkw).output_text, f"turn {turn}"
+            assert moved(mori) > before, f"responses turn {turn}: no KV moved"
+            items.append({"role": "assistant", "content": answer.output_text})

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
+from router.config import load_settings
 from router.connectors import moriio
 from router.engines.announce import Peer, Peers, parse
+from router.errors import ConfigError
 from vllm_sim import moriio as sim_moriio
 from vllm_sim.errors import KVLoadError
 
@@ -112,3 +114,25 @@ def test_the_simulator_reads_ds_params_at_the_ids_address_plus_the_rank() -> Non
     write = sim_moriio.as_rules(d, rid, "WRITE")
     assert write is not None and write["remote_request_id"] == rid
     assert sim_moriio.as_rules({"do_remote_prefill": True}, rid, "READ") == {}
+
+
+MORI = ["--kv-connector", "moriio", "--moriio-register", "tcp://h:1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--kv-connector", "moriio"], "go together"),  # no registration: nothing addressable
+        (["--moriio-register", "tcp://h:1"], "go together"),  # for another connector
+        ([*MORI, "--workers", "2", "--redis-url", "redis://r:1"], "--workers 1"),
+        ([*MORI, "--moriio-register-ttl", "0"], "ttl must be"),
+    ],
+)
+def test_moriio_settings_that_cannot_work_are_refused(argv: list[str], why: str) -> None:
+    with pytest.raises(ConfigError, match=why):
+        load_settings(["--prefill", "http://p:1", "--decode", "http://d:1", *argv], env={})
+
+
+def test_with_registration_no_static_urls_are_needed() -> None:
+    settings = load_settings(MORI, env={})
+    assert settings.prefill == () and settings.decode == ()
