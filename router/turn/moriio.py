@@ -11,6 +11,7 @@ transfer frees its blocks on its own timeout)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.responses import Response
@@ -24,6 +25,8 @@ from router.turn import push
 from router.turn.push import OpenDecode, Respond
 from router.turn.rewrite import PATHS, prefill_body
 from router.turn.state import Turn
+
+log = logging.getLogger("kvbaton.legs")
 
 
 def _peer(turn: Turn, inst: Instance) -> Peer:
@@ -55,7 +58,7 @@ async def _prefill(
         status, raw = await svc.engines.post_json(
             inst.url + PATHS[inc.api],
             body,
-            request_id=turn.request_id,
+            request_id=turn.leg_id,
             extra_headers=headers,
             timeout=svc.settings.prefill_timeout,
         )
@@ -75,7 +78,8 @@ async def serve(turn: Turn, open_decode: OpenDecode, respond: Respond) -> Respon
     p_inst, p_peer = _pick(turn, "prefill", state.prefill if state else "")
     d_inst, d_peer = _pick(turn, "decode", state.decode if state else "")
     mode = svc.peers.mode if svc.peers is not None else ""
-    turn.request_id = moriio.request_id(p_peer.zmq_address, d_peer.zmq_address)
+    turn.leg_id = moriio.request_id(p_peer.zmq_address, d_peer.zmq_address)
+    log.info("turn %s: MoRI-IO legs as %s", turn.request_id, turn.leg_id)
     p_headers = turn.leg_headers(p_inst)  # chooses P's rank (the conversation's, else next)
     rank = turn.ranks.get("prefill", -1)
     transfer_id = moriio.new_transfer_id()

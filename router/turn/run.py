@@ -180,7 +180,10 @@ async def _open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | No
     try:
         with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream):
             resp = await svc.engines.open_stream(
-                url, body, request_id=turn.request_id, extra_headers=turn.leg_headers(d_inst)
+                url,
+                body,
+                request_id=turn.leg_id or turn.request_id,
+                extra_headers=turn.leg_headers(d_inst),
             )
         if resp.status >= 500:
             text = await _read_error(resp)

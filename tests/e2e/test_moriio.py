@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import re
 import socket
 import time
 import uuid
@@ -21,7 +22,7 @@ import pytest
 
 from tests.support.chat import client, get_json, post, reference_answer
 from tests.support.metrics import metric
-from tests.support.procs import SimProc, free_port, sim, wait_until
+from tests.support.procs import SimProc, free_port, log_file, sim, wait_until
 from tests.support.router import RouterProc, http_process
 
 SYSTEM = "You are a terse assistant about rivers and bridges."
@@ -42,7 +43,7 @@ def sim_flags(reg: int, mode: str) -> tuple[str, ...]:
     return (
         "--kv-connector", "moriio", "--moriio-mode", mode,
         "--moriio-proxy", f"127.0.0.1:{reg}", "--moriio-ping-interval", "0.2",
-        "--kv-lease-duration", "3", "--push-registration-timeout", "3",
+        "--kv-lease-duration", "3", "--push-registration-timeout", "3", "--log-requests",
     )  # fmt: skip
 
 
@@ -106,6 +107,13 @@ def moved(m: Mori) -> float:
     return metric(m.p.url, "vllm_sim:push_blocks_written_total")
 
 
+def last_request_id(m: Mori, inst: SimProc) -> str:
+    """The X-Request-Id of the last OpenAI request the instance logged (--log-requests)."""
+    name = f"mori-{m.mode}-{'p' if inst is m.p else 'd'}-{inst.port}"
+    lines = [ln for ln in log_file(name).read_text().splitlines() if "Received request" in ln]
+    return lines[-1].split("Received request ", 1)[1].split(" on ", 1)[0]
+
+
 def chat(m: Mori, messages: list[dict[str, str]], cid: str, stream: bool) -> tuple[str, str, str]:
     """(answer, the X-Request-Id and the X-KV-Reuse the router answered)."""
     with client(m.router.base_url) as api:
@@ -142,7 +150,13 @@ def test_five_turns_answer_as_from_scratch_with_the_transfer_on_the_pinned_rank(
         answer, rid, reuse = chat(mori, messages, cid, stream)
         assert reuse == ("miss;reason=no-session" if turn == 1 else "miss;reason=push-affinity")
         assert answer == reference_answer(mori.ref.url, messages, 24), f"turn {turn}"
-        assert rid.startswith(f"___prefill_addr_{p_zmq}___decode_addr_{d_zmq}_"), rid
+        assert rid and not rid.startswith("___"), rid  # the client keeps its turn's id
+        legs = {last_request_id(mori, mori.p), last_request_id(mori, mori.d)}
+        (leg_id,) = legs  # one id for both legs, naming both announced addresses
+        assert re.fullmatch(
+            rf"___prefill_addr_{re.escape(p_zmq)}___decode_addr_{re.escape(d_zmq)}_[0-9a-f]{{32}}",
+            leg_id,
+        )
         assert moved(mori) > before_moved, f"turn {turn}: no KV moved P -> D"
         prompts = [a - b for a, b in zip(rank_prompts(mori), before_prompts, strict=True)]
         (rank,) = [i for i, n in enumerate(prompts) if n]  # P's leg ran on one rank
@@ -265,3 +279,28 @@ def test_five_turn_completions_and_responses(mori: Mori, stream: bool) -> None:
             assert answer.output_text == ref.responses.create(**rkw).output_text, f"turn {turn}"
             assert moved(mori) > before, f"responses turn {turn}: no KV moved"
             items.append({"role": "assistant", "content": answer.output_text})
+
+
+@pytest.mark.parametrize("leg", ["p", "d"])
+def test_a_failed_leg_is_one_error_and_commits_nothing(mori: Mori, leg: str) -> None:
+    cid = f"mfail-{leg}-{uuid.uuid4().hex[:8]}"
+    inst = mori.p if leg == "p" else mori.d
+    assert post(inst.url + "/sim/faults", {"fail_next": 1, "status": 500}).status == 200
+    body = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": f"This {leg} leg fails."}],
+        "max_tokens": 8,
+        "conversation_id": cid,
+    }
+    reply = post(mori.router.base_url + "/chat/completions", body)
+    assert reply.status == 502, reply.body
+    assert set(reply.json()["error"]) >= {"message", "type", "code"}
+    assert reply.headers["x-request-id"]
+    with client(mori.router.base_url) as api:  # nothing was committed: a new conversation
+        raw = api.chat.completions.with_raw_response.create(
+            model="sim-model",
+            messages=[{"role": "user", "content": f"This {leg} leg fails."}],
+            max_tokens=8,
+            extra_body={"conversation_id": cid},
+        )
+    assert raw.headers["x-kv-reuse"] == "miss;reason=no-session"
