@@ -43,7 +43,9 @@ def _pick(turn: Turn, role: Role, prefer: str) -> tuple[Instance, Peer]:
     pool = turn.svc.pool
     silent = [i.url for i in pool.instances(role) if peers is None or not peers.of(i.url)]
     inst = pool.pick(role, prefer=prefer, exclude=silent)
-    return inst, _peer(turn, inst)
+    peer = _peer(turn, inst)
+    inst.dp_size = peer.dp_size  # the announced size decides its ranks (engines/ranks.py)
+    return inst, peer
 
 
 async def _prefill(
