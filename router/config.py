@@ -55,7 +55,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_kv_params: bool = False
     decode_local_max_tokens: int = 512
     decode_local_max_inflight: int = 16
-    kv_connector: Literal["nixl", "nixl-push", "moriio"] = "nixl"
+    kv_connector: Literal["nixl", "nixl-push", "store", "moriio"] = "nixl"
     moriio_register: str = ""
     moriio_register_ttl: float = 30.0
     prefill_coordinates: tuple[str, ...] = ()

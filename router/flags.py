@@ -90,8 +90,9 @@ FLAGS: tuple[Flag, ...] = (
         "kv_connector",
         "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse; "
         "nixl-push: NixlPushConnector, P and D called concurrently, affinity only; "
+        "store: KV through a shared store such as MooncakeStoreConnector, no kv_transfer_params; "
         "moriio: MoRIIOConnector, READ or WRITE as the instances announce, affinity only)",
-        choices=("nixl", "nixl-push", "moriio"),
+        choices=("nixl", "nixl-push", "store", "moriio"),
     ),
     Flag(
         "moriio_register",

@@ -195,6 +195,13 @@ class Metrics:
             ["source"],
             registry=r,
         )
+        self.store_prompt_tokens = Counter(
+            "kvbaton_store_prompt_tokens",
+            "--kv-connector store: P legs' prompt tokens, cached (P's usage: the store or its "
+            "own prefix cache) or computed",
+            ["source"],
+            registry=r,
+        )
         self.commits = Counter(
             "kvbaton_session_commits",
             "Session commits after a turn by result",

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from vllm_sim.resp import parse_url
+
 
 class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     role: str = "prefill"
@@ -43,7 +45,8 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     log_requests: bool = False
     sweep_interval: float = 1.0
     handshake_timeout: float = 5.0
-    # nixl: NixlConnector pull; nixl-push: NixlPushConnector (vllm_sim/push.py)
+    # nixl: NixlConnector pull; nixl-push: NixlPushConnector (vllm_sim/push.py); store: KV
+    # through a shared store (MooncakeStoreConnector, vllm_sim/kvstore.py)
     kv_connector: str = "nixl"
     push_registration_timeout: float = 10.0
     # moriio: the proxy announced to (HOST:PORT, "": none), READ or WRITE, seconds between pings
@@ -51,6 +54,8 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     moriio_mode: str = "READ"
     moriio_ping_interval: float = 3.0
     data_parallel_size: int = 1  # vllm_sim/dp.py
+    kv_store: str = ""  # the store's redis:// URL
+    kv_store_save_decode: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,10 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
     a(
         "--kv-connector",
-        choices=["nixl", "nixl-push", "moriio"],
+        choices=["nixl", "nixl-push", "store", "moriio"],
         default="nixl",
         help="nixl: NixlConnector pull; nixl-push: NixlPushConnector (D registers, P writes); "
-        "moriio: MoRIIOConnector (vllm_sim/moriio.py)",
+        "store: a shared store (--kv-store); moriio: MoRIIOConnector (vllm_sim/moriio.py)",
     )
     a("--moriio-proxy", default="", help="moriio: the router's registration HOST:PORT")
     a("--moriio-mode", choices=["READ", "WRITE"], default="READ", help="moriio: transfer mode")
@@ -110,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-request-id-headers", action="store_true", help="echo X-Request-Id")
     a("--log-requests", action="store_true", help="log each request's X-Request-Id (INFO)")
     a("--sweep-interval", type=float, default=1.0, help="seconds between expired-pin sweeps")
+    a("--kv-store", default="", help="the shared KV store (store connector): redis://host:port/db")
+    a(
+        "--kv-store-save-decode",
+        action="store_true",
+        help="store: also write decode output blocks (on D: the prompt's too, vLLM's kv_both)",
+    )
     return p
 
 
@@ -157,6 +168,8 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         enable_request_id_headers=ns.enable_request_id_headers,
         log_requests=ns.log_requests,
         sweep_interval=ns.sweep_interval,
+        kv_store=ns.kv_store,
+        kv_store_save_decode=ns.kv_store_save_decode,
     )
     check(settings)
     return settings
@@ -182,3 +195,10 @@ def check(s: SimSettings) -> None:
             f"--num-blocks {s.num_blocks} cannot hold one max-model-len sequence "
             f"({needed} blocks including the reserved null block)"
         )
+    if (s.kv_connector == "store") != bool(s.kv_store):
+        raise SystemExit("--kv-store URL goes with --kv-connector store, and only with it")
+    if s.kv_store:
+        try:
+            parse_url(s.kv_store)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None

@@ -19,6 +19,7 @@ from vllm_sim.config import SimSettings
 from vllm_sim.costs import CostModel, spend
 from vllm_sim.errors import KVLoadError
 from vllm_sim.kvchannel import KVChannelClient, TransferError
+from vllm_sim.kvstore import KVStore
 from vllm_sim.metrics import Counters, Gauges
 from vllm_sim.output import OutputText
 from vllm_sim.pins import Pin, PinTable
@@ -70,6 +71,8 @@ class _Seq:
     hashes: list[int]  # hashes of the full blocks whose KV is complete, in order
     hit_tokens: int = 0
     last_kv: int = model.KV_ROOT
+    loaded: range = range(0)  # the blocks loaded from the shared store (store connector)
+    saved: int = 0  # blocks [0, saved) are written to the store or were loaded from it
 
 
 class Engine:
@@ -97,6 +100,9 @@ class Engine:
         )
         self.steps = StepLoop(settings.prefill_ms_per_token, settings.decode_ms_per_token)
         self.channel = channel or KVChannelClient(settings.handshake_timeout)
+        self.store: KVStore | None = None
+        if settings.kv_connector == "store":
+            self.store = KVStore(settings.kv_store, settings.model, self.block_size, self.counters)
         self._clock = clock
         self._on_events = on_events
         self.push = (
@@ -202,7 +208,8 @@ class Engine:
             self._slots.release()
 
     def _classify(self, req: GenRequest) -> transfer.Leg:
-        params = req.kv_params
+        # The store connector reads no kv_transfer_params (MooncakeStoreConnector).
+        params = req.kv_params if self.store is None else None
         if self.settings.kv_connector == "moriio":  # addresses from the id (vllm_sim/moriio.py)
             try:
                 params = moriio.as_rules(params, req.base_id, self.settings.moriio_mode)
@@ -242,7 +249,7 @@ class Engine:
         count = transfer.tokens_to_pull(
             leg, n, hit, s.kv_recompute_threshold, s.threshold_gates_prefill_pulls
         )
-        if leg.source is not None:
+        if leg.source is not None or self.store is not None:
             c.external_prefix_cache_queries += n - hit
         pulled = 0
         if leg.source is not None:
@@ -250,6 +257,8 @@ class Engine:
         elif leg.kind in ("push_consumer", "push_broken"):
             c.external_prefix_cache_queries += n - hit
             pulled = await self._receive_push(leg, seq, hit, n - hit)
+        elif self.store is not None:
+            pulled = await self._store_load(req, seq)
         c.external_prefix_cache_hits += pulled
         # Compute the rest; with everything pulled, recompute the last prompt token (as vLLM).
         start = min(hit + pulled, n - 1)
@@ -258,6 +267,8 @@ class Engine:
         self.pool.write(seq.block_ids, start, kv)
         seq.last_kv = kv[-1]
         self._cache_blocks(seq, n)
+        if self.settings.role == "prefill":  # kv_producer: the prompt's blocks
+            await self._store_save(seq, n)
         computed = n - hit - pulled
         c.prompt_tokens += n
         c.prefix_cache_queries += n
@@ -346,6 +357,30 @@ class Engine:
             kv.append(int(content[off]) if off < len(content) else 0)
         self.pool.write(seq.block_ids, start, kv)
 
+    async def _store_load(self, req: GenRequest, seq: _Seq) -> int:
+        """Load the prompt's blocks after the local hit from the store, by hash; the tokens
+        loaded (the last prompt token is always computed, as vLLM does)."""
+        assert self.store is not None
+        bs = self.block_size
+        start = len(seq.hashes)
+        wanted = model.block_hashes(req.prompt, bs)[start : (len(req.prompt) - 1) // bs]
+        found = await self.store.load(wanted)
+        for i, kv in enumerate(found):
+            self.pool.write(seq.block_ids, (start + i) * bs, kv)
+        seq.loaded = range(start, start + len(found))
+        return len(found) * bs
+
+    async def _store_save(self, seq: _Seq, num_kv: int) -> None:
+        """Write the full blocks of the first num_kv tokens this request has not written
+        and did not load from the store."""
+        if self.store is None:
+            return
+        full = num_kv // self.block_size
+        todo = [b for b in range(seq.saved, full) if b not in seq.loaded]
+        seq.saved = max(seq.saved, full)
+        blocks = self.pool.read([seq.block_ids[b] for b in todo])
+        await self.store.save([seq.hashes[b] for b in todo], blocks)
+
     def _cache_blocks(self, seq: _Seq, num_kv: int) -> None:
         """Cache every full block whose KV is complete (under this instance's token ids)."""
         bs = self.block_size
@@ -395,6 +430,8 @@ class Engine:
                 self.pool.write(seq.block_ids, pos, [seq.last_kv])
                 self._cache_blocks(seq, pos + 1)
             else:
+                if self.settings.kv_store_save_decode:
+                    await self._store_save(seq, len(seq.tokens) - 1)
                 res.content, res.reasoning = text.content, text.reasoning
                 res.finish_reason, res.stop_reason = finish, delta.stop_reason
                 res.kv_transfer_params = self._finish(req, seq, leg, res)

@@ -35,6 +35,10 @@ class Counters:
     sim_reads_refused: int = 0
     sim_notify_unknown: int = 0
     sim_requests_failed: int = 0
+    sim_store_lookups: int = 0
+    sim_store_blocks_read: int = 0
+    sim_store_blocks_written: int = 0
+    sim_store_errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,14 @@ _SIM_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("sim_reads_refused", "vllm_sim:reads_refused_total", "Side-channel reads refused (bad ids)."),
     ("sim_notify_unknown", "vllm_sim:notify_unknown_total", "Free notifications for no pin."),
     ("sim_requests_failed", "vllm_sim:requests_failed_total", "Requests failed by KV load."),
+    ("sim_store_lookups", "vllm_sim:store_lookups_total", "KV-store lookups answered."),
+    ("sim_store_blocks_read", "vllm_sim:store_blocks_read_total", "Blocks loaded from the store."),
+    (
+        "sim_store_blocks_written",
+        "vllm_sim:store_blocks_written_total",
+        "Blocks written to the store.",
+    ),
+    ("sim_store_errors", "vllm_sim:store_errors_total", "Failed KV-store lookups and writes."),
 )
 
 

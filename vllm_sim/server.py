@@ -81,6 +81,8 @@ class Sim:
                 await self._side_channel(stack, engine, s.host)
             self.publisher.start()
             stack.callback(self.publisher.close)
+            if self.engine.store is not None:
+                stack.callback(self.engine.store.close)
             sweeper = asyncio.create_task(self._sweep_forever())
             stack.push_async_callback(_cancel, sweeper)
             yield

@@ -2,8 +2,9 @@
 
 One module per protocol implements it (`nixl.py`: NixlConnector pull with bidirectional D->P
 reuse; `nixl_push.py`: NixlPushConnector, whose concurrent legs are router/turn/push.py's;
-`moriio.py`: MoRIIOConnector, legs in router/turn/moriio.py);
-`select` picks one by `--kv-connector`. The turn never reads a protocol field itself.
+`moriio.py`: MoRIIOConnector, legs in router/turn/moriio.py; `store.py`: KV through a
+shared store, no fields); `select` picks one by `--kv-connector`. The turn never reads a
+protocol field itself.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ def select(name: str) -> Connector:
     from router.connectors.moriio import MoriIO
     from router.connectors.nixl import NixlPull  # one import per protocol module
     from router.connectors.nixl_push import NixlPush
+    from router.connectors.store import StoreConnector
 
     connectors: dict[str, Connector] = {
         "nixl": NixlPull(),
         "nixl-push": NixlPush(),
+        "store": StoreConnector(),
         "moriio": MoriIO(),
     }
     try:

@@ -62,6 +62,7 @@ async def place_prefill(turn: Turn, p_inst: Instance) -> Instance:
     for inst in usable:
         idx = indexes[inst.url]
         held.append((inst, held_tokens(idx, tokens) if idx is not None else 0))
+    turn.held = {i.url: n for i, n in held if indexes[i.url] is not None}
     chosen = decide.prefix_placement(held, p_inst, AFFINITY_SLACK)
     if chosen is not p_inst:
         log.info(

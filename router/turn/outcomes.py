@@ -18,6 +18,7 @@ class Via(StrEnum):
 
     PREFILL_CACHE = "prefill-cache"  # P's own prefix cache held it (KV events): no handle sent
     DECODE = "decode"  # the decode plan: the turn ran on the previous D alone, no P leg
+    STORE = "store"  # --kv-connector store: P reported cached prompt tokens (store or its own)
 
 
 VIA_MEANINGS: dict[Via, str] = {
@@ -26,6 +27,11 @@ VIA_MEANINGS: dict[Via, str] = {
     Via.DECODE: "the decode plan: the whole turn went to the previous D, whose prefix cache "
     "holds the verified prefix; no P leg, nothing moved, D computed only the new tokens "
     "(`--decode-local-max-tokens`)",
+    Via.STORE: "`--kv-connector store`: P reported this many cached prompt tokens "
+    "(`usage.prompt_tokens_details.cached_tokens`), found in the shared store or its own "
+    "prefix cache (vLLM's per-request count does not say which; its "
+    "`vllm:prompt_tokens_by_source_total` does; with `--kv-events`, a count that P's own "
+    "cache held entirely is `hit;via=prefill-cache` instead); no handle exists in this mode",
 }
 
 
@@ -71,6 +77,7 @@ class Reason(StrEnum):
     CORRUPT_STATE = "corrupt-state"
     HANDLE_UNAUTHENTICATED = "handle-unauthenticated"
     HANDLE_INVALID = "handle-invalid"
+    STORE_MISSED = "store-missed"
     REUSE_DISABLED = "reuse-disabled"
     NO_CONVERSATION_ID = "no-conversation-id"
     PUSH_AFFINITY = "push-affinity"
@@ -121,6 +128,9 @@ MEANINGS: dict[Reason, str] = {
     Reason.HANDLE_INVALID: "the stored handle fails the router's checks (not a handle, "
     "`remote_num_tokens` other than the stored token count, too few or too many blocks, "
     "another engine id than the one stored)",
+    Reason.STORE_MISSED: "`--kv-connector store`: P reported no cached prompt tokens for a "
+    "continuing conversation (the store lost or never got its blocks, or the engines run "
+    "without `--enable-prompt-tokens-details`): P computed the whole history",
     Reason.REUSE_DISABLED: "`--no-reuse`: affinity only",
     Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id` or "
     "`X-Session-ID`",
@@ -166,7 +176,7 @@ class Reuse:
 
     @property
     def source(self) -> str:
-        """The reused tokens' source label: decode_pull or prefill_cache ("" on no hit)."""
+        """The reused tokens' source label: decode_pull, prefill_cache or store ("" on no hit)."""
         if not self.is_hit:
             return ""
         return "decode_pull" if self.via is None else str(self.via).replace("-", "_")

@@ -33,6 +33,8 @@ def _candidate(turn: Turn, source: Instance | None) -> bool:
     svc, claim, state = turn.svc, turn.claim, turn.claim.state
     if state is None or source is None or not svc.settings.reuse or turn.inc.api == "responses":
         return False
+    if svc.connector.name == "store":  # every turn has a P leg: the producer fills the store
+        return False
     if not state.block_digests and not state.seq_digest:
         return False
     if claim.reuse.is_hit and not claim.reuse.pulls:

@@ -27,6 +27,7 @@ class Prefilled:
     params: dict[str, Any] | None  # P's kv_transfer_params for D (None: D recomputes)
     refused_by: str  # the P that refused the claimed handle ("" if none did)
     prompt_ids: list[int] | None = None  # the prompt as token ids, when P got it that way
+    body: dict[str, Any] | None = None  # P's answer (its usage: what it found cached)
 
 
 def _parse(raw: bytes) -> dict[str, Any] | None:
@@ -107,7 +108,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
                     f"{inst.url} answered {refused_ids} to /v1/completions with token ids "
                     "and 200 to the same prompt as the client sent it"
                 )
-            return Prefilled(inst, _handoff(turn, inst, parsed), refused_by, ids)
+            return Prefilled(inst, _handoff(turn, inst, parsed), refused_by, ids, parsed)
         elif step.next is Next.RELAY:
             raise EngineReply(attempt.status, raw)
         elif step.next is Next.ANOTHER_P:
@@ -137,5 +138,6 @@ def _handoff(turn: Turn, inst: Instance, parsed: dict[str, Any]) -> dict[str, An
         assert isinstance(params, dict)
         return params
     # P answered without a handoff: D prefills locally (never the P-leg dict).
-    log.info("prefill %s returned no kv_transfer_params; D recomputes", inst.url)
+    if turn.svc.connector.name != "store":  # in store mode D loads P's blocks by hash
+        log.info("prefill %s returned no kv_transfer_params; D recomputes", inst.url)
     return None

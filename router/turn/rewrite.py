@@ -44,7 +44,8 @@ def prefill_body(
         out["max_tokens"] = 1
         if "max_completion_tokens" in out:
             out["max_completion_tokens"] = 1
-    out[KV_FIELD] = dict(kv_params)
+    if kv_params:  # a connector with no fields (store) sends none
+        out[KV_FIELD] = dict(kv_params)
     return out
 
 
@@ -97,7 +98,8 @@ def ids_prefill_body(
     out["prompt"] = prompt_ids
     out["max_tokens"] = 1
     out["stream"] = False
-    out[KV_FIELD] = dict(kv_params)
+    if kv_params:
+        out[KV_FIELD] = dict(kv_params)
     return out
 
 

@@ -17,7 +17,7 @@ from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure, sse_error_event
 from router.services import Services
 from router.tracing import span
-from router.turn import decide, kv_aware, moriio, plan, push
+from router.turn import decide, kv_aware, moriio, plan, push, store_mode
 from router.turn.claim import claim, verify
 from router.turn.commit import abort, finish
 from router.turn.incoming import Incoming
@@ -91,6 +91,7 @@ async def _serve(turn: Turn) -> Response:
         sent = source if turn.claim.params is not None else None  # the handle's D, if sent
         prefilled = await prefill(turn, p_inst)
         _note_handle_result(turn, sent, prefilled)
+        store_mode.note_prefill(turn, prefilled)
         d_inst = _pick_decode(svc, state.decode if state else "", failed)
         try:
             return await _decode(turn, d_inst, prefilled.params)

@@ -25,6 +25,8 @@ class Turn:
     want_token_ids: bool = False  # D is asked for return_token_ids
     first_byte: float = 0.0
     reuse_counted: bool = False
+    # Prompt tokens each P's prefix cache held before the P leg, by its KV events (placement).
+    held: dict[str, int] = field(default_factory=dict)
     ranks: dict[str, int] = field(default_factory=dict)  # data-parallel rank sent, by role
     # The X-Request-Id of both legs when it is not request_id (MoRI-IO's addressed id).
     leg_id: str = ""

@@ -90,9 +90,11 @@ def test_every_service_is_known_and_both_profiles_exist() -> None:
     default = {kinds[n] for n in SERVICES if not profiles(n)}
     gpu = {kinds[n] for n in SERVICES if "gpu" in profiles(n)}
     push = {kinds[n] for n in SERVICES if "push" in profiles(n)}
+    store = {kinds[n] for n in SERVICES if "store" in profiles(n)}
     assert default == {"redis", "router", "sim"}
     assert gpu == {"router", "vllm"}
     assert push == {"router", "sim"}
+    assert store == {"router", "sim"}
 
 
 @pytest.mark.parametrize("name", named("router"))
@@ -112,11 +114,33 @@ def test_every_kvbaton_env_var_names_a_setting() -> None:
 def test_simulator_command_parses(name: str) -> None:
     settings = sim_settings(name)
     assert settings.host == "0.0.0.0"
+    assert settings.role in name
+    if settings.kv_connector == "store":  # no side channel: the KV goes through the store
+        assert profiles(name) == {"store"}
+        return
     assert settings.side_channel_host == name, "the address the other engine pulls from"
     # Push mode has no bidirectional transfer (vllm#46473); pull mode needs it for reuse.
     assert settings.bidirectional == (settings.kv_connector == "nixl")
     assert settings.kv_connector == ("nixl-push" if "push" in profiles(name) else "nixl")
     assert settings.role in name
+
+
+def test_the_store_profile_shares_one_store_apart_from_the_sessions() -> None:
+    router = router_settings("router-store")
+    assert router.kv_connector == "store"
+    engines = [urlsplit(u).hostname for u in (*router.prefill, *router.decode)]
+    assert len(engines) == 4 and all(profiles(str(e)) == {"store"} for e in engines)
+    stores = set()
+    for name in engines:
+        sim = sim_settings(str(name))
+        assert sim.kv_connector == "store"
+        assert sim.kv_store_save_decode == (sim.role == "decode"), "D writes its answers"
+        store = urlsplit(sim.kv_store)
+        assert store.hostname in SERVICES and kind(SERVICES[store.hostname]) == "redis"
+        assert SERVICES[str(name)]["depends_on"][store.hostname]["condition"] == "service_healthy"
+        stores.add(sim.kv_store)
+    assert len(stores) == 1, "every engine on the same store"
+    assert urlsplit(stores.pop()).path != urlsplit(router.redis_url).path, "not the sessions' db"
 
 
 def test_push_router_names_the_push_p_coordinates() -> None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,20 +91,27 @@ def report(config: pytest.Config, line: str) -> None:
 
 
 def start_engines(
-    kind: str, tmp_path_factory: pytest.TempPathFactory, config: pytest.Config
+    kind: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    config: pytest.Config,
+    *,
+    tag: str = "",
+    kv_config: dict[str, Any] | None = None,
 ) -> Iterator[Engines]:
-    """P, D and the reference engine on the tiny model with the `kind` tokenizer; stopped when
-    the module that uses them is done (one set of three engines runs at a time)."""
+    """P, D and the reference engine on the tiny model with the `kind` tokenizer (P and D
+    with `kv_config`, default bidirectional NIXL pull); stopped when the module that uses
+    them is done (one set of three engines runs at a time)."""
     python = os.environ[PYTHON_ENV]
     model = str(model_dir(python, kind))
-    work = tmp_path_factory.mktemp(f"vllm-{kind}")
+    tag = tag or kind
+    work = tmp_path_factory.mktemp(f"vllm-{tag}")
     log_dir = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
     log_dir.mkdir(exist_ok=True)
     p_port, d_port, ref_port, p_side, d_side = distinct_ports(5)
     specs = [
-        EngineSpec(f"p-{kind}", p_port, CPU_BIND, p_side, f"ipc://{work}/kv-p.ipc"),
-        EngineSpec(f"d-{kind}", d_port, CPU_BIND, d_side, f"ipc://{work}/kv-d.ipc"),
-        EngineSpec(f"ref-{kind}", ref_port, CPU_BIND),
+        EngineSpec(f"p-{tag}", p_port, CPU_BIND, p_side, f"ipc://{work}/kv-p.ipc", kv_config),
+        EngineSpec(f"d-{tag}", d_port, CPU_BIND, d_side, f"ipc://{work}/kv-d.ipc", kv_config),
+        EngineSpec(f"ref-{tag}", ref_port, CPU_BIND),
     ]
     started: list[Engine] = []
     events: KvEvents | None = None
@@ -113,12 +121,13 @@ def start_engines(
             started.append(engines.launch(python, model, spec, work, log_dir))
         engines.wait_ready(started, START_TIMEOUT)
         took = time.monotonic() - t0
-        report(config, f"\nvLLM P, D and reference ({kind} tokenizer) ready in {took:.1f} s")
+        report(config, f"\nvLLM P, D and reference ({tag}) ready in {took:.1f} s")
         p, d, ref = started
-        t0 = time.monotonic()
-        retries = engines.warm_up(p, d, START_TIMEOUT)
-        took = time.monotonic() - t0
-        report(config, f"NIXL warm-up (P->D, D->P) took {took:.1f} s, {retries} retries")
+        if kv_config is None:  # push mode has no D->P read to warm up
+            t0 = time.monotonic()
+            retries = engines.warm_up(p, d, START_TIMEOUT)
+            took = time.monotonic() - t0
+            report(config, f"NIXL warm-up (P->D, D->P) took {took:.1f} s, {retries} retries")
         # Subscribe before any traffic: PUB/SUB drops what is sent before the connection.
         events = KvEvents({"p": p.spec.kv_events, "d": d.spec.kv_events})
         events.start()
@@ -128,7 +137,7 @@ def start_engines(
         if events is not None:
             events.stop()
         engines.stop(started)
-        report(config, f"\nvLLM engines ({kind}) stopped in {time.monotonic() - t0:.1f} s")
+        report(config, f"\nvLLM engines ({tag}) stopped in {time.monotonic() - t0:.1f} s")
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +156,14 @@ def vllm_bpe_engines(
     yield from start_engines("bpe", tmp_path_factory, pytestconfig)
 
 
-def start_router(engines_: Engines, redis_url: str, name: str) -> Iterator[RouterProc]:
+def start_router(engines_: Engines, redis_url: str, name: str, *extra: str) -> Iterator[RouterProc]:
     """kvbaton in front of P and D with its defaults (--verify-prefix tokens, block size
-    read from vllm:cache_config_info, no --stream-kv-params: stock vLLM 0.32)."""
+    read from vllm:cache_config_info, no --stream-kv-params: stock vLLM 0.32), and `extra`."""
     # Generous timeouts: the defaults (120 s prefill, 60 s idle, 0.25 s store) are for real
     # deployments; a machine loaded by something else makes this tier slow, not wrong (with
     # vLLM's multiprocess executor, engine legs stalled for minutes and Redis calls missed 2 s).
     args = (
+        *extra,
         "--store-timeout",
         "10",
         "--prefill-timeout",
@@ -171,6 +181,23 @@ def start_router(engines_: Engines, redis_url: str, name: str) -> Iterator[Route
     # as it starts: on a loaded machine that took over the harness's default 20 s.
     with router(*urls, *args, redis_url=redis_url, name=name, ready_timeout=START_TIMEOUT) as r:
         yield r
+
+
+@pytest.fixture(scope="module")
+def vllm_push_engines(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[Engines]:
+    """P and D with NixlPushConnector (character tokenizer)."""
+    yield from start_engines(
+        "char", tmp_path_factory, pytestconfig, tag="push", kv_config=engines.PUSH
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_push_router(vllm_push_engines: Engines, redis_url_session: str) -> Iterator[RouterProc]:
+    yield from start_router(
+        vllm_push_engines, redis_url_session, "vllm-push-router", "--kv-connector", "nixl-push"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,11 @@ BIDIRECTIONAL = {
 }
 
 
+# Push mode (NixlPushConnector, WRITE): D registers the blocks it lacks with P, P writes them.
+# vLLM refuses bidirectional_kv_xfer with it (no D->P reuse for push, vllm#46473).
+PUSH = {"kv_connector": "NixlPushConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     name: str
@@ -48,6 +53,7 @@ class EngineSpec:
     cpu: str  # VLLM_CPU_OMP_THREADS_BIND
     side_channel_port: int = 0  # 0: no KV connector
     kv_events: str = ""  # ipc:// endpoint the engine's publisher binds; "" for none
+    kv_config: dict[str, Any] | None = None  # --kv-transfer-config (None: BIDIRECTIONAL)
 
 
 @dataclass
@@ -89,7 +95,7 @@ def engine_argv(python: str, model: str, spec: EngineSpec) -> list[str]:
         "uni",
     ]
     if spec.side_channel_port:
-        argv += ["--kv-transfer-config", json.dumps(BIDIRECTIONAL)]
+        argv += ["--kv-transfer-config", json.dumps(spec.kv_config or BIDIRECTIONAL)]
     if spec.kv_events:
         events = {
             "enable_kv_cache_events": True,
