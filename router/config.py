@@ -55,7 +55,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_kv_params: bool = False
     decode_local_max_tokens: int = 512
     decode_local_max_inflight: int = 16
-    kv_connector: Literal["nixl", "nixl-push", "store"] = "nixl"
+    kv_connector: Literal["nixl", "nixl-push", "store", "moriio"] = "nixl"
+    moriio_register: str = ""
+    moriio_register_ttl: float = 30.0
     prefill_coordinates: tuple[str, ...] = ()
     data_parallel_size: tuple[str, ...] = ()
     prefill_token_ids: bool = True
@@ -224,7 +226,7 @@ def validate(values: Mapping[str, Any]) -> Settings:
     data.setdefault("decode", ())
     for role in ("prefill", "decode"):
         urls = tuple(base_url(url) for url in data[role])
-        if not urls:
+        if not urls and not data.get("moriio_register"):  # else: instances announce themselves
             raise ConfigError(f"at least one --{role} URL is required")
         for url in urls:
             if not url.startswith(("http://", "https://")):
@@ -236,6 +238,17 @@ def validate(values: Mapping[str, Any]) -> Settings:
         raise ConfigError(str(exc)) from None
     _check(settings)
     return settings
+
+
+def _check_moriio(settings: Settings) -> None:
+    moriio = settings.kv_connector == "moriio"
+    if moriio != bool(settings.moriio_register):
+        # MoRI-IO peers are addressed by the ZMQ addresses they announce, nothing else.
+        raise ConfigError("--kv-connector moriio and --moriio-register go together")
+    if settings.moriio_register and settings.workers > 1:
+        raise ConfigError("--moriio-register binds one socket: it needs --workers 1")
+    if settings.moriio_register_ttl <= 0:
+        raise ConfigError("--moriio-register-ttl must be > 0")
 
 
 def _check(settings: Settings) -> None:
@@ -250,6 +263,7 @@ def _check(settings: Settings) -> None:
         raise ConfigError("--session-secret: each secret needs at least 16 characters")
     _check_kv_events(settings)
     _check_coordinates(settings)
+    _check_moriio(settings)
     if settings.workers < 1 or min(settings.header_timeout, settings.body_timeout) <= 0:
         raise ConfigError("--workers must be >= 1, --header-timeout and --body-timeout > 0")
     if settings.workers > 1 and settings.session_store == "memory":

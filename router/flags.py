@@ -25,12 +25,14 @@ class Flag:
 FLAGS: tuple[Flag, ...] = (
     Flag(
         "prefill",
-        "prefill (P) instance base URLs (a bare host:port means http://host:port)",
+        "prefill (P) instance base URLs (a bare host:port means http://host:port); none needed "
+        "with --moriio-register",
         many=True,
     ),
     Flag(
         "decode",
-        "decode (D) instance base URLs (a bare host:port means http://host:port)",
+        "decode (D) instance base URLs (a bare host:port means http://host:port); none needed "
+        "with --moriio-register",
         many=True,
     ),
     Flag("host", "address to listen on"),
@@ -88,8 +90,19 @@ FLAGS: tuple[Flag, ...] = (
         "kv_connector",
         "the engines' KV-transfer protocol (nixl: NixlConnector pull, with D->P reuse; "
         "nixl-push: NixlPushConnector, P and D called concurrently, affinity only; "
-        "store: KV through a shared store such as MooncakeStoreConnector, no kv_transfer_params)",
-        choices=("nixl", "nixl-push", "store"),
+        "store: KV through a shared store such as MooncakeStoreConnector, no kv_transfer_params; "
+        "moriio: MoRIIOConnector, READ or WRITE as the instances announce, affinity only)",
+        choices=("nixl", "nixl-push", "store", "moriio"),
+    ),
+    Flag(
+        "moriio_register",
+        "a ZMQ endpoint (tcp://HOST:PORT) the router binds for MoRI-IO instances' "
+        "announcements (vLLM's toy proxy binds tcp://0.0.0.0:36367); empty: none",
+    ),
+    Flag(
+        "moriio_register_ttl",
+        "seconds after its last announcement that a MoRI-IO instance is dropped",
+        float,
     ),
     Flag(
         "data_parallel_size",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from router.config import Settings
 from router.connectors.base import Connector
+from router.engines.announce import Peers
 from router.engines.client import EngineClient
 from router.engines.kv_watch import KvEvents
 from router.engines.pool import Pool
@@ -39,6 +40,8 @@ class Services:
     ids_leg_off: str = ""
     # What each engine's prefix cache holds, from its KV events (None: no --kv-events).
     kv_events: KvEvents | None = None
+    # MoRI-IO instances that announced themselves (None: no --moriio-register).
+    peers: Peers | None = None
 
     def ids_leg_on(self) -> bool:
         return self.settings.prefill_token_ids and not self.ids_leg_off

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import zmq
 from aiohttp import web
 
+from vllm_sim import moriio
 from vllm_sim.config import SimSettings, parse_settings
 from vllm_sim.server import Sim, build_app
 
@@ -35,13 +36,34 @@ async def serve(settings: SimSettings) -> None:
             f"model {settings.model}{events})",
             flush=True,
         )
+        announcing = _announce(settings, sim, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        if announcing is not None:
+            announcing.cancel()
     finally:
         await runner.cleanup()
+
+
+def _announce(settings: SimSettings, sim: Sim, port: int) -> asyncio.Task[None] | None:
+    """MoRI-IO: announce this instance to the router (vllm_sim/moriio.py)."""
+    if settings.kv_connector != "moriio" or not settings.moriio_proxy:
+        return None
+    host = settings.side_channel_host
+    return asyncio.create_task(
+        moriio.announce(
+            settings.moriio_proxy,
+            settings.role,
+            f"{host}:{port}",
+            moriio.zmq_address(host, sim.engine.kv_port),
+            settings.data_parallel_size,
+            settings.moriio_mode,
+            settings.moriio_ping_interval,
+        )
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -49,6 +49,10 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     # through a shared store (MooncakeStoreConnector, vllm_sim/kvstore.py)
     kv_connector: str = "nixl"
     push_registration_timeout: float = 10.0
+    # moriio: the proxy announced to (HOST:PORT, "": none), READ or WRITE, seconds between pings
+    moriio_proxy: str = ""
+    moriio_mode: str = "READ"
+    moriio_ping_interval: float = 3.0
     data_parallel_size: int = 1  # vllm_sim/dp.py
     kv_store: str = ""  # the store's redis:// URL
     kv_store_save_decode: bool = False
@@ -77,11 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
     a(
         "--kv-connector",
-        choices=["nixl", "nixl-push", "store"],
+        choices=["nixl", "nixl-push", "store", "moriio"],
         default="nixl",
         help="nixl: NixlConnector pull; nixl-push: NixlPushConnector (D registers, P writes); "
-        "store: a shared store (--kv-store)",
+        "store: a shared store (--kv-store); moriio: MoRIIOConnector (vllm_sim/moriio.py)",
     )
+    a("--moriio-proxy", default="", help="moriio: the router's registration HOST:PORT")
+    a("--moriio-mode", choices=["READ", "WRITE"], default="READ", help="moriio: transfer mode")
+    a("--moriio-ping-interval", type=float, default=3.0, help="moriio: seconds between pings")
     a(
         "--data-parallel-size",
         type=int,
@@ -144,6 +151,9 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         kv_load_failure_policy=ns.kv_load_failure_policy,
         kv_connector=ns.kv_connector,
         push_registration_timeout=ns.push_registration_timeout,
+        moriio_proxy=ns.moriio_proxy,
+        moriio_mode=ns.moriio_mode if ns.kv_connector == "moriio" else "",
+        moriio_ping_interval=ns.moriio_ping_interval,
         data_parallel_size=ns.data_parallel_size,
         stream_kv_params=ns.stream_kv_params,
         reasoning_tokens=ns.reasoning_tokens,
@@ -170,6 +180,11 @@ def check(s: SimSettings) -> None:
     if s.kv_connector == "nixl-push" and s.bidirectional:
         # vllm#46473: the push connector raises NotImplementedError for bidirectional_kv_xfer.
         raise SystemExit("--bidirectional is not supported with --kv-connector nixl-push")
+    if s.kv_connector == "moriio" and s.bidirectional:
+        raise SystemExit("--bidirectional is not supported with --kv-connector moriio")
+    if s.kv_connector == "moriio" and s.data_parallel_size > 1 and not s.kv_port:
+        # rank r's side channel must be at the announced port + r
+        raise SystemExit("--kv-connector moriio with --data-parallel-size needs --kv-port")
     if s.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be at least 1")
     if s.block_size < 1 or s.max_model_len < 2 or s.max_num_seqs < 1:

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_sim import model, push, transfer
+from vllm_sim import model, moriio, push, transfer
 from vllm_sim.blocks import BlockPool, CacheEvent
 from vllm_sim.config import SimSettings
 from vllm_sim.costs import CostModel, spend
@@ -113,9 +113,11 @@ class Engine:
                 settings.kv_lease_duration,
                 settings.push_registration_timeout,
             )
-            if settings.kv_connector == "nixl-push"
+            if settings.kv_connector == "nixl-push" or settings.moriio_mode == "WRITE"
             else None
         )
+        if self.push is not None and settings.kv_connector == "moriio":
+            self.push.any_engine = moriio.ANY_ENGINE  # MoRI-IO's D is never told P's id
         self._slots = asyncio.Semaphore(settings.max_num_seqs)
         self._freed = asyncio.Event()
         self.running = 0
@@ -189,8 +191,7 @@ class Engine:
         seq: _Seq | None = None
         try:
             seq = await self._admit(req)
-            # The store connector reads no kv_transfer_params (MooncakeStoreConnector).
-            leg = self._classify(req.kv_params if self.store is None else None)
+            leg = self._classify(req)
             await self._prefill(req, seq, leg, result)
             if leg.kind == "push_producer" and self.push is not None:
                 await self.push.produce(
@@ -206,7 +207,16 @@ class Engine:
             self.running -= 1
             self._slots.release()
 
-    def _classify(self, params: dict[str, Any] | None) -> transfer.Leg:
+    def _classify(self, req: GenRequest) -> transfer.Leg:
+        # The store connector reads no kv_transfer_params (MooncakeStoreConnector).
+        params = req.kv_params if self.store is None else None
+        if self.settings.kv_connector == "moriio":  # addresses from the id (vllm_sim/moriio.py)
+            try:
+                params = moriio.as_rules(params, req.base_id, self.settings.moriio_mode)
+            except KVLoadError:
+                self.counters.nixl_failed_transfers += 1
+                self.counters.sim_requests_failed += 1
+                raise
         pushed = push.classify(params) if self.push is not None else None
         return pushed or transfer.classify(params, self.settings.bidirectional)
 
@@ -423,6 +433,9 @@ class Engine:
                 res.content, res.reasoning = text.content, text.reasoning
                 res.finish_reason, res.stop_reason = finish, delta.stop_reason
                 res.kv_transfer_params = self._finish(req, seq, leg, res)
+                if self.settings.kv_connector == "moriio":
+                    transfer_id = (req.kv_params or {}).get("transfer_id")
+                    res.kv_transfer_params = moriio.finished(res.kv_transfer_params, transfer_id)
                 self.counters.request_success[finish] = (
                     self.counters.request_success.get(finish, 0) + 1
                 )
@@ -456,7 +469,10 @@ class Engine:
         )
         expiry = self.now() + ttl
         kind = "lease" if leg.is_producer else "decoder"
-        self.pins.pin(Pin(req.request_id, pinned, expiry, kind))
+        pin_id = req.request_id
+        if self.settings.kv_connector == "moriio":  # D frees them by the transfer id
+            pin_id = moriio.pin_id(req.kv_params, req.request_id)
+        self.pins.pin(Pin(pin_id, pinned, expiry, kind))
         self.counters.sim_blocks_pinned += len(pinned)
         params = transfer.finished_params(
             is_producer=leg.is_producer,

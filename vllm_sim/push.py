@@ -140,6 +140,7 @@ class PushSide:
         self._lease_s = lease_s
         self._registration_timeout = registration_timeout
         self.tp_size = tp_size
+        self.any_engine = ""  # an engine id accepted besides this one (vllm_sim/moriio.py)
         self.counters = PushCounters()
         self._slots: dict[str, _Slot] = {}
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -168,7 +169,7 @@ class PushSide:
 
     def register(self, reg: Registration) -> str:
         """A registration from D: "" if taken, else why it is refused."""
-        if reg.engine_id != self.engine_id:
+        if reg.engine_id != self.engine_id and not (self.any_engine == reg.engine_id != ""):
             why = f"engine id mismatch: registered for {reg.engine_id}, this is {self.engine_id}"
         elif reg.block_size != self.block_size:
             why = f"block size mismatch: {reg.block_size} vs {self.block_size}"

@@ -213,6 +213,7 @@ class Sim:
                     "cached_blocks": r.pool.num_cached,
                     "prefix_cache_hits": r.counters.prefix_cache_hits,
                     "prompt_tokens": r.counters.prompt_tokens,
+                    "reads_served": r.counters.sim_reads_served,
                 }
                 for rank, r in enumerate(self.ranks.engines)
             ],

@@ -2,8 +2,9 @@
 
 One module per protocol implements it (`nixl.py`: NixlConnector pull with bidirectional D->P
 reuse; `nixl_push.py`: NixlPushConnector, whose concurrent legs are router/turn/push.py's;
-`store.py`: KV through a shared store, no fields); `select` picks one by `--kv-connector`.
-The turn never reads a protocol field itself.
+`moriio.py`: MoRIIOConnector, legs in router/turn/moriio.py; `store.py`: KV through a
+shared store, no fields); `select` picks one by `--kv-connector`. The turn never reads a
+protocol field itself.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Connector(Protocol):
 
 def select(name: str) -> Connector:
     """The connector for `--kv-connector NAME`."""
+    from router.connectors.moriio import MoriIO
     from router.connectors.nixl import NixlPull  # one import per protocol module
     from router.connectors.nixl_push import NixlPush
     from router.connectors.store import StoreConnector
@@ -54,6 +56,7 @@ def select(name: str) -> Connector:
         "nixl": NixlPull(),
         "nixl-push": NixlPush(),
         "store": StoreConnector(),
+        "moriio": MoriIO(),
     }
     try:
         return connectors[name]

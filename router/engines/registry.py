@@ -104,8 +104,13 @@ class Syncer:
     _entries: dict[str, Entry] = field(default_factory=dict)
 
     def base(self) -> dict[Role, tuple[str, ...]]:
-        settings = self.svc.settings
-        return {"prefill": settings.prefill, "decode": settings.decode}
+        settings, peers = self.svc.settings, self.svc.peers
+        if peers is None:
+            return {"prefill": settings.prefill, "decode": settings.decode}
+        return {  # plus the MoRI-IO instances announced (engines/announce.py)
+            "prefill": (*settings.prefill, *peers.urls("prefill")),
+            "decode": (*settings.decode, *peers.urls("decode")),
+        }
 
     async def _base_urls(self) -> dict[Role, tuple[str, ...]]:
         base = self.base()
@@ -187,6 +192,13 @@ class Syncer:
             inst.url,
             f", unhealthy for now: {inst.last_error}" if reason else "",
         )
+
+    async def resync(self) -> None:
+        """Sync now (an announced MoRI-IO instance came or went); a failing store waits."""
+        try:
+            await self.sync()
+        except StoreError as exc:
+            log.warning("instance registry unavailable, resync deferred: %s", exc)
 
     async def loop(self, interval: float) -> None:
         """Every `interval` seconds; a failing store is reported once, then retried quietly."""

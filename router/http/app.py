@@ -18,7 +18,7 @@ from starlette.routing import Mount, Route
 
 from router.config import Settings
 from router.connectors.base import select
-from router.engines import registry as registry
+from router.engines import announce, registry
 from router.engines.client import Upstream
 from router.engines.discovery import discover
 from router.engines.dns import DnsExpander, Resolver, SystemResolver
@@ -220,11 +220,18 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         syncer = registry.Syncer(svc, backend.registry, dns)
         ops = Operations(syncer, backend.conversations)
         syncing: asyncio.Task[None] | None = None
+        announcing: asyncio.Task[None] | None = None
+        if settings.moriio_register:
+            svc.peers = announce.Peers(settings.moriio_register_ttl)
         try:
             await discover(svc)
             app.state.services = svc
             app.state.operations = ops
             syncing = await registry.start(ops.syncer, settings.health_interval)
+            if svc.peers is not None:
+                announcing = asyncio.create_task(
+                    announce.listen(settings.moriio_register, svc.peers, syncer.resync)
+                )
             svc.kv_events.start()
             prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
             # While the store breaker is open, ping the store so reuse resumes when it is back.
@@ -234,7 +241,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
             yield
         finally:
             svc.stopping = True
-            for task in (prober, publisher, watcher):
+            for task in (prober, publisher, watcher, announcing):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

@@ -115,6 +115,12 @@ async def status(request: Request) -> Response:
         # --kv-events is not set: handles are sent on every verified hit, P placed by load.
         "kv_events": svc.kv_events.view() if svc.kv_events is not None else {"on": False},
         "store": await store_view(svc),
+        # MoRI-IO instances heard on --moriio-register (mode: the transfer mode announced).
+        "moriio": (
+            {"on": True, "mode": svc.peers.mode, "announced": svc.peers.status()}
+            if svc.peers is not None
+            else {"on": False}
+        ),
         # The demo proxies' /status fields (every instance in the pool, usable or not).
         "prefill_node_count": len(prefill_nodes),
         "decode_node_count": len(decode_nodes),

@@ -167,13 +167,21 @@ async def _settle(task: asyncio.Task[Any]) -> BaseException | None:
 async def _dispatch(
     turn: Turn, p_inst: Instance, d_inst: Instance, open_decode: OpenDecode
 ) -> EngineStream:
-    """Both legs at once, with a new transfer id. D's stream, or the failure that ends the
-    dispatch (P's first: a D that waited for a write that never came fails because of P)."""
+    """Both legs at once, with a new transfer id."""
     assert p_inst.kv.coords is not None
     transfer_id = new_transfer_id()
     kv = coords.d_params(p_inst.kv.coords, turn.request_id, transfer_id)
-    p_task = asyncio.create_task(_prefill(turn, p_inst, transfer_id))
-    d_task = asyncio.create_task(open_decode(turn, d_inst, kv))
+    return await both(_prefill(turn, p_inst, transfer_id), open_decode(turn, d_inst, kv))
+
+
+async def both(
+    prefill: Coroutine[Any, Any, None], decode: Coroutine[Any, Any, EngineStream]
+) -> EngineStream:
+    """P's and D's legs at once (push and MoRI-IO WRITE mode). D's stream, or PushFailed with
+    the failure that ends the dispatch (P's first: a D that waited for a write that never
+    came fails because of P); the client leaving closes both legs."""
+    p_task = asyncio.create_task(prefill)
+    d_task = asyncio.create_task(decode)
     try:
         await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
     except BaseException:  # the client left: close both legs
@@ -185,16 +193,16 @@ async def _dispatch(
         return d_task.result()
     p_exc = p_exc or await _settle(p_task)
     d_exc = d_exc or await _settle(d_task)
-    raise _PushFailed(p_exc, d_exc)
+    raise PushFailed(p_exc, d_exc)
 
 
-class _PushFailed(Exception):
+class PushFailed(Exception):
     def __init__(self, p_exc: BaseException | None, d_exc: BaseException | None) -> None:
         super().__init__(str(p_exc or d_exc))
         self.p_exc, self.d_exc = p_exc, d_exc
 
 
-def _blame(failed: _PushFailed) -> tuple[str, UpstreamFailure]:
+def _blame(failed: PushFailed) -> tuple[str, UpstreamFailure]:
     """Which leg failed (P first); an engine's own 4xx or a router bug is raised as is."""
     for leg, exc in (("prefill", failed.p_exc), ("decode", failed.d_exc)):
         if isinstance(exc, EngineReply):
@@ -218,7 +226,7 @@ async def serve(turn: Turn, open_decode: OpenDecode, respond: Respond) -> Respon
         turn.decode = d_inst
         try:
             resp = await _dispatch(turn, p_inst, d_inst, open_decode)
-        except _PushFailed as exc:
+        except PushFailed as exc:
             if isinstance(exc.p_exc, EngineReply) and exc.p_exc.status == 429:
                 busy.append(p_inst.url)  # P is busy, not failing: another P, or relay its 429
                 p_inst = _free_prefill(turn, [*failed_p, *busy], exc.p_exc)

@@ -17,7 +17,7 @@ from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure, sse_error_event
 from router.services import Services
 from router.tracing import span
-from router.turn import decide, kv_aware, plan, push, store_mode
+from router.turn import decide, kv_aware, moriio, plan, push, store_mode
 from router.turn.claim import claim, verify
 from router.turn.commit import abort, finish
 from router.turn.incoming import Incoming
@@ -67,6 +67,8 @@ async def _serve(turn: Turn) -> Response:
     svc = turn.svc
     if svc.connector.name == "nixl-push":  # P and D concurrently: router/turn/push.py
         return await push.serve(turn, _open_decode, _respond)
+    if svc.connector.name == "moriio":  # request-id addressing: router/turn/moriio.py
+        return await moriio.serve(turn, _open_decode, _respond)
     state = turn.claim.state
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
     source = svc.pool.find("decode", state.decode) if state is not None else None
@@ -179,7 +181,10 @@ async def _open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | No
     try:
         with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream):
             resp = await svc.engines.open_stream(
-                url, body, request_id=turn.request_id, extra_headers=turn.leg_headers(d_inst)
+                url,
+                body,
+                request_id=turn.leg_id or turn.request_id,
+                extra_headers=turn.leg_headers(d_inst),
             )
         if resp.status >= 500:
             text = await _read_error(resp)

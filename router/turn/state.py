@@ -28,6 +28,8 @@ class Turn:
     # Prompt tokens each P's prefix cache held before the P leg, by its KV events (placement).
     held: dict[str, int] = field(default_factory=dict)
     ranks: dict[str, int] = field(default_factory=dict)  # data-parallel rank sent, by role
+    # The X-Request-Id of both legs when it is not request_id (MoRI-IO's addressed id).
+    leg_id: str = ""
 
     def leg_headers(self, inst: Instance) -> dict[str, str]:
         """The headers of a leg to `inst`: the client's forwarded ones, and the conversation's
