@@ -22,6 +22,7 @@ from router.engines.client import EngineStream
 from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure
 from router.turn import push
+from router.turn.prefill import parse_answer
 from router.turn.push import OpenDecode, Respond
 from router.turn.rewrite import PATHS, prefill_body
 from router.turn.state import Turn
@@ -66,7 +67,7 @@ async def _prefill(
         )
     if 400 <= status < 500:
         raise EngineReply(status, raw)
-    parsed = push._parse(raw)
+    parsed = parse_answer(raw)
     if status != 200 or parsed is None or svc.connector.prefill_failed(status, parsed):
         raise UpstreamFailure(f"{inst.url} answered {status}: {raw[:200]!r}")
     kv = parsed.get("kv_transfer_params")

@@ -49,6 +49,8 @@ def sample(flag: Flag) -> Any:
     default = getattr(DEFAULTS, flag.name)
     if flag.repeat:  # URL=VALUE flags: values with commas, one per flag
         return REPEATED[flag.name]
+    if flag.name in SAMPLES:
+        return SAMPLES[flag.name]
     if flag.many:
         return ("http://x:1", "http://y:2")
     if flag.kind is bool:
@@ -62,8 +64,13 @@ def sample(flag: Flag) -> Any:
     return f"sample-{flag.name}"
 
 
+# Flags that only go with others (the rest of the command line they need).
+COMPANIONS = {"moriio_register": ["--kv-connector", "moriio"]}
+SAMPLES = {"moriio_register": "tcp://127.0.0.1:5999"}
+
+
 def base_argv(flag: Flag) -> list[str]:
-    argv = []
+    argv = list(COMPANIONS.get(flag.name, []))
     for role in ("prefill", "decode"):
         if flag.name != role:
             argv += [f"--{role}", f"http://{role}:1"]
