@@ -125,7 +125,9 @@ def section(res: dict[str, Any] | None) -> list[str]:
         "`/tokenize`, verifies, sends P the token ids and D's handle, and commits) and through",
         "the floor (the same conversations, two legs, nothing else), in alternating rounds.",
         "D streams its handle (`--stream-kv-params`), so streamed turns hit too.",
-        "*own* is kvbaton minus floor at p50: the router's own work per turn.",
+        "*own* is kvbaton minus floor at p50: the router's own work per turn, plus the engine",
+        "work only kvbaton asks for (P's `/tokenize` of the whole chat, in the simulator's",
+        "pure-Python tokenizer, and the token-ids P leg).",
         "",
     ]
     rows = []
