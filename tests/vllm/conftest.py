@@ -97,10 +97,13 @@ def start_engines(
     *,
     tag: str = "",
     kv_config: dict[str, Any] | None = None,
+    reference: bool = True,
 ) -> Iterator[Engines]:
     """P, D and the reference engine on the tiny model with the `kind` tokenizer (P and D
     with `kv_config`, default bidirectional NIXL pull); stopped when the module that uses
-    them is done (one set of three engines runs at a time)."""
+    them is done (one set runs at a time). Without `reference`, P answers the reference
+    requests (a request without kv_transfer_params is an ordinary one): for a module whose
+    tests read no counter of P, one engine fewer to start."""
     python = os.environ[PYTHON_ENV]
     model = str(model_dir(python, kind))
     tag = tag or kind
@@ -111,8 +114,9 @@ def start_engines(
     specs = [
         EngineSpec(f"p-{tag}", p_port, CPU_BIND, p_side, f"ipc://{work}/kv-p.ipc", kv_config),
         EngineSpec(f"d-{tag}", d_port, CPU_BIND, d_side, f"ipc://{work}/kv-d.ipc", kv_config),
-        EngineSpec(f"ref-{tag}", ref_port, CPU_BIND),
     ]
+    if reference:
+        specs.append(EngineSpec(f"ref-{tag}", ref_port, CPU_BIND))
     started: list[Engine] = []
     events: KvEvents | None = None
     try:
@@ -121,8 +125,9 @@ def start_engines(
             started.append(engines.launch(python, model, spec, work, log_dir))
         engines.wait_ready(started, START_TIMEOUT)
         took = time.monotonic() - t0
-        report(config, f"\nvLLM P, D and reference ({tag}) ready in {took:.1f} s")
-        p, d, ref = started
+        names = "P, D and reference" if reference else "P and D (P answers the references)"
+        report(config, f"\nvLLM {names} ({tag}) ready in {took:.1f} s")
+        p, d, ref = (*started, started[0]) if not reference else started
         if kv_config is None:  # push mode has no D->P read to warm up
             t0 = time.monotonic()
             retries = engines.warm_up(p, d, START_TIMEOUT)
@@ -187,9 +192,10 @@ def start_router(engines_: Engines, redis_url: str, name: str, *extra: str) -> I
 def vllm_push_engines(
     tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
 ) -> Iterator[Engines]:
-    """P and D with NixlPushConnector (character tokenizer)."""
+    """P and D with NixlPushConnector (character tokenizer); P answers the references (the
+    push tests read D's counters only)."""
     yield from start_engines(
-        "char", tmp_path_factory, pytestconfig, tag="push", kv_config=engines.PUSH
+        "char", tmp_path_factory, pytestconfig, tag="push", kv_config=engines.PUSH, reference=False
     )
 
 

@@ -4,8 +4,9 @@ P and D run `NixlPushConnector` (`kv_both`, no `bidirectional_kv_xfer`: vLLM ref
 push); the router runs `--kv-connector nixl-push` and is given nothing else: it learns P's
 coordinates (engine id, side channel, tp size) from its start-up probe. Each turn calls P
 and D at once, D registers the blocks it lacks with P, and P writes them into D: D's
-`external_kv_transfer` tokens rise on every turn, and every greedy answer equals the
-from-scratch engine's. There is no D->P reuse in push mode (vllm#46473): later turns say
+`external_kv_transfer` tokens rise on every turn, and every greedy answer equals P's own
+answer to the same request sent without kv_transfer_params (an ordinary request: the push
+module starts no third engine). There is no D->P reuse in push mode (vllm#46473): later turns say
 `miss;reason=push-affinity` and keep the same P and D, whose prefix caches help.
 """
 
