@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgspec
@@ -102,20 +102,7 @@ class Peers:
 
     def status(self) -> list[dict[str, Any]]:
         now = self.clock()
-        return [
-            {**msgspec.structs.asdict(_Shown(**vars(p))), "age_s": round(now - p.last_seen, 3)}
-            for p in self.by_url.values()
-        ]
-
-
-class _Shown(msgspec.Struct):
-    role: str
-    url: str
-    zmq_address: str
-    dp_size: int
-    tp_size: int
-    transfer_mode: str
-    last_seen: float
+        return [{**asdict(p), "age_s": round(now - p.last_seen, 3)} for p in self.by_url.values()]
 
 
 async def listen(endpoint: str, peers: Peers, changed: Callable[[], Awaitable[None]]) -> None:
