@@ -2,7 +2,7 @@
 passing a request through P and D with nothing else: no Redis, no session, no verification,
 no parsing of D's answer, no metrics or logs.
 
-Run as `python -m bench.passthrough PORT P_URL D_URL`. A chat request goes to P
+Run as `python -m bench.passthrough PORT P_URL D_URL [uvloop|asyncio]`. A chat request goes to P
 (`stream: false`, `max_tokens: 1`, the null handoff), then to D with P's
 `kv_transfer_params`; D's JSON body is returned as it came, D's SSE bytes relayed as they
 arrive (Starlette's StreamingResponse). kvbaton's added latency minus this one's is what
@@ -28,6 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from router.connectors.nixl import miss_params
+from router.http.server import event_loop_factory
 
 JSON = {"Content-Type": "application/json"}
 
@@ -94,4 +95,8 @@ async def main(port: int, p_url: str, d_url: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
+    # The same event loop as kvbaton's (--event-loop, uvloop by default), so that the floor
+    # and the router differ only by what the router does.
+    loop = event_loop_factory(sys.argv[4] if len(sys.argv) > 4 else "uvloop")
+    with asyncio.Runner(loop_factory=loop) as runner:
+        runner.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))

@@ -43,6 +43,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     redis_url: str = "redis://127.0.0.1:6379/0"
     session_store: Literal["redis", "memory"] = "redis"
     handle_ttl: float = 450.0

@@ -43,6 +43,12 @@ FLAGS: tuple[Flag, ...] = (
         "engine connections (more than 1 needs the redis session store)",
         int,
     ),
+    Flag(
+        "event_loop",
+        "each process's event loop: 'uvloop' (libuv, as Hypercorn's uvloop worker class) or "
+        "the standard library's 'asyncio' (docs/benchmarks.md compares the two)",
+        choices=("uvloop", "asyncio"),
+    ),
     Flag("redis_url", "Redis URL for session state"),
     Flag(
         "session_store",

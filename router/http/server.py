@@ -160,6 +160,20 @@ async def run(settings: Settings, slot: WorkerSlot | None = None) -> None:
         stop_tracing()
 
 
+def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop each process runs on; None is the standard library's."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError as exc:
+        raise ConfigError(
+            "--event-loop uvloop needs the uvloop package (pip install uvloop), "
+            "or pass --event-loop asyncio"
+        ) from exc
+    return uvloop.new_event_loop
+
+
 def serve_main(argv: Sequence[str]) -> int:
     try:
         settings = load_settings(argv)
@@ -175,7 +189,13 @@ def serve_main(argv: Sequence[str]) -> int:
     if settings.workers > 1 and slot is None:
         return supervise(settings, argv)
     try:
-        asyncio.run(run(settings, slot))
+        loop_factory = event_loop_factory(settings.event_loop)
+    except ConfigError as exc:
+        print(f"kvbaton serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(run(settings, slot))
     except StartupError as exc:
         print(f"kvbaton serve: {exc}", file=sys.stderr)
         return 1

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
-from router.http.server import Requests, drain
+import pytest
+
+from router.errors import ConfigError
+from router.http.server import Requests, drain, event_loop_factory
 from router.http.workers import describe
 
 
@@ -76,3 +80,22 @@ def test_worker_exit_statuses_in_words() -> None:
     assert describe(3) == "exited with status 3"
     assert describe(-9) == "was killed by SIGKILL"
     assert describe(-200) == "was killed by signal 200"
+
+
+def test_event_loop_factory() -> None:
+    import uvloop
+
+    assert event_loop_factory("asyncio") is None  # the standard library's
+    factory = event_loop_factory("uvloop")
+    assert factory is not None
+    loop = factory()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+
+
+def test_uvloop_missing_is_a_clear_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match="--event-loop asyncio"):
+        event_loop_factory("uvloop")
