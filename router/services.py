@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.config import Settings
 from router.connectors.base import Connector
@@ -42,6 +42,8 @@ class Services:
     kv_events: KvEvents | None = None
     # MoRI-IO instances that announced themselves (None: no --moriio-register).
     peers: Peers | None = None
+    # The P of each conversation's last turn in this process (router/turn/early.py's guess).
+    prefill_hints: dict[str, str] = field(default_factory=dict)
 
     def ids_leg_on(self) -> bool:
         return self.settings.prefill_token_ids and not self.ids_leg_off

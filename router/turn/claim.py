@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -26,6 +26,15 @@ from sessions.model import SessionState
 from sessions.store import CorruptState, StoreError
 
 log = logging.getLogger("kvbaton.reuse")
+
+
+class EarlyIds(Protocol):
+    """P's /tokenize sent before verify needs it (router/turn/early.py)."""
+
+    async def tokens_for(self, url: str) -> tuple[bool, list[int] | None]:
+        """(True, ids) when it went to `url`; else (False, None)."""
+        ...
+
 
 # Fields of a chat request that change how /tokenize renders the prompt.
 _TOKENIZE_CHAT_FIELDS = (
@@ -199,9 +208,15 @@ def _ids_leg(inc: Incoming) -> bool:
 
 
 async def verify(
-    svc: Services, inc: Incoming, found: Claim, prefill_url: str, request_id: str
+    svc: Services,
+    inc: Incoming,
+    found: Claim,
+    prefill_url: str,
+    request_id: str,
+    early: EarlyIds | None = None,
 ) -> Claim:
-    """Keep the hit only for the longest verified prefix of D's sequence."""
+    """Keep the hit only for the longest verified prefix of D's sequence (P's ids from
+    `early`, the /tokenize sent during the claim, when it went to this P)."""
     if found.params is None or found.state is None:
         return found
     state, handle = found.state, found.params
@@ -212,7 +227,9 @@ async def verify(
     )
     if check.reuse is not None:
         return found if check.reuse.is_hit else found.miss(_reason(check.reuse))
-    tokens = await prompt_token_ids(svc, inc, prefill_url, request_id)
+    sent, tokens = await early.tokens_for(prefill_url) if early else (False, None)
+    if not sent:
+        tokens = await prompt_token_ids(svc, inc, prefill_url, request_id)
     reuse = decide.token_verdict(state, tokens, svc.settings.min_reuse_tokens)
     if not reuse.is_hit:
         return found.miss(_reason(reuse))

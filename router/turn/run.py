@@ -17,7 +17,7 @@ from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure, sse_error_event
 from router.services import Services
 from router.tracing import span
-from router.turn import decide, kv_aware, moriio, plan, push, store_mode
+from router.turn import decide, early, kv_aware, moriio, plan, push, store_mode
 from router.turn.claim import claim, verify
 from router.turn.commit import abort, finish
 from router.turn.incoming import Incoming
@@ -36,9 +36,17 @@ def new_request_id() -> str:
 
 async def run_turn(svc: Services, inc: Incoming, request_id: str) -> Response:
     """Serve one client request through P and D; the response may still be streaming."""
-    turn = Turn(svc, inc, request_id, await claim(svc, inc, request_id), time.monotonic())
+    started = time.monotonic()
+    tokens = early.start(svc, inc, request_id)  # overlaps the claim's wait
     try:
-        return await _serve(turn)
+        found = await claim(svc, inc, request_id)
+    except BaseException:
+        if tokens is not None:
+            tokens.cancel()
+        raise
+    turn = Turn(svc, inc, request_id, found, started)
+    try:
+        return await _serve(turn, tokens)
     except EngineReply as reply:
         await abort(turn, f"engine-{reply.status}")
         return Response(
@@ -50,6 +58,9 @@ async def run_turn(svc: Services, inc: Incoming, request_id: str) -> Response:
     except BaseException as exc:
         await abort(turn, type(exc).__name__)
         raise
+    finally:
+        if tokens is not None:
+            tokens.cancel()  # a turn that did not need them (done: nothing happens)
 
 
 def final_headers(turn: Turn) -> dict[str, str]:
@@ -63,7 +74,7 @@ def final_headers(turn: Turn) -> dict[str, str]:
     return turn.headers()
 
 
-async def _serve(turn: Turn) -> Response:
+async def _serve(turn: Turn, tokens: early.EarlyTokens | None = None) -> Response:
     svc = turn.svc
     if svc.connector.name == "nixl-push":  # P and D concurrently: router/turn/push.py
         return await push.serve(turn, _open_decode, _respond)
@@ -74,7 +85,7 @@ async def _serve(turn: Turn) -> Response:
     source = svc.pool.find("decode", state.decode) if state is not None else None
     if source is not None and turn.claim.params is not None:
         p_inst = _reader(turn, source, p_inst)
-    turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id)
+    turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, tokens)
     kv_aware.check_handle(turn, p_inst, source)
     failed: list[str] = []
     local = await plan.decode_here(turn, source, p_inst)
@@ -130,6 +141,7 @@ def _note_handle_result(turn: Turn, sent: Instance | None, prefilled: Prefilled)
     """Record who prefilled, and whether P read or refused the handle's D."""
     turn.prefill = prefilled.instance
     turn.prefill_ids = prefilled.prompt_ids
+    early.remember(turn.svc, turn.claim.key, prefilled.instance.url)
     if prefilled.refused_by:
         turn.claim = turn.claim.miss(Reason.HANDLE_REJECTED)
         if sent is not None:

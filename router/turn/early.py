@@ -1,0 +1,88 @@
+"""P's `/tokenize` sent while the store claims the conversation, so that a hit waits for the
+longer of the two instead of both in turn.
+
+Only when the turn will most likely need it: a chat turn with a conversation id and an
+earlier answer in its history, verified by tokens. The guess of the P that verifies it is
+the only usable one, or the one that prefilled this conversation's last turn in this
+process; the ids count only if the turn's P turns out to be that one (verify asks again
+otherwise), and a turn that needs none cancels the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from router.services import Services
+from router.turn.claim import prompt_token_ids
+from router.turn.incoming import Incoming
+from sessions.keys import conversation_key
+
+# Conversations whose last P this process remembers (the oldest forgotten first).
+MAX_HINTS = 65536
+
+
+@dataclass
+class EarlyTokens:
+    """A /tokenize in flight on `url`."""
+
+    url: str
+    task: asyncio.Task[list[int] | None]
+
+    async def tokens_for(self, url: str) -> tuple[bool, list[int] | None]:
+        """(True, P's ids) when this request went to `url`; else (False, None), cancelled."""
+        if url != self.url:
+            self.cancel()
+            return False, None
+        return True, await self.task
+
+    def cancel(self) -> None:
+        """Stop the request; a failure it already had is dropped (verify never saw it)."""
+        if self.task.done():
+            if not self.task.cancelled():
+                self.task.exception()
+        else:
+            self.task.cancel()
+
+
+def start(svc: Services, inc: Incoming, request_id: str) -> EarlyTokens | None:
+    """Send /tokenize now if this turn is likely a hit to verify by tokens; else None."""
+    settings = svc.settings
+    if (
+        inc.conversation_id is None
+        or inc.api != "chat"
+        or not settings.reuse
+        or settings.verify_prefix != "tokens"
+        or svc.connector.name in ("nixl-push", "moriio")  # their legs verify nothing
+        or not any(
+            isinstance(m, dict) and m.get("role") == "assistant" for m in reversed(inc.messages)
+        )
+    ):
+        return None
+    import os
+
+    if os.environ.get("KVB_NO_EARLY"):
+        return None
+    url = _likely_prefill(svc, conversation_key(inc.tenant, inc.conversation_id))
+    if not url:
+        return None
+    return EarlyTokens(url, asyncio.create_task(prompt_token_ids(svc, inc, url, request_id)))
+
+
+def remember(svc: Services, key: str | None, prefill_url: str) -> None:
+    """Note the P of a conversation's turn, for the guess of its next turn's."""
+    if key is None:
+        return
+    hints = svc.prefill_hints
+    hints.pop(key, None)
+    hints[key] = prefill_url
+    if len(hints) > MAX_HINTS:
+        del hints[next(iter(hints))]
+
+
+def _likely_prefill(svc: Services, key: str) -> str:
+    usable = [i for i in svc.pool.instances("prefill") if i.usable]
+    if len(usable) == 1:
+        return usable[0].url
+    hint = svc.prefill_hints.get(key, "")
+    return hint if any(i.url == hint for i in usable) else ""

@@ -1,0 +1,117 @@
+"""P's /tokenize sent during the claim: when, to which P, and that a request not needed is
+cancelled without a stray error."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import pytest
+
+from router.config import Settings
+from router.connectors.base import select
+from router.engines.client import Upstream
+from router.engines.pool import Pool
+from router.metrics import Metrics
+from router.services import Services, StoreGuard
+from router.turn import early
+from router.turn.incoming import Incoming
+from sessions.keys import conversation_key
+from sessions.memory_store import MemorySessionStore
+
+HISTORY = [
+    {"role": "user", "content": "rain?"},
+    {"role": "assistant", "content": "no"},
+    {"role": "user", "content": "sure?"},
+]
+
+
+def _svc(prefill: tuple[str, ...] = ("http://p1",), **kw: Any) -> Services:
+    settings = Settings(prefill=prefill, decode=("http://d",), **kw)
+    pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
+    metrics = Metrics(pool, lambda: False)
+    store, guard = MemorySessionStore(), StoreGuard(1)
+    return Services(settings, Upstream(settings), pool, store, guard, metrics, select("nixl"))
+
+
+def _inc(messages: list[dict[str, str]], cid: str | None = "c") -> Incoming:
+    return Incoming("chat", {"messages": messages}, False, cid, "default", False)
+
+
+async def _started(svc: Services, inc: Incoming) -> early.EarlyTokens | None:
+    tokens = early.start(svc, inc, "req")
+    if tokens is not None:
+        tokens.cancel()  # no engine behind these URLs
+    return tokens
+
+
+@pytest.mark.parametrize(
+    ("messages", "cid", "kw"),
+    [
+        (HISTORY[:1], "c", {}),  # a first turn: no answer to verify yet
+        (HISTORY, None, {}),  # no conversation id: the session is found by the history
+        (HISTORY, "c", {"reuse": False}),
+        (HISTORY, "c", {"verify_prefix": "text"}),
+    ],
+    ids=["first-turn", "no-id", "no-reuse", "verify-by-text"],
+)
+async def test_only_a_likely_hit_verified_by_tokens_tokenizes_early(
+    messages: list[dict[str, str]], cid: str | None, kw: dict[str, Any]
+) -> None:
+    assert await _started(_svc(**kw), _inc(messages, cid)) is None
+
+
+async def test_the_only_p_or_the_conversations_last_p() -> None:
+    only = await _started(_svc(), _inc(HISTORY))
+    assert only is not None and only.url == "http://p1"
+    svc = _svc(("http://p1", "http://p2"))
+    assert await _started(svc, _inc(HISTORY)) is None  # two P, no hint: no guess
+    early.remember(svc, conversation_key("default", "c"), "http://p2")
+    hinted = await _started(svc, _inc(HISTORY))
+    assert hinted is not None and hinted.url == "http://p2"
+    for inst in svc.pool.instances("prefill"):
+        if inst.url == "http://p2":
+            svc.pool.remove(inst)
+    left = await _started(svc, _inc(HISTORY))  # that P is gone: the only one left
+    assert left is not None and left.url == "http://p1"
+
+
+def test_hints_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(early, "MAX_HINTS", 3)
+    svc = _svc()
+    for key in ("a", "b", "c"):
+        early.remember(svc, key, f"http://{key}")
+    early.remember(svc, "a", "http://a2")  # a is the newest now
+    early.remember(svc, "d", "http://d")
+    assert svc.prefill_hints == {"c": "http://c", "a": "http://a2", "d": "http://d"}
+    early.remember(svc, None, "http://x")  # a turn without a session key
+    assert len(svc.prefill_hints) == 3
+
+
+async def test_ids_count_only_for_the_p_they_were_asked_of() -> None:
+    async def ids() -> list[int] | None:
+        return [1, 2, 3]
+
+    tokens = early.EarlyTokens("http://p1", asyncio.create_task(ids()))
+    assert await tokens.tokens_for("http://p1") == (True, [1, 2, 3])
+    pending = early.EarlyTokens("http://p1", asyncio.create_task(asyncio.sleep(5, [1])))
+    assert await pending.tokens_for("http://p2") == (False, None)
+    await asyncio.sleep(0)
+    assert pending.task.cancelled()
+
+
+async def test_a_failed_request_not_needed_leaves_no_stray_error() -> None:
+    seen: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: seen.append(ctx))
+
+    async def fails() -> list[int] | None:
+        raise RuntimeError("P went away")
+
+    tokens = early.EarlyTokens("http://p1", asyncio.create_task(fails()))
+    await asyncio.sleep(0)
+    assert tokens.task.done()
+    tokens.cancel()  # the turn did not need it
+    del tokens
+    gc.collect()
+    assert seen == []
