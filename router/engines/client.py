@@ -67,6 +67,38 @@ class EngineClient(Protocol):
     ) -> EngineStream: ...
 
 
+class _Watchdog:
+    """Cancels the reading task once one read has waited `timeout` seconds: one timer per
+    idle period instead of one `asyncio.timeout` per chunk (a timer pushed and cancelled for
+    every chunk of every stream cost about 17 us of CPU per paced chunk, measured)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.waiting_since: float | None = None  # set while a read is pending
+        self._task = asyncio.current_task()
+        self._timeout = timeout
+        self._fired = False
+        self._handle = self.loop.call_later(timeout, self._check)
+
+    def _check(self) -> None:
+        since, now = self.waiting_since, self.loop.time()
+        if since is not None and now - since >= self._timeout and self._task is not None:
+            self._fired = True
+            self._task.cancel()  # the task is suspended in that read: it raises there
+            return
+        left = self._timeout - (now - since) if since is not None else self._timeout
+        self._handle = self.loop.call_later(left, self._check)
+
+    def fired(self) -> bool:
+        """Whether this watchdog cancelled the read (then the cancel is taken back)."""
+        if self._fired and self._task is not None:
+            self._task.uncancel()
+        return self._fired
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+
 class _AiohttpStream:
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
@@ -82,16 +114,25 @@ class _AiohttpStream:
             self._resp.release()
 
     async def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
+        content = self._resp.content
+        dog = _Watchdog(idle_timeout)
         try:
             while True:
-                # asyncio.timeout, not wait_for: no Task per chunk on the relay's hot path.
-                async with asyncio.timeout(idle_timeout):
-                    chunk = await self._resp.content.readany()
+                dog.waiting_since = dog.loop.time()
+                try:
+                    chunk = await content.readany()
+                except asyncio.CancelledError:
+                    if dog.fired():
+                        raise UpstreamFailure(describe(TimeoutError())) from None
+                    raise
+                dog.waiting_since = None
                 if not chunk:
                     return
                 yield chunk
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise UpstreamFailure(describe(exc)) from exc
+        finally:
+            dog.close()
 
     def release(self) -> None:
         self._resp.release()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -20,7 +22,7 @@ from router.engines.identity import (
     process_started,
 )
 from router.engines.pool import AFFINITY_SLACK, Pool
-from router.errors import Unavailable
+from router.errors import Unavailable, UpstreamFailure
 from router.turn.decide import decode_blocker
 from sessions import model as sm
 
@@ -261,3 +263,69 @@ def test_engine_requests_sums_running_and_waiting_of_every_engine() -> None:
     )
     assert engine_requests(text) == 10
     assert engine_requests(b"process_start_time_seconds 1.0\n") == 0
+
+
+@contextlib.asynccontextmanager
+async def streaming_engine(gaps: list[float]) -> AsyncIterator[str]:
+    """A real HTTP server whose /stream sends one chunk after each of `gaps` seconds."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, gap in enumerate(gaps):
+            await asyncio.sleep(gap)
+            await resp.write(f"data: {i}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/stream", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        host, bound = runner.addresses[0][:2]
+        yield f"http://{host}:{bound}"
+    finally:
+        await runner.cleanup()
+
+
+async def _read(url: str, idle: float, consumer_pause: float = 0.0) -> list[bytes]:
+    async with upstream() as client:
+        resp = await client.open_stream(url + "/stream", {}, request_id="r")
+        got = []
+        try:
+            async for chunk in resp.chunks(idle):
+                got.append(chunk)
+                await asyncio.sleep(consumer_pause)
+        finally:
+            resp.close()
+        return got
+
+
+async def test_a_silent_stream_fails_after_the_idle_timeout() -> None:
+    async with streaming_engine([0.0, 0.05, 1.5]) as url:
+        started = time.monotonic()
+        with pytest.raises(UpstreamFailure, match="timed out"):
+            await _read(url, 0.4)
+        assert 0.4 <= time.monotonic() - started < 2.0
+    # The task that read is not left cancelled: it goes on to await normally.
+    await asyncio.sleep(0.01)
+
+
+async def test_only_the_wait_for_the_engine_counts_as_idle() -> None:
+    """A chunk every 0.15 s never idles 0.4 s, however long the consumer takes per chunk
+    (here 0.5 s: a slow client), and no timer outlives the stream."""
+    async with streaming_engine([0.15] * 4) as url:
+        got = await _read(url, 0.4, consumer_pause=0.5)
+    assert b"".join(got) == b"".join(f"data: {i}\n\n".encode() for i in range(4))
+
+
+async def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
+    async with streaming_engine([0.0, 1.5]) as url:
+        task = asyncio.create_task(_read(url, 3.0))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
