@@ -15,6 +15,7 @@ import msgspec
 from sessions.digests import block_digests as block_digests
 from sessions.digests import canonical_message as canonical_message
 from sessions.digests import conversation_digest as conversation_digest
+from sessions.digests import conversation_heads as conversation_heads
 from sessions.digests import iter_block_digests
 from sessions.digests import sequence_digest as sequence_digest
 from sessions.digests import text_digest as text_digest

@@ -154,14 +154,10 @@ def _digests(inc: Incoming, captured: Captured) -> tuple[str, int, str, int]:
     """Digests of the conversation as sent (prompt) and as D holds it (prompt + answer)."""
     if inc.api in ("chat", "responses"):
         answer: dict[str, Any] = {"role": "assistant", "content": captured.output_text}
-        sent = canonical_items(inc)
-        items = [*sent, answer]
-        return (
-            sm.conversation_digest(inc.api, sent),
-            len(sent),
-            sm.conversation_digest(inc.api, items),
-            len(items),
-        )
+        items = [*canonical_items(inc), answer]
+        heads = sm.conversation_heads(inc.api, items)  # one pass: the prompt's is one before
+        sent = heads[-2] if len(heads) > 1 else sm.conversation_digest(inc.api, [])
+        return sent, len(items) - 1, heads[-1], len(items)
     prompt = inc.prompt
     if not isinstance(prompt, str):
         return "", 0, "", 0
