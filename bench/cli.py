@@ -64,7 +64,7 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     if "events" in parts:
         n += events.steps(plan)
     if "profile" in parts and plan.profile_s > 0:
-        n += len(profile.PROFILES)
+        n += len(profile.PROFILES) + 1  # and the hits
     return n
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from bench import overhead
 from bench.plan import Plan
-from bench.stack import LoadGen, cpu_seconds, passthrough, router_cpu, start_stack
+from bench.stack import LoadGen, passthrough, start_stack, tree_cpu_seconds
 from bench.stats import summary_ms
 from tests.support.router import RouterProc
 from tests.support.stack import Stack, argv_of
@@ -29,6 +29,9 @@ D_ARGS = ["--bidirectional", "--stream-kv-params", "--num-blocks", "65536"]
 # The floor never reads D's pins: let them go within a cell, not after 480 s.
 D_ARGS += ["--decoder-kv-blocks-ttl", "60"]
 ROUTER_ARGS = ["--stream-kv-params"]
+# The same router on the standard library's event loop (kvbaton's default is uvloop): at 1
+# client, a third arm measures what the loop alone changes.
+ASYNCIO_ARGS = [*ROUTER_ARGS, "--event-loop", "asyncio"]
 
 
 def job(plan: Plan, url: str, *, stream: bool, clients: int, rnd: int, ids: bool) -> dict[str, Any]:
@@ -54,7 +57,10 @@ def job(plan: Plan, url: str, *, stream: bool, clients: int, rnd: int, ids: bool
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out: dict[str, Any] = {"cells": []}
     with start_stack(
-        prefill_args=[P_ARGS], decode_args=[D_ARGS], router_args=[ROUTER_ARGS], name="hitpath"
+        prefill_args=[P_ARGS],
+        decode_args=[D_ARGS],
+        router_args=[ROUTER_ARGS, ASYNCIO_ARGS],
+        name="hitpath",
     ) as st:
         with passthrough(st.ps[0].url, st.ds[0].url, "hitpath-floor") as floor_app:
             st.commands["floor"] = argv_of(floor_app.proc)
@@ -73,18 +79,22 @@ def steps(plan: Plan) -> int:
 def _cell(
     plan: Plan, st: Stack, lg: LoadGen, floor_app: RouterProc, stream: bool, clients: int
 ) -> dict[str, Any]:
-    """kvbaton and the floor in alternating rounds, each round new conversations."""
-    turns: dict[str, list[dict[str, Any]]] = {"kvbaton": [], "floor": []}
-    cpu = {"kvbaton": 0.0, "floor": 0.0}
+    """kvbaton and the floor (at 1 client also kvbaton on asyncio) in alternating rounds,
+    each round new conversations."""
+    pids = {"kvbaton": st.routers[0].proc.pid, "floor": floor_app.proc.pid}
+    arms = [("kvbaton", st.routers[0].url), ("floor", floor_app.url)]
+    if clients == 1:
+        pids["asyncio"] = st.routers[1].proc.pid
+        arms.insert(1, ("asyncio", st.routers[1].url))
+    turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm, _ in arms}
+    cpu = dict.fromkeys(turns, 0.0)
     for rnd in range(plan.hit_rounds):
-        arms = [("kvbaton", st.routers[0].url), ("floor", floor_app.url)]
         for arm, url in arms if rnd % 2 == 0 else arms[::-1]:
             overhead.reset_caches(st)
-            before = router_cpu(st) if arm == "kvbaton" else cpu_seconds(floor_app.proc.pid)
-            spec = job(plan, url, stream=stream, clients=clients, rnd=rnd, ids=arm == "kvbaton")
+            before = tree_cpu_seconds(pids[arm])
+            spec = job(plan, url, stream=stream, clients=clients, rnd=rnd, ids=arm != "floor")
             turns[arm] += lg.run(spec, timeout=240.0)["turns"]
-            after = router_cpu(st) if arm == "kvbaton" else cpu_seconds(floor_app.proc.pid)
-            cpu[arm] += after - before
+            cpu[arm] += tree_cpu_seconds(pids[arm]) - before
     cell: dict[str, Any] = {"stream": stream, "concurrency": clients}
     for arm, rows in turns.items():
         good = [t for t in rows if t["ok"]]
@@ -158,23 +168,35 @@ def section(res: dict[str, Any] | None) -> list[str]:
     ]
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
-    return [*lines, *out, ""]
+    return [*lines, *out, "", *loop_table(res)]
 
 
-def target_rows(res: dict[str, Any] | None) -> list[tuple[str, float, float, str]]:
-    """(target, measured, limit, unit) for the hit-path targets at 1 client (JSON turns)."""
-    cells = [c for c in (res or {}).get("cells", []) if not c["stream"] and c["concurrency"] == 1]
-    if not cells:
+def loop_table(res: dict[str, Any]) -> list[str]:
+    """kvbaton on uvloop (its default) against the same router on asyncio, 1 client."""
+    rows = []
+    for c in res["cells"]:
+        if "asyncio" not in c:
+            continue
+        for loop, arm in (("uvloop (default)", c["kvbaton"]), ("asyncio", c["asyncio"])):
+            rows.append(
+                [
+                    "stream" if c["stream"] else "json",
+                    loop,
+                    _fmt(arm["first"]["p50"]),
+                    _fmt(arm["later"]["p50"]),
+                    _fmt(arm["cpu_ms_per_turn"], 3),
+                    f"{arm['turns']} (+{arm['failed']} failed)",
+                ]
+            )
+    if not rows:
         return []
-    c = cells[0]
-    ratio = c["kvbaton"]["cpu_ms_per_turn"] / max(1e-9, c["floor"]["cpu_ms_per_turn"])
+    header = ["turns", "event loop", "turn 1 p50 ms", "turns 2.. p50 ms", "CPU ms/turn", "turns"]
     return [
-        (
-            "router's own added p50 on first turns (kvbaton - floor), 1 client",
-            own(c, "first"),
-            0.5,
-            "ms",
-        ),
-        ("router's own added p50 on hits (kvbaton - floor), 1 client", own(c, "later"), 1.0, "ms"),
-        ("router CPU per conversation turn vs the floor's, 1 client", ratio, 1.6, "x"),
+        "The same conversations through the same router on each event loop (`--event-loop`),",
+        "1 client, in the same alternating rounds:",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
     ]

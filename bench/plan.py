@@ -14,6 +14,20 @@ class GpuProfile:
     transfer_ms_per_block: float = 0.05
     block_size: int = 16
 
+    def turn_limit_ms(self, prompt: int, reused: int) -> float:
+        """The cost model's TTFT for a P/D turn of `prompt` tokens whose first `reused` are
+        D's KV: P computes only the new tokens (at least the last one, as vLLM), the first
+        token is decoded, and every block moves once (the reused ones D -> P, the new ones
+        P -> D). No queueing, no HTTP, no tokenizing: nothing can do a turn for less."""
+        reused = min(reused, prompt - 1) // self.block_size * self.block_size
+        new = prompt - reused
+        blocks = reused // self.block_size + -(-new // self.block_size)
+        return (
+            new * self.prefill_ms_per_token
+            + blocks * self.transfer_ms_per_block
+            + self.decode_ms_per_token
+        )
+
     def sim_args(self) -> list[str]:
         return [
             "--prefill-ms-per-token",
@@ -152,7 +166,7 @@ QUICK = Plan(
     conv_rounds=1,
     system_words=(800, 1200),
     user_words=(30, 60),
-    output_tokens=(70, 90),
+    output_tokens=(30, 40),  # at 7.5 ms per token: the reuse arms in seconds
     ample_blocks=8192,
     small_prefill_blocks=257,
     max_model_len=4096,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import overhead
+from bench import hitpath, overhead
 from bench.plan import Plan
 from bench.stack import LoadGen, router_cpu, start_stack
 from tests.support.stack import Stack
@@ -145,7 +145,49 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
                     tick(f"profile {label}")
                     out[label] = profile_load(plan, st, lg, stream, tokens, clients)
                     out[label]["paced"] = paced
+    tick("profile hits")
+    out["hits"] = profile_hits(plan, lg)
     return out
+
+
+def profile_hits(plan: Plan, lg: LoadGen, clients: int = 16) -> dict[str, Any]:
+    """py-spy on the router while `clients` conversations at a time run JSON turns on the
+    hit path's stack: every turn after a conversation's first claims, tokenizes, verifies
+    and commits."""
+    with start_stack(
+        prefill_args=[hitpath.P_ARGS],
+        decode_args=[hitpath.D_ARGS],
+        router_args=[hitpath.ROUTER_ARGS],
+        name="profile-hits",
+    ) as st:
+        spec = hitpath.job(plan, st.routers[0].url, stream=False, clients=clients, rnd=9, ids=True)
+        spec.update(n=int(plan.profile_s * 2000), deadline_s=plan.profile_s + 1.5)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "profile.txt"
+            cpu0 = router_cpu(st)
+            spy = record(st.routers[0].proc.pid, plan.profile_s, path)
+            try:
+                time.sleep(0.5)
+                turns = lg.run(spec, timeout=plan.profile_s + 60.0)["turns"]
+                spy.wait(timeout=30)
+            finally:
+                if spy.poll() is None:
+                    spy.kill()
+                    spy.wait(5)
+            cpu = router_cpu(st) - cpu0
+            text = path.read_text() if path.exists() else ""
+    result = parse(text)
+    ok = [t for t in turns if t["ok"]]
+    result.update(
+        turns=len(ok),
+        hits=sum(1 for t in ok if t["reuse"] == "hit"),
+        max_tokens=overhead.NONSTREAM_TOKENS,
+        clients=clients,
+        seconds=plan.profile_s,
+        cpu_ms_per_turn=cpu / max(1, len(turns)) * 1000.0,
+        events=0,
+    )
+    return result
 
 
 def profile_load(

@@ -184,7 +184,7 @@ class Arm:
         self.busy[0] += busy1 - busy0
         self.busy[1] += total1 - total0
         self.wall += r["wall_s"]
-        self.turns += r["turns"]
+        self.turns += [dict(t, round=rnd) for t in r["turns"]]
 
     def result(self) -> dict[str, Any]:
         delta = self.stats.read() if self.stats is not None else {}
@@ -225,6 +225,21 @@ def _tokens(st: Stack) -> dict[str, dict[str, float]]:
     return totals
 
 
+def turn_limits(plan: Plan, ok: list[dict[str, Any]]) -> dict[tuple[int, int, int], float]:
+    """The cost model's limit (seconds, as TTFTs are) of every turn whose previous turn in
+    its conversation succeeded: D holds the previous prompt and answer (all but the last
+    token, never fed back), which is what a turn can reuse."""
+    seen = {(x.get("round", 0), x["conv"], x["turn"]): x for x in ok}
+    out: dict[tuple[int, int, int], float] = {}
+    for (rnd, conv, turn), x in seen.items():
+        before = seen.get((rnd, conv, turn - 1))
+        if turn > 1 and before is None:
+            continue
+        reused = before["prompt_tokens"] + before["completion_tokens"] - 1 if before else 0
+        out[(rnd, conv, turn)] = plan.gpu.turn_limit_ms(x["prompt_tokens"], reused) / 1000.0
+    return out
+
+
 def summarize(
     plan: Plan,
     st: Stack,
@@ -238,8 +253,12 @@ def summarize(
     by_turn = {str(t): summary_ms([x["ttft"] for x in ok if x["turn"] == t]) for t in index}
     latency = {str(t): summary_ms([x["latency"] for x in ok if x["turn"] == t]) for t in index}
     reuse = Counter(x["reuse"].split(";")[0] or "none" for x in ok)
+    limits = turn_limits(plan, ok)
     return {
         "ttft_by_turn": by_turn,
+        "limit_by_turn": {
+            str(t): summary_ms([v for (_, _, n), v in limits.items() if n == t]) for t in index
+        },
         "latency_by_turn": latency,
         "itl": summary_ms([x["itl"] for x in ok]),
         "gap_max": summary_ms([x["gap_max"] for x in ok]),

@@ -1,0 +1,209 @@
+"""The report's targets: each figure beside the reference it is measured against, same run.
+
+Two references that do not move with the machine or the cluster: the stack's floor
+(bench/passthrough.py: Hypercorn + Starlette + aiohttp passing a turn through P and D with
+nothing else) and the cost model's limit for a turn (bench/plan.py `turn_limit_ms`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bench import hitpath, overhead
+from bench.plan import Plan
+from bench.stats import fmt
+
+# (target, reference, measured, met: True/False/None for a figure with no bound)
+Row = tuple[str, str, str, bool | None]
+
+OWN_FIRST_MS = 0.5
+OWN_HIT_MS = 1.0
+CPU_FIRST_X = 1.3
+CPU_HIT_X = 1.6
+CHUNK_ABOVE_FLOOR_US = 10.0
+LIMIT_SLACK = 1.10  # TTFT p50 within 10 % of the cost model's limit
+
+
+def rows(results: dict[str, Any], plan: Plan) -> list[Row]:
+    ov = results.get("overhead", {})
+    out = [*own_rows(ov.get("hit_path")), *cpu_rows(ov, plan), *loop_rows(ov.get("hit_path"))]
+    out += chunk_rows(ov)
+    out += limit_rows(results.get("reuse"), plan)
+    out += throughput_rows(results.get("throughput"))
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def _ok(value: float, bound: float) -> bool | None:
+    return None if value != value else value <= bound
+
+
+def _json_cell(cells: list[dict[str, Any]], conc: int = 1) -> dict[str, Any] | None:
+    return next((c for c in cells if not c["stream"] and c["concurrency"] == conc), None)
+
+
+def own_rows(hit: dict[str, Any] | None) -> list[Row]:
+    c = _json_cell((hit or {}).get("cells", []))
+    if c is None:
+        return []
+    ref = "floor, same conversations, alternating rounds (section 1, *the hit path*)"
+    out: list[Row] = []
+    for key, what, bound in (("first", "first turns", OWN_FIRST_MS), ("later", "hits", OWN_HIT_MS)):
+        own = hitpath.own(c, key)
+        k, f = c["kvbaton"][key]["p50"], c["floor"][key]["p50"]
+        out.append(
+            (
+                f"own added p50 on {what}, 1 client: <= {bound:g} ms",
+                ref,
+                f"{fmt(own)} ms ({fmt(k)} - {fmt(f)})",
+                _ok(own, bound),
+            )
+        )
+    return out
+
+
+def cpu_rows(ov: dict[str, Any], plan: Plan) -> list[Row]:
+    out: list[Row] = []
+    first = _json_cell(ov.get("cells", []))
+    if first is not None and "floor_cpu_ms_per_turn" in first:
+        k, f = first["router_cpu_ms_per_turn"], first["floor_cpu_ms_per_turn"]
+        x = _ratio(k, f)
+        out.append(
+            (
+                f"router CPU per first turn: <= {CPU_FIRST_X:g}x the floor's",
+                "floor's CPU per turn, same cell (section 1, JSON, 1 client)",
+                f"{fmt(x)}x ({fmt(k, 3)} vs {fmt(f, 3)} ms)",
+                _ok(x, CPU_FIRST_X),
+            )
+        )
+    hits = _json_cell(ov.get("hit_path", {}).get("cells", []))
+    if hits is not None:
+        k, f = hits["kvbaton"]["cpu_ms_per_turn"], hits["floor"]["cpu_ms_per_turn"]
+        x = _ratio(k, f)
+        out.append(
+            (
+                f"router CPU per turn on hits: <= {CPU_HIT_X:g}x the floor's",
+                f"floor's CPU per turn, same conversations ({plan.hit_turns - 1} of every "
+                f"{plan.hit_turns} turns are hits)",
+                f"{fmt(x)}x ({fmt(k, 3)} vs {fmt(f, 3)} ms)",
+                _ok(x, CPU_HIT_X),
+            )
+        )
+    return out
+
+
+def loop_rows(hit: dict[str, Any] | None) -> list[Row]:
+    c = _json_cell((hit or {}).get("cells", []))
+    if c is None or "asyncio" not in c:
+        return []
+    uv, aio = c["kvbaton"]["cpu_ms_per_turn"], c["asyncio"]["cpu_ms_per_turn"]
+    return [
+        (
+            "router CPU per turn on uvloop (the default) vs asyncio, JSON conversations",
+            "the same router with `--event-loop asyncio`, same rounds (section 1)",
+            f"{fmt(uv, 3)} vs {fmt(aio, 3)} ms: {fmt(_ratio(uv, aio))}x",
+            None,
+        )
+    ]
+
+
+def chunk_rows(ov: dict[str, Any]) -> list[Row]:
+    through = ov.get("chunk_passthrough", {}).get("us_per_chunk")
+    if through is None:
+        return []
+    ref = f"floor, same paced chunks: {fmt(through, 1)} us"
+    out: list[Row] = []
+    for name in ("stock, paced", "stream-kv-params, paced"):
+        us = ov.get("chunk_cpu", {}).get(name, {}).get("us_per_chunk")
+        if us is None:
+            continue
+        above = us - through
+        out.append(
+            (
+                f"router CPU per paced SSE chunk ({name}): <= {CHUNK_ABOVE_FLOOR_US:g} us above "
+                "the floor's",
+                ref,
+                f"{fmt(us, 1)} us: {fmt(above, 1)} above",
+                _ok(above, CHUNK_ABOVE_FLOOR_US),
+            )
+        )
+    long = ov.get("chunk_long")
+    if long:
+        pace = long.get("ms_per_token", 0.0)
+        how = f"D paced {pace:g} ms/token" if pace else "D back to back (`--quick`)"
+        for n in overhead.LONG_TOKENS:
+            us = long["us_per_chunk_at"].get(str(n))
+            if us is None:
+                continue
+            out.append(
+                (
+                    f"the same per chunk of a {n:,}-token stream",
+                    f"{ref} ({how})",
+                    f"{fmt(us, 1)} us: {fmt(us - through, 1)} above",
+                    # unpaced chunks share reads: no match for the floor's paced ones
+                    _ok(us - through, CHUNK_ABOVE_FLOOR_US) if pace else None,
+                )
+            )
+    return out
+
+
+def limit_rows(res: dict[str, Any] | None, plan: Plan) -> list[Row]:
+    if not res:
+        return []
+    out: list[Row] = []
+    for arm, engines in (("a", "engines that stream their handle"), ("p", "stock engines")):
+        run = res["runs"].get(f"ample/{arm}", {})
+        worst = worst_limit_ratio(run, plan)
+        if worst is None:
+            continue
+        turn, ratio = worst
+        measured = run["ttft_by_turn"][str(turn)]["p50"]
+        limit = run["limit_by_turn"][str(turn)]["p50"]
+        out.append(
+            (
+                f"TTFT p50 with reuse, every turn after the first, {engines}: within "
+                f"{(LIMIT_SLACK - 1) * 100:.0f}% of the limit",
+                "cost model's limit per turn (section 3, *TTFT against the limit*)",
+                f"worst turn {turn}: {fmt(measured, 1)} vs {fmt(limit, 1)} ms, {fmt(ratio)}x",
+                _ok(ratio, LIMIT_SLACK),
+            )
+        )
+    return out
+
+
+def worst_limit_ratio(run: dict[str, Any], plan: Plan) -> tuple[int, float] | None:
+    """(turn, measured p50 / limit p50) of the turn after the first furthest from its limit."""
+    if "limit_by_turn" not in run:
+        return None
+    ratios = [
+        (t, _ratio(run["ttft_by_turn"][str(t)]["p50"], run["limit_by_turn"][str(t)]["p50"]))
+        for t in range(2, plan.conv_turns + 1)
+    ]
+    ratios = [(t, r) for t, r in ratios if r == r]
+    return max(ratios, key=lambda tr: tr[1]) if ratios else None
+
+
+def throughput_rows(res: dict[str, Any] | None) -> list[Row]:
+    if not res:
+        return []
+    out: list[Row] = []
+    where = "one core (router pinned)" if res.get("pinned") else "one router process (not pinned)"
+    groups = [(where, res.get("sweeps", {}))]
+    groups += [(label, s) for label, s in res.get("workers", {}).items() if "2" in label]
+    for label, sweeps in groups:
+        for name, sweep in sweeps.items():
+            kind = "streaming" if name == "stream" else "JSON"
+            out.append(
+                (
+                    f"turns/s, {label}, {kind} first turns",
+                    "figure with the CPU per turn that explains it (section 2)",
+                    f"{fmt(sweep['sustained_turns_s'], 0)} turns/s at "
+                    f"{fmt(sweep['cpu_ms_per_turn'], 3)} ms CPU/turn",
+                    None,
+                )
+            )
+    return out
