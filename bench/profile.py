@@ -150,6 +150,28 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     return out
 
 
+def spied(
+    plan: Plan, st: Stack, lg: LoadGen, spec: dict[str, Any]
+) -> tuple[dict[str, Any], float, dict[str, Any]]:
+    """Run the load generator's job with py-spy on the stack's router for plan.profile_s:
+    (the job's result, the router's CPU seconds meanwhile, the parsed profile)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.txt"
+        cpu0 = router_cpu(st)
+        spy = record(st.routers[0].proc.pid, plan.profile_s, path)
+        try:
+            time.sleep(0.5)
+            r = lg.run(spec, timeout=plan.profile_s + 60.0)
+            spy.wait(timeout=30)
+        finally:
+            if spy.poll() is None:
+                spy.kill()
+                spy.wait(5)
+        cpu = router_cpu(st) - cpu0
+        text = path.read_text() if path.exists() else ""
+    return r, cpu, parse(text)
+
+
 def profile_hits(plan: Plan, lg: LoadGen, clients: int = 16) -> dict[str, Any]:
     """py-spy on the router while `clients` conversations at a time run JSON turns on the
     hit path's stack: every turn after a conversation's first claims, tokenizes, verifies
@@ -162,21 +184,8 @@ def profile_hits(plan: Plan, lg: LoadGen, clients: int = 16) -> dict[str, Any]:
     ) as st:
         spec = hitpath.job(plan, st.routers[0].url, stream=False, clients=clients, rnd=9, ids=True)
         spec.update(n=int(plan.profile_s * 2000), deadline_s=plan.profile_s + 1.5)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "profile.txt"
-            cpu0 = router_cpu(st)
-            spy = record(st.routers[0].proc.pid, plan.profile_s, path)
-            try:
-                time.sleep(0.5)
-                turns = lg.run(spec, timeout=plan.profile_s + 60.0)["turns"]
-                spy.wait(timeout=30)
-            finally:
-                if spy.poll() is None:
-                    spy.kill()
-                    spy.wait(5)
-            cpu = router_cpu(st) - cpu0
-            text = path.read_text() if path.exists() else ""
-    result = parse(text)
+        r, cpu, result = spied(plan, st, lg, spec)
+    turns = r["turns"]
     ok = [t for t in turns if t["ok"]]
     result.update(
         turns=len(ok),
@@ -203,22 +212,8 @@ def profile_load(
         seed=3,
     )
     spec.update(max_tokens=tokens, deadline_s=plan.profile_s + 1.5)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "profile.txt"
-        overhead.reset_caches(st)
-        cpu0 = router_cpu(st)
-        spy = record(st.routers[0].proc.pid, plan.profile_s, path)
-        try:
-            time.sleep(0.5)
-            r = lg.run(spec, timeout=plan.profile_s + 60.0)
-            spy.wait(timeout=30)
-        finally:
-            if spy.poll() is None:
-                spy.kill()
-                spy.wait(5)
-        cpu = router_cpu(st) - cpu0
-        text = path.read_text() if path.exists() else ""
-    result = parse(text)
+    overhead.reset_caches(st)
+    r, cpu, result = spied(plan, st, lg, spec)
     events = sum(r["events"])
     result.update(
         turns=r["ok"],

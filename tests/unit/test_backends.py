@@ -128,6 +128,13 @@ async def engine(
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    async with serving(app, port) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, port: int = 0) -> AsyncIterator[str]:
+    """The app on 127.0.0.1:port (0: a free one); yields its URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
@@ -280,15 +287,8 @@ async def streaming_engine(gaps: list[float]) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/stream", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        host, bound = runner.addresses[0][:2]
-        yield f"http://{host}:{bound}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def _read(url: str, idle: float, consumer_pause: float = 0.0) -> list[bytes]:
