@@ -18,7 +18,8 @@ class GpuProfile:
         """The cost model's TTFT for a P/D turn of `prompt` tokens whose first `reused` are
         D's KV: P computes only the new tokens (at least the last one, as vLLM), the first
         token is decoded, and every block moves once (the reused ones D -> P, the new ones
-        P -> D). No queueing, no HTTP, no tokenizing: nothing can do a turn for less."""
+        P -> D). No queueing, no HTTP, no tokenizing. A P whose prefix cache holds part of
+        the conversation moves less, and a turn on D alone moves nothing."""
         reused = min(reused, prompt - 1) // self.block_size * self.block_size
         new = prompt - reused
         blocks = reused // self.block_size + -(-new // self.block_size)

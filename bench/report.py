@@ -699,8 +699,11 @@ def limit_table(res: dict[str, Any], plan: Plan) -> list[str]:
         "previous prompt and answer from D to P, the new blocks from P to D. The new tokens are",
         "the turn's prompt less what D held of its conversation (the previous prompt and answer",
         "less the answer's last token), in whole blocks; turn 1 reuses nothing. No queueing, no",
-        "HTTP, no tokenizing: no router can do the turn for less on these engines. Limits are",
-        "per conversation turn, p50 over the conversations; TTFT / limit divides the two p50s.",
+        "HTTP, no tokenizing. It is the limit of a P that holds none of the conversation: where",
+        "P's prefix cache still holds its earlier prompt (*P cache hits* below), vLLM moves only",
+        "the rest, and a turn run on D alone (the decode plan) moves nothing, so those turns can",
+        "cost less. Limits are per conversation turn, p50 over the conversations; TTFT / limit",
+        "divides the two p50s.",
         "",
         *table(header, rows),
     ]
