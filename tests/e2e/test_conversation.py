@@ -12,6 +12,7 @@ import redis
 
 from tests.e2e.conftest import Stack, p_route_calls, pulled, reference_chat
 from tests.support.chat import chat_turn, client
+from tests.support.metrics import metric
 
 SYSTEM = "You are a terse assistant that answers in short words about the weather and tea."
 
@@ -108,3 +109,20 @@ def test_session_is_readable_with_redis_cli_fields(stack: Stack) -> None:
     assert int(fields["token_count"]) > 0
     assert 0 < r.ttl(keys[0]) <= 3600
     r.close()
+
+
+def test_a_hit_asks_p_to_tokenize_once(stack: Stack) -> None:
+    """P's /tokenize for a hit is sent during the claim and read by the prefix check: one
+    request per hit, none on a first turn (nothing to verify yet)."""
+    api = client(stack.router.base_url)
+    cid = f"tok-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": f"{SYSTEM} Count."}]
+    for turn in range(1, 4):
+        messages.append({"role": "user", "content": f"Question {turn}: tea or coffee?"})
+        before = tokenize_calls(stack.p.url)
+        checked_turn(stack, api, messages, turn, cid=cid)
+        assert tokenize_calls(stack.p.url) - before == (0 if turn == 1 else 1), f"turn {turn}"
+
+
+def tokenize_calls(url: str) -> float:
+    return metric(url, "http_requests_total", handler="/tokenize", status="2xx")
