@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from router.tracing import span
-from router.turn import decide, history
+from router.turn import decide, early, history
 from router.turn.capture import Captured
 from router.turn.incoming import Incoming, canonical_items
 from router.turn.state import Turn
@@ -69,6 +69,9 @@ async def _commit(turn: Turn, captured: Captured) -> str:
         # A lost race: another turn of this conversation committed first (compare-and-set).
         result = "committed" if ok else "lost-race"
     svc.metrics.commits.labels(result).inc()
+    # The next turn's P /tokenize goes out early only after a turn that left a handle.
+    p_url = turn.prefill.url if turn.prefill is not None else None
+    early.remember(svc, key, p_url if ok and state.kv_transfer_params else None)
     if ok and turn.claim.history_id:
         await _index_history(turn, state, captured)
     return result

@@ -2,10 +2,11 @@
 longer of the two instead of both in turn.
 
 Only when the turn will most likely need it: a chat turn with a conversation id and an
-earlier answer in its history, verified by tokens. The guess of the P that verifies it is
-the only usable one, or the one that prefilled this conversation's last turn in this
-process; the ids count only if the turn's P turns out to be that one (verify asks again
-otherwise), and a turn that needs none cancels the request.
+earlier answer in its history, verified by tokens, whose conversation's last turn in this
+process left D's handle (a turn without one, such as a stream from stock vLLM, is served
+without P's /tokenize). The request goes to the P that prefilled that turn; its ids count
+only if this turn's P turns out to be the same (verify asks again otherwise), and a turn
+that needs none cancels the request.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from router.turn.claim import prompt_token_ids
 from router.turn.incoming import Incoming
 from sessions.keys import conversation_key
 
-# Conversations whose last P this process remembers (the oldest forgotten first).
+# Conversations whose last turn here left a handle, and its P (the oldest forgotten first).
 MAX_HINTS = 65536
 
 
@@ -69,20 +70,21 @@ def start(svc: Services, inc: Incoming, request_id: str) -> EarlyTokens | None:
     return EarlyTokens(url, asyncio.create_task(prompt_token_ids(svc, inc, url, request_id)))
 
 
-def remember(svc: Services, key: str | None, prefill_url: str) -> None:
-    """Note the P of a conversation's turn, for the guess of its next turn's."""
+def remember(svc: Services, key: str | None, prefill_url: str | None) -> None:
+    """After a commit: the P of a turn that left a handle, or None (no handle: forget)."""
     if key is None:
         return
     hints = svc.prefill_hints
     hints.pop(key, None)
+    if prefill_url is None:
+        return
     hints[key] = prefill_url
     if len(hints) > MAX_HINTS:
         del hints[next(iter(hints))]
 
 
 def _likely_prefill(svc: Services, key: str) -> str:
-    usable = [i for i in svc.pool.instances("prefill") if i.usable]
-    if len(usable) == 1:
-        return usable[0].url
     hint = svc.prefill_hints.get(key, "")
-    return hint if any(i.url == hint for i in usable) else ""
+    if hint and any(i.url == hint and i.usable for i in svc.pool.instances("prefill")):
+        return hint
+    return ""

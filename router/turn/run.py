@@ -141,7 +141,6 @@ def _note_handle_result(turn: Turn, sent: Instance | None, prefilled: Prefilled)
     """Record who prefilled, and whether P read or refused the handle's D."""
     turn.prefill = prefilled.instance
     turn.prefill_ids = prefilled.prompt_ids
-    early.remember(turn.svc, turn.claim.key, prefilled.instance.url)
     if prefilled.refused_by:
         turn.claim = turn.claim.miss(Reason.HANDLE_REJECTED)
         if sent is not None:

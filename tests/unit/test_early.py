@@ -40,6 +40,7 @@ def _inc(messages: list[dict[str, str]], cid: str | None = "c") -> Incoming:
 
 
 async def _started(svc: Services, inc: Incoming) -> early.EarlyTokens | None:
+    """early.start for a conversation whose hint, if any, the test has set."""
     tokens = early.start(svc, inc, "req")
     if tokens is not None:
         tokens.cancel()  # no engine behind these URLs
@@ -59,22 +60,25 @@ async def _started(svc: Services, inc: Incoming) -> early.EarlyTokens | None:
 async def test_only_a_likely_hit_verified_by_tokens_tokenizes_early(
     messages: list[dict[str, str]], cid: str | None, kw: dict[str, Any]
 ) -> None:
-    assert await _started(_svc(**kw), _inc(messages, cid)) is None
+    svc = _svc(**kw)
+    early.remember(svc, conversation_key("default", "c"), "http://p1")
+    assert await _started(svc, _inc(messages, cid)) is None
 
 
-async def test_the_only_p_or_the_conversations_last_p() -> None:
-    only = await _started(_svc(), _inc(HISTORY))
-    assert only is not None and only.url == "http://p1"
+async def test_only_after_a_turn_that_left_a_handle_to_its_p() -> None:
     svc = _svc(("http://p1", "http://p2"))
-    assert await _started(svc, _inc(HISTORY)) is None  # two P, no hint: no guess
-    early.remember(svc, conversation_key("default", "c"), "http://p2")
+    key = conversation_key("default", "c")
+    assert await _started(svc, _inc(HISTORY)) is None  # nothing known of this conversation
+    early.remember(svc, key, "http://p2")  # its last turn here left a handle, P was p2
     hinted = await _started(svc, _inc(HISTORY))
     assert hinted is not None and hinted.url == "http://p2"
+    early.remember(svc, key, None)  # the next one left none (a stream from stock vLLM)
+    assert await _started(svc, _inc(HISTORY)) is None
+    early.remember(svc, key, "http://p2")
     for inst in svc.pool.instances("prefill"):
         if inst.url == "http://p2":
             svc.pool.remove(inst)
-    left = await _started(svc, _inc(HISTORY))  # that P is gone: the only one left
-    assert left is not None and left.url == "http://p1"
+    assert await _started(svc, _inc(HISTORY)) is None  # that P is gone: no guess
 
 
 def test_hints_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
