@@ -42,7 +42,7 @@ class Services:
     kv_events: KvEvents | None = None
     # MoRI-IO instances that announced themselves (None: no --moriio-register).
     peers: Peers | None = None
-    # The P of each conversation's last turn in this process (router/turn/early.py's guess).
+    # Per conversation whose last turn here left a handle: that turn's P (router/turn/early.py).
     prefill_hints: dict[str, str] = field(default_factory=dict)
 
     def ids_leg_on(self) -> bool:

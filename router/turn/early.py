@@ -60,10 +60,6 @@ def start(svc: Services, inc: Incoming, request_id: str) -> EarlyTokens | None:
         )
     ):
         return None
-    import os
-
-    if os.environ.get("KVB_NO_EARLY"):
-        return None
     url = _likely_prefill(svc, conversation_key(inc.tenant, inc.conversation_id))
     if not url:
         return None
