@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from router.connectors.nixl import miss_params
+from router.connectors.nixl.params import miss_params
 from router.http.server import event_loop_factory
 
 JSON = {"Content-Type": "application/json"}

@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_main(rest)
     if command == "demo":
-        from router.demo import demo_main
+        from router.lifecycle.demo import demo_main
 
         return demo_main(rest)
     print(f"kvbaton: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")

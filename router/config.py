@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from router.engines import coords, ranks
+from router.connectors.names import ConnectorName
+from router.engines import ranks
 from router.errors import ConfigError
 from router.flags import FLAGS, Flag
 
@@ -56,7 +57,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_kv_params: bool = False
     decode_local_max_tokens: int = 512
     decode_local_max_inflight: int = 16
-    kv_connector: Literal["nixl", "nixl-push", "store", "moriio"] = "nixl"
+    kv_connector: ConnectorName = ConnectorName.NIXL
     moriio_register: str = ""
     moriio_register_ttl: float = 30.0
     prefill_coordinates: tuple[str, ...] = ()
@@ -242,10 +243,7 @@ def validate(values: Mapping[str, Any]) -> Settings:
 
 
 def _check_moriio(settings: Settings) -> None:
-    moriio = settings.kv_connector == "moriio"
-    if moriio != bool(settings.moriio_register):
-        # MoRI-IO peers are addressed by the ZMQ addresses they announce, nothing else.
-        raise ConfigError("--kv-connector moriio and --moriio-register go together")
+    # Which connector takes registrations is the connector's to say (connectors/select.py).
     if settings.moriio_register and settings.workers > 1:
         raise ConfigError("--moriio-register binds one socket: it needs --workers 1")
     if settings.moriio_register_ttl <= 0:
@@ -288,11 +286,6 @@ def _check_coordinates(settings: Settings) -> None:
             ranks.parse_spec(spec)
         except ValueError as exc:
             raise ConfigError(f"--data-parallel-size {exc}") from None
-    for spec in settings.prefill_coordinates:
-        try:
-            coords.parse_spec(spec)
-        except ValueError as exc:
-            raise ConfigError(f"--prefill-coordinates {exc}") from None
 
 
 # Set by `kvbaton serve --workers N` in each worker's environment (not a setting):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.connectors.names import ConnectorName
+
 
 @dataclass(frozen=True)
 class Flag:
@@ -98,7 +100,7 @@ FLAGS: tuple[Flag, ...] = (
         "nixl-push: NixlPushConnector, P and D called concurrently, affinity only; "
         "store: KV through a shared store such as MooncakeStoreConnector, no kv_transfer_params; "
         "moriio: MoRIIOConnector, READ or WRITE as the instances announce, affinity only)",
-        choices=("nixl", "nixl-push", "store", "moriio"),
+        choices=tuple(name.value for name in ConnectorName),
     ),
     Flag(
         "moriio_register",

@@ -6,10 +6,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.config import Settings
 from router.connectors.base import Connector
-from router.engines.announce import Peers
 from router.engines.client import EngineClient
 from router.engines.kv_watch import KvEvents
 from router.engines.pool import Pool
@@ -29,7 +29,7 @@ class Services:
     store: SessionStore
     guard: StoreGuard
     metrics: Metrics
-    connector: Connector
+    connector: Connector[Any]  # the KV-transfer protocol: its legs, params, capabilities
     model: str = ""
     block_size: int = 0
     # The smallest context length the decode instances report (0: unknown).
@@ -40,8 +40,6 @@ class Services:
     ids_leg_off: str = ""
     # What each engine's prefix cache holds, from its KV events (None: no --kv-events).
     kv_events: KvEvents | None = None
-    # MoRI-IO instances that announced themselves (None: no --moriio-register).
-    peers: Peers | None = None
     # Per conversation whose last turn here left a handle: that turn's P (router/turn/early.py).
     prefill_hints: dict[str, str] = field(default_factory=dict)
 

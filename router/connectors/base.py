@@ -1,22 +1,56 @@
-"""The connector seam: what the turn needs from a KV-transfer protocol's fields.
+"""The connector seam: a KV-transfer protocol as the router speaks it, end to end.
 
-One module per protocol implements it (`nixl.py`: NixlConnector pull with bidirectional D->P
-reuse; `nixl_push.py`: NixlPushConnector, whose concurrent legs are router/turn/push.py's;
-`moriio.py`: MoRIIOConnector, legs in router/turn/moriio.py; `store.py`: KV through a
-shared store, no fields); `select` picks one by `--kv-connector`. The turn never reads a
-protocol field itself.
+A connector is a package under router/connectors/, named by its `ConnectorName` member, whose
+`connector.py` has `make(settings) -> Connector`. It owns its parameters, its legs (`serve`:
+how P and D are called), its registration or coordinates and its reuse verdicts, and says
+what it can do in `Capabilities`: the turn asks those, never the connector's name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from starlette.responses import Response
+
+from router.connectors.names import ConnectorName
+from router.engines.client import EngineClient
+from router.engines.pool import Instance, Role
 
 
-class Connector(Protocol):
-    """A KV-transfer protocol as the router speaks it to P and D."""
+@dataclass(frozen=True)
+class Capabilities:
+    """What a connector does, as the turn's decisions need to know it."""
 
-    name: str
+    # P reads the conversation's KV from the previous D: a handle is kept between turns and
+    # verified before it is sent (the prompt's tokens, P's /tokenize).
+    reuses_d_to_p: bool
+    # D pins every finished request's blocks until a P reads them (bidirectional_kv_xfer).
+    pins_on_d: bool
+    # P's answer carries the params D reads P's blocks with (store: D loads by hash).
+    p_hands_off: bool
+    # A turn may run on the previous D alone (the decode plan): only when no P leg is
+    # needed to move KV (store mode's P leg is what fills the store).
+    decode_plan: bool
+    # The instances announce themselves (MoRI-IO's ZMQ registration).
+    needs_registration: bool = False
+
+
+TurnT = TypeVar("TurnT", contravariant=True)
+Changed = Callable[[], Awaitable[None]]
+
+
+class Connector(Protocol[TurnT]):
+    """One KV-transfer protocol. `TurnT` is router/turn/state.py's Turn (the seam sits below
+    the turn, so it cannot name it)."""
+
+    name: ConnectorName
+    caps: Capabilities
+
+    async def serve(self, turn: TurnT) -> Response:
+        """The turn's legs, from placement to the response (which may still be streaming)."""
+        ...
 
     def prefill_params(self, handle: Mapping[str, Any] | None) -> dict[str, Any]:
         """P's `kv_transfer_params`: D's claimed handle (a hit), or the null handoff."""
@@ -44,23 +78,91 @@ class Connector(Protocol):
         """Whether P's answer says it failed (and so refused a handle it was given)."""
         ...
 
+    async def inspect(
+        self, engines: EngineClient, inst: Instance, model: str, timeout: float
+    ) -> None:
+        """Learn what the connector needs of a new instance (push: P's coordinates)."""
+        ...
 
-def select(name: str) -> Connector:
-    """The connector for `--kv-connector NAME`."""
-    from router.connectors.moriio import MoriIO
-    from router.connectors.nixl import NixlPull  # one import per protocol module
-    from router.connectors.nixl_push import NixlPush
-    from router.connectors.store import StoreConnector
+    def seed(self, url: str, role: Role, fields: Mapping[str, Any]) -> None:
+        """The connector's fields of an admin add (the seeds' push coordinates); ValueError
+        if they cannot be used."""
+        ...
 
-    connectors: dict[str, Connector] = {
-        "nixl": NixlPull(),
-        "nixl-push": NixlPush(),
-        "store": StoreConnector(),
-        "moriio": MoriIO(),
-    }
-    try:
-        return connectors[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown kv connector {name!r}; expected one of {sorted(connectors)}"
-        ) from None
+    def start(self, changed: Changed) -> list[Coroutine[Any, Any, None]]:
+        """Background work for the app's lifetime (registration); `changed` re-syncs the
+        pool when the instances it knows change."""
+        ...
+
+    def announced(self, role: Role) -> tuple[str, ...]:
+        """Instances of `role` that announced themselves (added to the command line's)."""
+        ...
+
+    def instance_view(self, inst: Instance) -> dict[str, Any]:
+        """/status: an instance's KV mode and what the connector knows of it."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """/status: the connector's own state (its registration, if any)."""
+        ...
+
+
+def prefill_failed(status: int, body: Mapping[str, Any] | None) -> bool:
+    """P rejected the request: HTTP >= 400, an error body, or a choice that ended in "error"
+    (vLLM's error shapes, whatever the connector)."""
+    if status >= 400:
+        return True
+    if body is None:
+        return False
+    if isinstance(body.get("error"), Mapping) or body.get("status") == "failed":
+        return True
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return False
+    return any(isinstance(c, Mapping) and c.get("finish_reason") == "error" for c in choices)
+
+
+def engine_id(params: Mapping[str, Any]) -> str | None:
+    value = params.get("remote_engine_id")
+    return value if isinstance(value, str) else None
+
+
+class Defaults:
+    """What a connector without a D->P handle, registration or coordinates does; each
+    connector overrides what its protocol has."""
+
+    name: ConnectorName
+
+    def truncate(
+        self, params: Mapping[str, Any], num_tokens: int, block_size: int
+    ) -> dict[str, Any]:
+        raise ValueError(f"--kv-connector {self.name} keeps no handle to truncate")
+
+    def is_handle(self, params: object) -> bool:
+        return False  # what D returns is never read back by P
+
+    def engine_id(self, params: Mapping[str, Any]) -> str | None:
+        return engine_id(params)
+
+    def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
+        return prefill_failed(status, body)
+
+    async def inspect(
+        self, engines: EngineClient, inst: Instance, model: str, timeout: float
+    ) -> None:
+        return None
+
+    def seed(self, url: str, role: Role, fields: Mapping[str, Any]) -> None:
+        return None  # a connector without such fields ignores them
+
+    def start(self, changed: Changed) -> list[Coroutine[Any, Any, None]]:
+        return []
+
+    def announced(self, role: Role) -> tuple[str, ...]:
+        return ()
+
+    def instance_view(self, inst: Instance) -> dict[str, Any]:
+        return {"mode": self.name.value}
+
+    def status(self) -> dict[str, Any]:
+        return {"kv_connector": self.name.value}

@@ -9,7 +9,6 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from router.engines.coords import Known
 from router.engines.identity import EngineIdentity
 from router.errors import Unavailable
 
@@ -38,7 +37,6 @@ class Instance:
     draining: bool = False
     last_error: str = ""
     ident: EngineIdentity = field(default_factory=EngineIdentity)
-    kv: Known = field(default_factory=Known)  # push mode: a P's coordinates (coords.py)
     next_rank: int = 0  # the data-parallel rank the next new conversation gets (ranks.py)
     dp_size: int = 0  # data-parallel ranks its /metrics shows (0: not read; ranks.py)
 

@@ -16,7 +16,6 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.engines import registry as reg
 from router.engines.pool import Instance, Role
 from router.errors import (
     BadRequest,
@@ -28,6 +27,7 @@ from router.errors import (
     Unprocessable,
 )
 from router.http.status import instances_by_role, view
+from router.lifecycle import registry as reg
 from router.services import Services
 from router.turn.tenant import DEFAULT_TENANT, validate_conversation_id
 from sessions.admin_ops import ConversationIndex

@@ -17,12 +17,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from router.config import Settings
-from router.connectors.base import select
-from router.engines import announce, registry
+from router.connectors.select import select
 from router.engines.client import Upstream
-from router.engines.discovery import discover
 from router.engines.dns import DnsExpander, Resolver, SystemResolver
-from router.engines.health import health_loop
 from router.engines.kv_watch import KvEvents, parse_sources
 from router.engines.pool import Pool
 from router.errors import RouterError, Unavailable, UpstreamFailure, error_body, error_bytes
@@ -31,6 +28,9 @@ from router.http.body import read_body
 from router.http.disconnect import until_disconnect
 from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
+from router.lifecycle import registry
+from router.lifecycle.discovery import discover
+from router.lifecycle.health import health_loop
 from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services, StoreGuard
 from router.tracing import span
@@ -202,7 +202,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         guard = StoreGuard(settings.store_retry_after)
         metrics = Metrics(pool, lambda: guard.is_open, shared=settings.workers > 1)
         guard.on_failure = metrics.store_errors.inc
-        connector = select(settings.kv_connector)
+        connector = select(settings)
         svc = Services(settings, upstream, pool, backend.store, guard, metrics, connector)
         engine_urls = (*settings.prefill, *settings.decode)
         svc.kv_events = KvEvents(
@@ -220,18 +220,13 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         syncer = registry.Syncer(svc, backend.registry, dns)
         ops = Operations(syncer, backend.conversations)
         syncing: asyncio.Task[None] | None = None
-        announcing: asyncio.Task[None] | None = None
-        if settings.moriio_register:
-            svc.peers = announce.Peers(settings.moriio_register_ttl)
+        background: list[asyncio.Task[None]] = []  # the connector's (registration)
         try:
             await discover(svc)
             app.state.services = svc
             app.state.operations = ops
             syncing = await registry.start(ops.syncer, settings.health_interval)
-            if svc.peers is not None:
-                announcing = asyncio.create_task(
-                    announce.listen(settings.moriio_register, svc.peers, syncer.resync)
-                )
+            background = [asyncio.create_task(c) for c in connector.start(syncer.resync)]
             svc.kv_events.start()
             prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
             # While the store breaker is open, ping the store so reuse resumes when it is back.
@@ -241,7 +236,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
             yield
         finally:
             svc.stopping = True
-            for task in (prober, publisher, watcher, announcing):
+            for task in (prober, publisher, watcher, *background):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

@@ -4,13 +4,13 @@ users' scripts keep working: `POST /instances/add` with `{"type", "instance"}` a
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from router.config import base_url
-from router.engines.coords import Coordinates
 from router.engines.pool import Role
 from router.errors import BadRequest, NotFound, Unauthorized
 from router.http.admin import add
@@ -32,20 +32,18 @@ class SeedInstance(msgspec.Struct):
     tp_size: int = 1
     pp_size: int = 1
 
-    def coordinates(self) -> Coordinates | None:
+    def extras(self) -> dict[str, Any]:
+        """The connector's fields (push coordinates), when any was given."""
         given = (self.engine_id, self.side_channel_host, self.side_channel_port)
         if all(v is None for v in given):
-            return None
-        engine_id, host, port = given
-        if not engine_id or not host or port is None or not 0 < port < 65536:
-            raise BadRequest(
-                "push coordinates need engine_id, side_channel_host and side_channel_port "
-                "(1-65535) together",
-                param="engine_id",
-            )
-        if min(self.tp_size, self.pp_size) < 1 or self.type != "prefill":
-            raise BadRequest("coordinates are for prefill instances, tp_size/pp_size >= 1")
-        return Coordinates(engine_id, host, port, self.tp_size, self.pp_size, source="admin")
+            return {}
+        return {
+            "engine_id": self.engine_id,
+            "side_channel_host": self.side_channel_host,
+            "side_channel_port": self.side_channel_port,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+        }
 
 
 def check_api_key(key: str, sent: str | None) -> None:
@@ -75,10 +73,13 @@ async def add_instance(request: Request) -> Response:
     url = base_url(body.instance)
     if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
         raise BadRequest(f"instance must be host:port or a base URL, not {body.instance!r}")
-    given = body.coordinates()
+    extras = body.extras()
+    if extras:
+        try:
+            svc.connector.seed(url, body.type, extras)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="engine_id") from None
     added, inst = await add(svc, request.app.state.operations, url, body.type, body.kv_events)
-    if given is not None:
-        inst.kv.coords, inst.kv.why_unknown = given, ""
     out = {
         "message": f"{'added' if added else 'already serving'} {body.type} instance {url}",
         "status": "added" if added else "active",

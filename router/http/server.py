@@ -15,10 +15,11 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from router.config import Settings, WorkerSlot, load_settings, worker_slot
-from router.engines.discovery import preflight
+from router.connectors.select import select
 from router.errors import ConfigError, StartupError
 from router.http.app import create_app
 from router.http.workers import supervise
+from router.lifecycle.discovery import preflight
 from router.logs import setup_logging
 from router.tracing import setup_tracing
 
@@ -177,6 +178,7 @@ def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | N
 def serve_main(argv: Sequence[str]) -> int:
     try:
         settings = load_settings(argv)
+        select(settings)  # a connector refuses settings it cannot work with, before any bind
     except ConfigError as exc:
         print(f"kvbaton serve: {exc}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.engines import coords, ranks
+from router.engines import ranks
 from router.engines.dns import DnsExpander
 from router.engines.pool import Instance, Role
 from router.services import Services
@@ -65,7 +65,7 @@ def view(svc: Services, inst: Instance, dns: DnsExpander | None = None) -> dict[
         source = "admin"
     out = instance_view(inst, source)
     # The KV-transfer mode, and in push mode a P's coordinates (or why they are unknown).
-    out["kv"] = coords.view(settings.kv_connector, inst.role, inst.kv)
+    out["kv"] = svc.connector.instance_view(inst)
     out["data_parallel_size"] = ranks.size_of(settings.data_parallel_size, inst)
     return out
 
@@ -115,12 +115,8 @@ async def status(request: Request) -> Response:
         # --kv-events is not set: handles are sent on every verified hit, P placed by load.
         "kv_events": svc.kv_events.view() if svc.kv_events is not None else {"on": False},
         "store": await store_view(svc),
-        # MoRI-IO instances heard on --moriio-register (mode: the transfer mode announced).
-        "moriio": (
-            {"on": True, "mode": svc.peers.mode, "announced": svc.peers.status()}
-            if svc.peers is not None
-            else {"on": False}
-        ),
+        # The connector (--kv-connector) and its own state: MoRI-IO's announced instances.
+        **svc.connector.status(),
         # The demo proxies' /status fields (every instance in the pool, usable or not).
         "prefill_node_count": len(prefill_nodes),
         "decode_node_count": len(decode_nodes),

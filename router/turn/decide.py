@@ -56,7 +56,7 @@ def decode_blocker(inst: Instance | None, state: SessionState) -> Reason | None:
     return None
 
 
-def handle_check(connector: Connector, state: SessionState) -> Reason | None:
+def handle_check(connector: Connector[Any], state: SessionState) -> Reason | None:
     """The router's own checks of a stored handle before it may reach P: the state is read
     back from Redis, so it is checked as if a client had sent it (None: it passes)."""
     params = state.kv_transfer_params

@@ -15,6 +15,7 @@ import asyncio
 from dataclasses import dataclass
 
 from router.services import Services
+from router.turn import asks
 from router.turn.claim import prompt_token_ids
 from router.turn.incoming import Incoming
 from sessions.keys import conversation_key
@@ -48,18 +49,9 @@ class EarlyTokens:
 
 def start(svc: Services, inc: Incoming, request_id: str) -> EarlyTokens | None:
     """Send /tokenize now if this turn is likely a hit to verify by tokens; else None."""
-    settings = svc.settings
-    if (
-        inc.conversation_id is None
-        or inc.api != "chat"
-        or not settings.reuse
-        or settings.verify_prefix != "tokens"
-        or svc.connector.name in ("nixl-push", "moriio")  # their legs verify nothing
-        or not any(
-            isinstance(m, dict) and m.get("role") == "assistant" for m in reversed(inc.messages)
-        )
-    ):
+    if not asks.early_tokens(svc.settings, svc.connector.caps, inc):
         return None
+    assert inc.conversation_id is not None
     url = _likely_prefill(svc, conversation_key(inc.tenant, inc.conversation_id))
     if not url:
         return None

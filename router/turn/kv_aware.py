@@ -4,7 +4,6 @@ prefix, none whose blocks D evicted, and P placed by the longest prefix it holds
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 from router.engines.kv_index import block_digests, held_tokens
 from router.engines.pool import AFFINITY_SLACK, Instance
@@ -41,7 +40,7 @@ def check_handle(turn: Turn, p_inst: Instance, source: Instance | None) -> None:
             p_inst.url,
             p_held,
         )
-        turn.claim = replace(claim, reuse=reuse, params=None)
+        turn.rejudge(reuse, drop_handle=True)
 
 
 async def place_prefill(turn: Turn, p_inst: Instance) -> Instance:

@@ -15,6 +15,7 @@ Why these rules (docs/architecture.md, *Per-turn placement*):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -44,6 +45,37 @@ class Inputs:
 def d_has_room(d_inflight: int, limits: Limits) -> bool:
     """Whether the decode plan is possible at all (checked before any /tokenize is spent)."""
     return limits.max_tokens > 0 and d_inflight < limits.max_inflight
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the turn knows before it asks D's /tokenize for the decode plan."""
+
+    reuse_on: bool  # --reuse
+    connector_allows: bool  # the connector's capability (store: every turn needs its P leg)
+    api: str
+    has_token_digests: bool  # the state records D's token sequence
+    hit: bool  # the claim's verdict is a hit ...
+    pulls: bool  # ... that P would read from D (not one from P's own cache)
+    no_handle_made: bool  # a miss only because no handle could be made: D holds the turn
+    # Whether the prompt does not extend what D holds (edited, regenerated): asked last.
+    prefix_mismatch: Callable[[], bool]
+    d_usable: bool  # the previous D is healthy, not draining, not restarted since
+    d_inflight: int
+
+
+def candidate(s: Seen, limits: Limits) -> bool:
+    """Whether the decode plan is worth a look: a usable previous D with room, and a state
+    that records D's token sequence; a hit from P's own cache needs no plan."""
+    if not (s.reuse_on and s.connector_allows and s.api != "responses" and s.has_token_digests):
+        return False
+    if s.hit and not s.pulls:
+        return False
+    if not s.hit and not s.no_handle_made:
+        return False
+    if not (s.d_usable and d_has_room(s.d_inflight, limits)):
+        return False
+    return s.hit or not s.prefix_mismatch()
 
 
 def choose(c: Inputs, limits: Limits) -> Plan:

@@ -4,7 +4,6 @@ whether the turn runs there alone (the decode plan, `hit;via=decode`). `placemen
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 from router.engines.kv_index import held_tokens
 from router.engines.pool import Instance
@@ -28,25 +27,26 @@ def limits(turn: Turn) -> placement.Limits:
 
 
 def _candidate(turn: Turn, source: Instance | None) -> bool:
-    """Whether the decode plan is worth a look: a usable previous D with room, and a state
-    that records D's token sequence; a hit from P's own cache needs no plan."""
-    svc, claim, state = turn.svc, turn.claim, turn.claim.state
-    if state is None or source is None or not svc.settings.reuse or turn.inc.api == "responses":
+    """Whether the decode plan is worth a look (`placement.candidate` decides from data)."""
+    claim, state = turn.claim, turn.claim.state
+    if state is None or source is None:
         return False
-    if svc.connector.name == "store":  # every turn has a P leg: the producer fills the store
-        return False
-    if not state.block_digests and not state.seq_digest:
-        return False
-    if claim.reuse.is_hit and not claim.reuse.pulls:
-        return False
-    if not claim.reuse.is_hit and (
-        claim.reuse.reason not in NO_HANDLE_MADE
-        or prefix_verdict(turn.inc, state) is decide.Prefix.MISMATCH
-    ):
-        return False
-    if not source.usable or decide.decode_blocker(source, state) is not None:
-        return False
-    return placement.d_has_room(d_load(source), limits(turn))
+    reuse = claim.reuse
+    no_handle = not reuse.is_hit and reuse.reason in NO_HANDLE_MADE
+    seen = placement.Seen(
+        reuse_on=turn.svc.settings.reuse,
+        connector_allows=turn.svc.connector.caps.decode_plan,
+        api=turn.inc.api,
+        has_token_digests=bool(state.block_digests or state.seq_digest),
+        hit=reuse.is_hit,
+        pulls=reuse.pulls,
+        no_handle_made=no_handle,
+        # Asked only when it can matter: it hashes the conversation again.
+        prefix_mismatch=lambda: prefix_verdict(turn.inc, state) is decide.Prefix.MISMATCH,
+        d_usable=source.usable and decide.decode_blocker(source, state) is None,
+        d_inflight=d_load(source),
+    )
+    return placement.candidate(seen, limits(turn))
 
 
 def d_load(inst: Instance) -> int:
@@ -87,7 +87,7 @@ async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> 
     if plan is not placement.Plan.DECODE:
         return None
     found = Found.HISTORY if claim.history_id else None
-    turn.claim = replace(claim, reuse=Reuse.hit(holds, Via.DECODE, found), params=None)
+    turn.rejudge(Reuse.hit(holds, Via.DECODE, found), drop_handle=True)
     log.info(
         "turn %s: decode plan on %s (holds %d of %d prompt tokens)",
         turn.request_id,

@@ -4,18 +4,14 @@ send one P's params twice. `decide.after_prefill` says what each attempt leads t
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from router.engines.pool import Instance
-from router.errors import EngineReply, RouterError, UpstreamError, UpstreamFailure
-from router.tracing import span
+from router.errors import EngineReply, RouterError, UpstreamError
 from router.turn import decide
 from router.turn.decide import Attempt, Next
-from router.turn.rewrite import PATHS, ids_prefill_body, prefill_body
+from router.turn.legs import Answer, call_prefill, prefill_request
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.legs")
@@ -30,56 +26,21 @@ class Prefilled:
     body: dict[str, Any] | None = None  # P's answer (its usage: what it found cached)
 
 
-def parse_answer(raw: bytes) -> dict[str, Any] | None:
-    """An engine's JSON answer as a dict (None: not JSON, or not an object)."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return None
-    return body if isinstance(body, dict) else None
-
-
-def _request(
-    turn: Turn, handle: dict[str, Any] | None, ids: list[int] | None
-) -> tuple[dict[str, Any], str]:
-    """P's body and path: the client's request, or its prompt as token ids on completions."""
-    inc = turn.inc
-    kv = turn.svc.connector.prefill_params(handle)
-    if ids is not None:
-        return ids_prefill_body(inc.body, ids, kv), PATHS["completions"]
-    body = prefill_body(inc.body, kv, api=inc.api)
-    if inc.api == "responses":
-        body["store"] = False  # P's one-token response is never worth keeping
-    return body, PATHS[inc.api]
-
-
 async def _attempt(
     turn: Turn, inst: Instance, handle: dict[str, Any] | None, ids: list[int] | None
-) -> tuple[Attempt, bytes, dict[str, Any] | None, str]:
-    """One P call: what it sent and got, the raw body, the parsed body, a failure text."""
-    svc = turn.svc
-    body, path = _request(turn, handle, ids)
-    started = time.monotonic()
-    reached = True
-    with svc.pool.busy(inst), span("kvbaton.prefill", instance=inst.url, hit=bool(handle)):
-        try:
-            status, raw = await svc.engines.post_json(
-                inst.url + path,
-                body,
-                request_id=turn.request_id,
-                extra_headers=turn.leg_headers(inst),
-                timeout=svc.settings.prefill_timeout,
-            )
-            failure = f"HTTP {status}"
-        except UpstreamFailure as exc:
-            status, raw, failure = 0, b"", str(exc)
-            reached = exc.reached
-    parsed = parse_answer(raw) if status else None
-    outcome = "ok" if status == 200 else "error" if status == 0 or status >= 500 else "rejected"
-    svc.metrics.upstream.labels("prefill", inst.url, outcome).observe(time.monotonic() - started)
-    ok = status == 200 and parsed is not None and not svc.connector.prefill_failed(status, parsed)
-    attempt = Attempt(status, ok, reached, with_handle=handle is not None, with_ids=ids is not None)
-    return attempt, raw, parsed, failure
+) -> tuple[Attempt, Answer]:
+    """One P call: what it sent (as the decision core sees it) and what it got."""
+    kv = turn.svc.connector.prefill_params(handle)
+    request = prefill_request(turn, kv, ids)
+    answer = await call_prefill(turn, inst, request, turn.leg_headers(inst), hit=bool(handle))
+    attempt = Attempt(
+        answer.status,
+        answer.ok,
+        answer.reached,
+        with_handle=handle is not None,
+        with_ids=ids is not None,
+    )
+    return attempt, answer
 
 
 async def prefill(turn: Turn, inst: Instance) -> Prefilled:
@@ -91,7 +52,8 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
     refused_ids = 0
     tried: list[str] = []
     while True:
-        attempt, raw, parsed, failure = await _attempt(turn, inst, handle, ids)
+        attempt, answer = await _attempt(turn, inst, handle, ids)
+        raw, parsed, failure = answer.raw, answer.parsed, answer.failure
         step = decide.after_prefill(attempt)
         if step.handle_used:
             log.warning(
@@ -139,6 +101,6 @@ def _handoff(turn: Turn, inst: Instance, parsed: dict[str, Any]) -> dict[str, An
         assert isinstance(params, dict)
         return params
     # P answered without a handoff: D prefills locally (never the P-leg dict).
-    if turn.svc.connector.name != "store":  # in store mode D loads P's blocks by hash
+    if turn.svc.connector.caps.p_hands_off:  # else D loads P's blocks some other way
         log.info("prefill %s returned no kv_transfer_params; D recomputes", inst.url)
     return None

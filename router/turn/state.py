@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.engines import ranks
 from router.engines.pool import Instance
 from router.services import Services
 from router.turn.claim import Claim
+from router.turn.early import EarlyTokens
 from router.turn.incoming import Incoming
+from router.turn.outcomes import Reason, Reuse
 
 
 @dataclass
@@ -30,6 +32,18 @@ class Turn:
     ranks: dict[str, int] = field(default_factory=dict)  # data-parallel rank sent, by role
     # The X-Request-Id of both legs when it is not request_id (MoRI-IO's addressed id).
     leg_id: str = ""
+    early: EarlyTokens | None = None  # P's /tokenize sent during the claim (turn/early.py)
+
+    def miss(self, reason: Reason) -> None:
+        """The turn's verdict becomes a miss (its handle, if any, is not sent)."""
+        self.claim = self.claim.miss(reason)
+
+    def rejudge(self, reuse: Reuse, *, drop_handle: bool = False) -> None:
+        """A new verdict for the turn; `drop_handle`: the handle is not sent either."""
+        if drop_handle:
+            self.claim = replace(self.claim, reuse=reuse, params=None)
+        else:
+            self.claim = replace(self.claim, reuse=reuse)
 
     def leg_headers(self, inst: Instance) -> dict[str, str]:
         """The headers of a leg to `inst`: the client's forwarded ones, and the conversation's

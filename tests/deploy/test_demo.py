@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from router.demo import demo_main
+from router.lifecycle.demo import demo_main
 from tests.support.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

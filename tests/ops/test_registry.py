@@ -11,10 +11,10 @@ import pytest
 import redis
 
 from router.config import Settings
-from router.connectors.base import select
+from router.connectors.select import select
 from router.engines.client import Upstream
 from router.engines.pool import Instance, Pool
-from router.engines.registry import admit, desired
+from router.lifecycle.registry import admit, desired
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
 from sessions.memory_store import MemorySessionStore
@@ -134,7 +134,7 @@ async def test_admit_says_once_why_an_unreachable_instance_cannot_join() -> None
             MemorySessionStore(),
             StoreGuard(1),
             Metrics(pool, lambda: False),
-            select("nixl"),
+            select(settings),
         )
         reason = await admit(svc, inst)
     finally:

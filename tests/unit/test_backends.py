@@ -12,7 +12,6 @@ from aiohttp import web
 
 from router.config import Settings
 from router.engines.client import Upstream
-from router.engines.health import check
 from router.engines.identity import (
     PAUSE_FIRST_S,
     PAUSE_MAX_S,
@@ -23,6 +22,7 @@ from router.engines.identity import (
 )
 from router.engines.pool import AFFINITY_SLACK, Pool
 from router.errors import Unavailable, UpstreamFailure
+from router.lifecycle.health import check
 from router.turn.decide import decode_blocker
 from sessions import model as sm
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 
 from router.config import ConfigError, load_settings
+from router.connectors.nixl_push.coords import (
+    Coordinates,
+    Known,
+    d_params,
+    learn,
+    p_params,
+    parse_spec,
+)
+from router.connectors.select import select
 from router.engines import ranks
-from router.engines.coords import Coordinates, Known, d_params, learn, p_params, parse_spec
 from router.engines.pool import Instance
 
 URLS = ["--prefill", "http://p:8100", "--decode", "http://d:8200"]
@@ -32,7 +40,8 @@ def test_spec_parses_with_options() -> None:
 )
 def test_bad_specs_are_config_errors(spec: str) -> None:
     with pytest.raises(ConfigError, match="--prefill-coordinates"):
-        load_settings([*URLS, "--kv-connector", "nixl-push", "--prefill-coordinates", spec], env={})
+        argv = [*URLS, "--kv-connector", "nixl-push", "--prefill-coordinates", spec]
+        select(load_settings(argv, env={}))  # the push connector parses them
 
 
 def test_learn_from_p_params_and_refuse_a_pull_p() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from router.config import Settings
-from router.connectors.base import select
+from router.connectors.select import select
 from router.engines.client import Upstream
 from router.engines.pool import Pool
 from router.metrics import Metrics
@@ -32,7 +32,7 @@ def _svc(prefill: tuple[str, ...] = ("http://p1",), **kw: Any) -> Services:
     pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
     metrics = Metrics(pool, lambda: False)
     store, guard = MemorySessionStore(), StoreGuard(1)
-    return Services(settings, Upstream(settings), pool, store, guard, metrics, select("nixl"))
+    return Services(settings, Upstream(settings), pool, store, guard, metrics, select(settings))
 
 
 def _inc(messages: list[dict[str, str]], cid: str | None = "c") -> Incoming:

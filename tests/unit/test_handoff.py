@@ -7,17 +7,17 @@ from typing import Any
 
 import pytest
 
-from router.connectors.base import Connector, select
-from router.connectors.nixl import (
+from router.config import Settings
+from router.connectors.base import Connector, engine_id, prefill_failed
+from router.connectors.nixl.connector import NixlPull
+from router.connectors.nixl.params import (
     NULL_HANDOFF,
-    NixlPull,
-    engine_id,
     hit_params,
     is_handle,
     miss_params,
-    prefill_failed,
     truncate,
 )
+from router.connectors.select import select
 from tests.support.chat import NULL_HANDOFF as WIRE_NULL_HANDOFF
 
 # D's own handle as vLLM 0.32 returns it (vllm-cpu README section 4, bidirectional).
@@ -50,12 +50,11 @@ P_PARAMS: dict[str, Any] = {
 
 
 def test_nixl_pull_is_the_connector_for_nixl() -> None:
-    connector: Connector = select("nixl")
+    connector: Connector[Any] = select(Settings(prefill=("http://p",), decode=("http://d",)))
     assert isinstance(connector, NixlPull)
+    assert connector.caps.reuses_d_to_p and connector.caps.pins_on_d
     assert connector.prefill_params(None) == miss_params()
     assert connector.prefill_params(D_HANDLE) == hit_params(D_HANDLE)
-    with pytest.raises(ValueError, match="unknown kv connector"):
-        select("nixl-pull")
 
 
 def test_null_handoff_and_miss_params() -> None:

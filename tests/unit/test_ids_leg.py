@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from router.config import Settings
-from router.connectors.base import select
+from router.connectors.select import select
 from router.engines.client import Upstream
 from router.engines.pool import Pool
 from router.metrics import Metrics
@@ -83,7 +83,7 @@ def _turn(*, enabled: bool = True) -> Turn:
     pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
     metrics = Metrics(pool, lambda: False)
     store, guard = MemorySessionStore(), StoreGuard(1)
-    svc = Services(settings, Upstream(settings), pool, store, guard, metrics, select("nixl"))
+    svc = Services(settings, Upstream(settings), pool, store, guard, metrics, select(settings))
     inc = Incoming("chat", {"messages": TEXT}, False, "c", "default", False)
     turn = Turn(svc, inc, "req", Claim("k", None, Reuse.miss("no-session")), 0.0)
     turn.prefill, turn.decode = pool.instances("prefill")[0], pool.instances("decode")[0]

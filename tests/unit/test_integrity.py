@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.connectors.base import select
+from router.connectors.nixl.connector import NixlPull
 from router.turn.decide import handle_check
 from router.turn.outcomes import Reason
 from sessions.integrity import authentic, sign
@@ -90,4 +90,4 @@ def test_every_trusted_field_is_covered(change: dict[str, Any]) -> None:
 )
 def test_handle_check(change: dict[str, Any], reason: Reason | None) -> None:
     state = msgspec.structs.replace(STATE, **change)
-    assert handle_check(select("nixl"), state) == reason
+    assert handle_check(NixlPull(), state) == reason

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from router.config import load_settings
-from router.connectors import moriio
-from router.engines.announce import Peer, Peers, parse
+from router.connectors.moriio import params as moriio
+from router.connectors.moriio.announce import Peer, Peers, parse
+from router.connectors.select import select
 from router.errors import ConfigError
 from vllm_sim import moriio as sim_moriio
 from vllm_sim.errors import KVLoadError
@@ -123,14 +124,14 @@ MORI = ["--kv-connector", "moriio", "--moriio-register", "tcp://h:1"]
     ("argv", "why"),
     [
         (["--kv-connector", "moriio"], "go together"),  # no registration: nothing addressable
-        (["--moriio-register", "tcp://h:1"], "go together"),  # for another connector
+        (["--moriio-register", "tcp://h:1"], "announce themselves"),  # for another connector
         ([*MORI, "--workers", "2", "--redis-url", "redis://r:1"], "--workers 1"),
         ([*MORI, "--moriio-register-ttl", "0"], "ttl must be"),
     ],
 )
 def test_moriio_settings_that_cannot_work_are_refused(argv: list[str], why: str) -> None:
     with pytest.raises(ConfigError, match=why):
-        load_settings(["--prefill", "http://p:1", "--decode", "http://d:1", *argv], env={})
+        select(load_settings(["--prefill", "http://p:1", "--decode", "http://d:1", *argv], env={}))
 
 
 def test_with_registration_no_static_urls_are_needed() -> None:

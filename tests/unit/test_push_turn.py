@@ -4,7 +4,8 @@ hands the turn to another P."""
 
 from __future__ import annotations
 
-from router.engines.coords import Coordinates
+from router.connectors.nixl_push.connector import NixlPush
+from router.connectors.nixl_push.coords import Coordinates
 from router.services import Services
 from tests.unit.fake_engines import FakeEngines
 from tests.unit.test_turn import D1, P1, P2, services, turn
@@ -12,10 +13,9 @@ from tests.unit.test_turn import D1, P1, P2, services, turn
 
 def push_services(engines: FakeEngines) -> Services:
     svc = services(engines, kv_connector="nixl-push")
+    assert isinstance(svc.connector, NixlPush)
     for i, url in enumerate((P1, P2)):
-        inst = svc.pool.find("prefill", url)
-        assert inst is not None
-        inst.kv.coords = Coordinates(f"p{i}", "10.0.0.1", 5600 + i, source="config")
+        svc.connector.known.given(url, Coordinates(f"p{i}", "10.0.0.1", 5600 + i, source="config"))
     return svc
 
 
@@ -24,7 +24,8 @@ async def test_both_legs_carry_one_request_id_and_a_fresh_transfer_id() -> None:
     svc = push_services(engines)
     seen = []
     for rid in ("r1", "r2"):
-        told = {i.url: i.kv.coords for i in svc.pool.instances("prefill")}
+        assert isinstance(svc.connector, NixlPush)
+        told = {url: svc.connector.known.of(url).coords for url in (P1, P2)}
         status, headers, _ = await turn(svc, [{"role": "user", "content": "hi"}], rid)
         assert status == 200 and headers["x-request-id"] == rid
         p_call = [c for c in engines.calls if c.url.startswith((P1, P2)) and "/v1/" in c.url][-1]

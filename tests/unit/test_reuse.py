@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from router.config import Settings
-from router.connectors.base import select
+from router.connectors.select import select
 from router.engines.client import Upstream
 from router.engines.identity import REFUSALS_TO_PAUSE
 from router.engines.pool import Pool
@@ -18,7 +18,7 @@ from router.turn.claim import Claim, prefix_verdict, tokenize_body
 from router.turn.decide import decode_blocker
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reuse
-from router.turn.run import _reader
+from router.turn.pd import _reader
 from router.turn.state import Turn
 from sessions import model as sm
 from sessions.memory_store import MemorySessionStore
@@ -229,7 +229,7 @@ def test_a_hit_goes_to_a_prefill_that_has_not_been_refusing_the_decode() -> None
         MemorySessionStore(),
         StoreGuard(1),
         Metrics(pool, lambda: False),
-        select("nixl"),
+        select(settings),
     )
     state = sm.SessionState(decode="http://d1", prefill="http://p1")
     hit = Claim("k", state, Reuse.hit(0), params={"remote_engine_id": "e1"}, claimed=True)

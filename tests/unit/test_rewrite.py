@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.connectors.nixl import miss_params
+from router.connectors.nixl.params import miss_params
 from router.turn.rewrite import (
     ROUTER_FIELDS,
     client_wants_token_ids,

@@ -7,10 +7,13 @@ from typing import Any
 
 import pytest
 
-from router.connectors.base import select
-from router.connectors.store import StoreConnector, prompt_usage
+from router.config import Settings
+from router.connectors.names import ConnectorName
+from router.connectors.select import select
+from router.connectors.store.connector import StoreConnector
+from router.connectors.store.params import prompt_usage
 from router.turn.outcomes import Reason, Reuse, Via
-from router.turn.store_mode import verdict
+from router.turn.verdicts import store as verdict
 from tests.unit.fake_engines import FakeEngines
 from tests.unit.test_turn import D1, P1, conversation, services, state_of
 
@@ -112,8 +115,9 @@ def test_prompt_usage() -> None:
 
 
 def test_the_store_connector_has_no_fields_and_no_handle() -> None:
-    c = select("store")
+    c = select(Settings(prefill=(P1,), decode=(D1,), kv_connector=ConnectorName.STORE))
     assert isinstance(c, StoreConnector)
+    assert not c.caps.reuses_d_to_p and not c.caps.decode_plan and not c.caps.p_hands_off
     assert c.prefill_params(None) == {} and c.decode_params({"x": 1}) is None
     assert not c.is_handle({"remote_block_ids": [[1]]}) and c.engine_id({}) is None
     assert c.prefill_failed(500, None) and not c.prefill_failed(200, {"choices": []})

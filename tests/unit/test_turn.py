@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from router.config import Settings
-from router.connectors.base import select
+from router.connectors.select import select
 from router.engines.identity import REFUSALS_TO_PAUSE
 from router.engines.pool import Pool
 from router.errors import UpstreamError, UpstreamFailure
@@ -41,7 +41,7 @@ def services(engines: FakeEngines, **overrides: Any) -> Services:
         MemorySessionStore(),
         StoreGuard(1.0),
         Metrics(pool, lambda: False),
-        select(settings.kv_connector),
+        select(settings),
         model="m",
         block_size=BLOCK,
     )

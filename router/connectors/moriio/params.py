@@ -4,7 +4,7 @@ The peers find each other through the request id, not through `kv_transfer_param
 both instances' announced ZMQ addresses (`___prefill_addr_<P>___decode_addr_<D>_<uid>`) and
 goes in X-Request-Id to both legs. P gets `remote_dp_size`/`remote_tp_size` (D's) and a
 transfer id; D gets P's sizes, the rank P's leg was pinned to (`remote_dp_rank`) and, in READ
-mode, P's engine id and block ids from P's answer. Legs: router/turn/moriio.py.
+mode, P's engine id and block ids from P's answer. Legs: legs.py.
 
 MoRI-IO has no D->P handle, so a conversation gets affinity (same P, same D, same ranks)."""
 
@@ -14,8 +14,6 @@ import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
-
-from router.connectors import nixl
 
 TRANSFER_PREFIX = "tx"  # MoRIIOConstants.TRANSFER_PREFIX
 # What an instance announces as its zmq_address: "host:IP,handshake:PORT,notify:PORT".
@@ -77,27 +75,3 @@ def read_handoff(params: object, transfer_id: str) -> str:
     if params.get("transfer_id") != transfer_id:
         return f"P answered transfer id {params.get('transfer_id')!r}, not {transfer_id!r}"
     return ""
-
-
-class MoriIO:
-    name = "moriio"
-
-    def prefill_params(self, handle: Mapping[str, Any] | None) -> dict[str, Any]:
-        return p_params(new_transfer_id(), 1, 1)  # router/turn/moriio.py builds the real ones
-
-    def decode_params(self, prefilled: Mapping[str, Any] | None) -> dict[str, Any] | None:
-        return dict(prefilled) if prefilled is not None else None
-
-    def truncate(
-        self, params: Mapping[str, Any], num_tokens: int, block_size: int
-    ) -> dict[str, Any]:
-        raise ValueError("MoRI-IO keeps no handle to truncate")
-
-    def is_handle(self, params: object) -> bool:
-        return False  # no D->P reads: what D returns is never handed to P
-
-    def engine_id(self, params: Mapping[str, Any]) -> str | None:
-        return nixl.engine_id(params)
-
-    def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
-        return nixl.prefill_failed(status, body)

@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from router.engines.discovery import inspect
 from router.engines.dns import DnsExpander
 from router.engines.kv_watch import parse_sources
 from router.engines.pool import Instance, Role
 from router.errors import ConfigError
+from router.lifecycle.discovery import inspect
 from router.services import Services
 from sessions.registry_store import Entry, Registry, State
 from sessions.store import StoreError
@@ -104,12 +104,10 @@ class Syncer:
     _entries: dict[str, Entry] = field(default_factory=dict)
 
     def base(self) -> dict[Role, tuple[str, ...]]:
-        settings, peers = self.svc.settings, self.svc.peers
-        if peers is None:
-            return {"prefill": settings.prefill, "decode": settings.decode}
-        return {  # plus the MoRI-IO instances announced (engines/announce.py)
-            "prefill": (*settings.prefill, *peers.urls("prefill")),
-            "decode": (*settings.decode, *peers.urls("decode")),
+        settings, connector = self.svc.settings, self.svc.connector
+        return {  # plus the instances that announced themselves (MoRI-IO's registration)
+            "prefill": (*settings.prefill, *connector.announced("prefill")),
+            "decode": (*settings.decode, *connector.announced("decode")),
         }
 
     async def _base_urls(self) -> dict[Role, tuple[str, ...]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from router.connectors.moriio import valid_zmq_address
+from router.connectors.moriio.params import valid_zmq_address
 from router.engines.pool import Role
 
 log = logging.getLogger("kvbaton.announce")

@@ -1,5 +1,5 @@
 """NixlConnector (pull mode) `kv_transfer_params`: the null handoff, hit params, truncation,
-the handle check. `NixlPull` is this module behind the connector seam (`base.Connector`)."""
+the handle check. Pure: connector.py puts them behind the connector seam."""
 
 from __future__ import annotations
 
@@ -107,50 +107,3 @@ def is_handle(params: object) -> bool:
         # Engines before vllm#32553 do not send it; D-produced handles always do.
         return params.get("do_remote_decode") is not True
     return _is_int(tokens) and tokens >= 0
-
-
-def engine_id(params: Mapping[str, Any]) -> str | None:
-    value = params.get("remote_engine_id")
-    return value if isinstance(value, str) else None
-
-
-def prefill_failed(status: int, body: Mapping[str, Any] | None) -> bool:
-    """P rejected the request: HTTP >= 400, an error body, or a choice that ended in "error"."""
-    if status >= 400:
-        return True
-    if body is None:
-        return False
-    if isinstance(body.get("error"), Mapping) or body.get("status") == "failed":
-        return True
-    choices = body.get("choices")
-    if not isinstance(choices, list):
-        return False
-    return any(isinstance(c, Mapping) and c.get("finish_reason") == "error" for c in choices)
-
-
-class NixlPull:
-    """NixlConnector in pull mode, with bidirectional D->P reuse (vLLM's toy proxy and its
-    multi-turn variant): P gets D's handle or the null handoff, D gets P's params."""
-
-    name = "nixl"
-
-    def prefill_params(self, handle: Mapping[str, Any] | None) -> dict[str, Any]:
-        return hit_params(handle) if handle is not None else miss_params()
-
-    def decode_params(self, prefilled: Mapping[str, Any] | None) -> dict[str, Any] | None:
-        # P's own params, as P returned them: D reads P's blocks with them (P->D).
-        return dict(prefilled) if prefilled is not None else None
-
-    def truncate(
-        self, params: Mapping[str, Any], num_tokens: int, block_size: int
-    ) -> dict[str, Any]:
-        return truncate(params, num_tokens, block_size)
-
-    def is_handle(self, params: object) -> bool:
-        return is_handle(params)
-
-    def engine_id(self, params: Mapping[str, Any]) -> str | None:
-        return engine_id(params)
-
-    def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
-        return prefill_failed(status, body)

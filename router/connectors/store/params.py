@@ -3,7 +3,7 @@
 the blocks' content hashes. P (`kv_producer`) writes its prompt's blocks, D (`kv_consumer`)
 loads them by hash before computing, so the router sends no `kv_transfer_params` at all and
 there is no handle to keep: only the two calls (P with max_tokens=1, then the client's request
-to D). `StoreConnector` is this module behind the connector seam (`base.Connector`).
+to D). connector.py is the connector; this module reads P's usage.
 
 What P found cached is the engine's own count, `usage.prompt_tokens_details.cached_tokens`
 (vLLM reports it with `--enable-prompt-tokens-details`): its local prefix cache and the
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-
-from router.connectors import nixl
 
 
 def _count(value: object) -> int | None:
@@ -37,29 +35,3 @@ def prompt_usage(body: Mapping[str, Any]) -> tuple[int | None, int] | None:
             cached = details.get("cached_tokens") if isinstance(details, Mapping) else 0
             return _count(usage.get(f"{prefix}_tokens")), _count(cached) or 0
     return None
-
-
-class StoreConnector:
-    """KV through a shared store: no fields to P or D, no handle from either."""
-
-    name = "store"
-
-    def prefill_params(self, handle: Mapping[str, Any] | None) -> dict[str, Any]:
-        return {}  # nothing: P's connector finds the blocks by hash (none is ever claimed)
-
-    def decode_params(self, prefilled: Mapping[str, Any] | None) -> dict[str, Any] | None:
-        return None  # D's connector loads P's blocks from the store by hash
-
-    def truncate(
-        self, params: Mapping[str, Any], num_tokens: int, block_size: int
-    ) -> dict[str, Any]:
-        raise ValueError("the store connector has no handle to truncate")
-
-    def is_handle(self, params: object) -> bool:
-        return False  # a store engine's params (if any) never name blocks for the router
-
-    def engine_id(self, params: Mapping[str, Any]) -> str | None:
-        return None
-
-    def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
-        return nixl.prefill_failed(status, body)  # vLLM's error shapes, whatever the connector

@@ -1,4 +1,5 @@
-"""`--kv-connector store`: a turn's reuse verdict from what P says it found cached.
+"""`--kv-connector store`: a turn's reuse verdict from what P says it found cached
+(`verdicts.store`), applied after P's leg.
 
 In store mode no handle exists: the conversation's KV is wherever the shared store (and the
 engines' own prefix caches) hold it, and P finds it by content. So the verdict comes after
@@ -9,34 +10,19 @@ router's guess; placement (affinity, the KV-events index) is the usual one.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
-from router.connectors.store import prompt_usage
-from router.turn.outcomes import Outcome, Reason, Reuse, Via
+from router.connectors.store.params import prompt_usage
+from router.turn import verdicts
 from router.turn.prefill import Prefilled
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.reuse")
 
 
-def verdict(claimed: Reuse, continuing: bool, cached: int, local: int | None = None) -> Reuse:
-    """The turn's X-KV-Reuse: a skip or a first turn stays as claimed; a continuing
-    conversation is a hit on the tokens P reports cached, or a miss when it reports none.
-    `local`: what P's own cache held before the P leg, when its KV events say so: a hit it
-    covers entirely came from P's own cache (`via=prefill-cache`), not from the store."""
-    if claimed.outcome is Outcome.SKIP or not continuing:
-        return claimed
-    if cached <= 0:
-        return Reuse.miss(Reason.STORE_MISSED)
-    if local is not None and cached <= local:
-        return Reuse.hit(cached, via=Via.PREFILL_CACHE)
-    return Reuse.hit(cached, via=Via.STORE)
-
-
 def note_prefill(turn: Turn, prefilled: Prefilled) -> None:
     """Count P's cached and computed prompt tokens and set the turn's verdict from them."""
     svc = turn.svc
-    if svc.connector.name != "store" or prefilled.body is None:
+    if prefilled.body is None:
         return
     counts = prompt_usage(prefilled.body)
     if counts is None:  # no usage in P's answer: nothing is known, the claim's verdict stays
@@ -46,7 +32,7 @@ def note_prefill(turn: Turn, prefilled: Prefilled) -> None:
     if prompt is not None and prompt >= cached:
         svc.metrics.store_prompt_tokens.labels("computed").inc(prompt - cached)
     local = turn.held.get(prefilled.instance.url)
-    reuse = verdict(turn.claim.reuse, turn.claim.state is not None, cached, local)
+    reuse = verdicts.store(turn.claim.reuse, turn.claim.state is not None, cached, local)
     if reuse != turn.claim.reuse:
         log.info(
             "turn %s: %s (P %s reports %d cached prompt tokens)",
@@ -55,4 +41,4 @@ def note_prefill(turn: Turn, prefilled: Prefilled) -> None:
             prefilled.instance.url,
             cached,
         )
-        turn.claim = replace(turn.claim, reuse=reuse)
+        turn.rejudge(reuse)

@@ -10,12 +10,14 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import msgspec
 
-from router.connectors.nixl import NULL_HANDOFF
+from router.connectors.nixl.params import NULL_HANDOFF
+from router.engines.client import EngineClient
+from router.engines.pool import Instance
 from router.errors import UpstreamFailure
 
 log = logging.getLogger("kvbaton.backends")
@@ -148,7 +150,7 @@ def probe_body(model: str) -> dict[str, Any]:
     }
 
 
-async def probe(engines: Any, url: str, model: str, known: Known, timeout: float) -> None:
+async def probe(engines: EngineClient, url: str, model: str, known: Known, timeout: float) -> None:
     """Ask P for its coordinates with a one-token pull-style prefill (its answer carries its
     params); P holds that one block for its kv_lease_duration."""
     known.probed_at = time.monotonic()
@@ -194,16 +196,69 @@ def p_params(transfer_id: str) -> dict[str, Any]:
     return {**PROBE_PARAMS, "transfer_id": transfer_id}
 
 
-def view(mode: str, role: str, known: Known) -> dict[str, Any]:
-    """/status: the instance's KV mode and, for a P in push mode, its coordinates."""
-    out: dict[str, Any] = {"mode": mode}
-    if mode == "nixl-push" and role == "prefill":
-        out["coordinates"] = known.coords.view() if known.coords else None
-        out["usable"] = known.coords is not None
-        out["reason"] = "" if known.coords else f"push coordinates unknown: {known.why_unknown}"
-    return out
+def from_admin(role: str, fields: Mapping[str, Any]) -> Coordinates:
+    """Coordinates an admin add gave (the seeds' `engine_id`, `side_channel_host`, ...)."""
+    engine_id, host, port = (
+        fields.get(k) for k in ("engine_id", "side_channel_host", "side_channel_port")
+    )
+    tp, pp = fields.get("tp_size", 1), fields.get("pp_size", 1)
+    if not (isinstance(engine_id, str) and engine_id and isinstance(host, str) and host):
+        port = None
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ValueError(
+            "push coordinates need engine_id, side_channel_host and side_channel_port "
+            "(1-65535) together"
+        )
+    if not (isinstance(tp, int) and isinstance(pp, int)) or min(tp, pp) < 1 or role != "prefill":
+        raise ValueError("coordinates are for prefill instances, tp_size/pp_size >= 1")
+    assert isinstance(engine_id, str) and isinstance(host, str)
+    return Coordinates(engine_id, host, port, tp, pp, source="admin")
 
 
 def configured(specs: tuple[str, ...]) -> dict[str, Coordinates]:
     """--prefill-coordinates by P URL (config validation has already parsed each spec)."""
     return dict(parse_spec(spec) for spec in specs)
+
+
+@dataclass
+class Directory:
+    """Every P's coordinates as the router knows them, by URL: configured, given by the admin
+    API, probed, or read from P's answers."""
+
+    configured: dict[str, Coordinates] = field(default_factory=dict)
+    by_url: dict[str, Known] = field(default_factory=dict)
+
+    def of(self, url: str) -> Known:
+        known = self.by_url.get(url)
+        if known is None:
+            known = self.by_url[url] = Known()
+            given = self.configured.get(url)
+            if given is not None:
+                known.coords, known.why_unknown = given, ""
+        return known
+
+    def given(self, url: str, coords: Coordinates) -> None:
+        """Coordinates from the admin API."""
+        known = self.of(url)
+        known.coords, known.why_unknown = coords, ""
+
+    async def learn(
+        self, engines: EngineClient, inst: Instance, model: str, timeout: float, *, force: bool
+    ) -> None:
+        """A P's coordinates: configured ones stay, else a probe (at most every
+        PROBE_EVERY_S unless forced)."""
+        if inst.role != "prefill" or inst.url in self.configured:
+            return
+        known = self.of(inst.url)
+        if force or due(known, False, time.monotonic()):
+            await probe(engines, inst.url, model, known, timeout)
+
+    def view(self, inst: Instance) -> dict[str, Any]:
+        """/status: a P's coordinates (or why they are unknown)."""
+        out: dict[str, Any] = {"mode": "nixl-push"}
+        if inst.role == "prefill":
+            known = self.of(inst.url)
+            out["coordinates"] = known.coords.view() if known.coords else None
+            out["usable"] = known.coords is not None
+            out["reason"] = "" if known.coords else f"push coordinates unknown: {known.why_unknown}"
+        return out

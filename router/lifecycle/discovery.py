@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 
 import msgspec
 
 from router.config import Settings
-from router.connectors.base import select
-from router.engines import coords, ranks
+from router.connectors.select import select
+from router.engines import ranks
 from router.engines.client import Upstream
 from router.engines.identity import process_started
 from router.engines.pool import Instance, Pool
@@ -47,21 +46,8 @@ async def inspect(svc: Services, inst: Instance) -> None:
     if status == 200:
         inst.ident.note_started(process_started(metrics))
         inst.dp_size = ranks.learned_size(metrics)
-    await learn_coordinates(svc, inst)
-
-
-async def learn_coordinates(svc: Services, inst: Instance, *, force: bool = False) -> None:
-    """Push mode: a P's coordinates from --prefill-coordinates, else from a probe (coords.py)."""
-    if svc.settings.kv_connector != "nixl-push" or inst.role != "prefill":
-        return
-    given = coords.configured(svc.settings.prefill_coordinates).get(inst.url)
-    if given is not None:
-        inst.kv.coords, inst.kv.why_unknown = given, ""
-        return
-    if force or coords.due(inst.kv, False, time.monotonic()):
-        model = svc.model or inst.model or svc.settings.model
-        timeout = svc.settings.connect_timeout + 5.0
-        await coords.probe(svc.engines, inst.url, model, inst.kv, timeout)
+    model = svc.model or inst.model or svc.settings.model
+    await svc.connector.inspect(svc.engines, inst, model, timeout)
 
 
 def _max_model_len(card: dict[str, object]) -> int:
@@ -122,7 +108,7 @@ async def preflight(settings: Settings) -> None:
             MemorySessionStore(),
             guard,
             Metrics(pool, lambda: False),
-            select(settings.kv_connector),
+            select(settings),
         )
         await discover(svc)
     finally:

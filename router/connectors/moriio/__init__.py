@@ -1,0 +1,1 @@
+"""MoRIIOConnector (`--kv-connector moriio`): request-id addressing, announced instances."""

@@ -1,0 +1,1 @@
+"""NixlConnector in pull mode, with bidirectional D->P reuse (`--kv-connector nixl`)."""

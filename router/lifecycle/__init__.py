@@ -1,0 +1,1 @@
+"""Start-up and what keeps the pool true: discovery, registry following, health, the demo."""

@@ -1,0 +1,150 @@
+"""The D leg: sent with P's params (or none), its status checked before our response starts,
+then relayed (streamed or whole) with D's handle captured and the turn committed at its end."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import Response, StreamingResponse
+
+from router.engines.client import EngineStream
+from router.engines.pool import Instance
+from router.errors import EngineReply, UpstreamFailure, sse_error_event
+from router.tracing import span
+from router.turn import asks
+from router.turn.commit import abort, finish
+from router.turn.rewrite import PATHS, decode_body
+from router.turn.sse import SseRelay, capture_body
+from router.turn.state import Turn
+
+log = logging.getLogger("kvbaton.turn")
+
+
+def final_headers(turn: Turn) -> dict[str, str]:
+    """The response's headers: the reuse verdict is final now, so it is counted (once)."""
+    if not turn.reuse_counted:
+        turn.reuse_counted = True
+        reuse, metrics = turn.claim.reuse, turn.svc.metrics
+        metrics.reuse.labels(*reuse.labels()).inc()
+        if reuse.is_hit:
+            metrics.reused_tokens.labels(reuse.source).inc(reuse.tokens)
+    return turn.headers()
+
+
+async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> EngineStream:
+    """Send the D leg (P's params, or none: D computes what its cache lacks) and check its
+    status before our response starts."""
+    svc, inc = turn.svc, turn.inc
+    kv = svc.connector.decode_params(params)
+    body = decode_body(inc.body, kv, return_token_ids=turn.want_token_ids)
+    url = d_inst.url + PATHS[inc.api]
+    started = time.monotonic()
+    outcome = "error"
+    try:
+        with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream):
+            resp = await svc.engines.open_stream(
+                url,
+                body,
+                request_id=turn.leg_id or turn.request_id,
+                extra_headers=turn.leg_headers(d_inst),
+            )
+        if resp.status >= 500:
+            text = await _read_error(resp)
+            raise UpstreamFailure(f"{url} answered {resp.status}: {text[:200]!r}")
+        if resp.status != 200:
+            raw = await resp.read()
+            outcome = "client-error"
+            raise EngineReply(resp.status, raw)
+        outcome = "ok"
+        return resp
+    finally:
+        svc.metrics.upstream.labels("decode", d_inst.url, outcome).observe(
+            time.monotonic() - started
+        )
+
+
+async def _read_error(resp: EngineStream) -> str:
+    try:
+        return (await resp.read()).decode("utf-8", "replace")
+    except UpstreamFailure:
+        return ""
+
+
+async def decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> Response:
+    turn.decode = d_inst
+    turn.want_token_ids = asks.token_ids(turn.svc.settings, turn.inc, d_inst.ident.streams_params)
+    return await respond(turn, d_inst, await open_decode(turn, d_inst, params))
+
+
+async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
+    """Relay D's answer (streamed or whole) and commit at its end."""
+    svc, inc = turn.svc, turn.inc
+    svc.pool.record_success(d_inst)
+    strip = not inc.wants_token_ids and turn.want_token_ids
+    if inc.stream:
+        return StreamingResponse(
+            _relay(turn, d_inst, resp, strip),
+            200,
+            headers=final_headers(turn),
+            media_type=resp.content_type,
+        )
+    try:
+        with svc.pool.busy(d_inst):
+            chunks = [c async for c in resp.chunks(svc.settings.decode_idle_timeout)]
+    finally:
+        resp.release()
+    client_bytes, captured = capture_body(b"".join(chunks), strip_token_ids=strip)
+    turn.mark_first_byte()
+    await finish(turn, captured)
+    return Response(client_bytes, 200, headers=final_headers(turn), media_type="application/json")
+
+
+async def _relay(
+    turn: Turn, d_inst: Instance, resp: EngineStream, strip: bool
+) -> AsyncIterator[bytes]:
+    """Relay D's SSE bytes as they come; capture D's handle; commit before `[DONE]` goes out."""
+    relay = SseRelay(strip_token_ids=strip)
+    ended = False
+    d_inst.outstanding += 1
+    try:
+        async for chunk in resp.chunks(turn.svc.settings.decode_idle_timeout):
+            out = relay.feed(chunk)
+            if relay.done and not ended:
+                ended = True
+                await finish(turn, relay.captured)
+            if out:
+                turn.mark_first_byte()
+                yield out
+        tail = relay.flush()
+        if not ended:
+            ended = True
+            await finish(turn, relay.captured)
+        if tail:
+            yield tail
+    except UpstreamFailure as exc:
+        # After the first byte the status is sent: end with one SSE error event, no commit.
+        log.warning("decode stream from %s broke: %s", d_inst.url, exc)
+        turn.svc.pool.record_failure(d_inst, str(exc))
+        ended = True
+        await abort(turn, "decode-broke")
+        yield sse_error_event(f"the decode engine failed mid-stream: {exc}")
+    except Exception as exc:
+        # Design rule 8: after the first byte every failure ends the stream with one error
+        # event, never a cut 200; one log line, the traceback at debug level.
+        log.error("turn %s failed mid-stream: %s: %.200s", turn.request_id, type(exc).__name__, exc)
+        log.debug("traceback of the error above", exc_info=exc)
+        ended = True
+        await abort(turn, type(exc).__name__)
+        yield sse_error_event("internal router error", "internal_error")
+    finally:
+        d_inst.outstanding -= 1
+        if relay.done:
+            resp.release()
+        else:
+            resp.close()  # cancels D's request: the client left or D broke
+        if not ended:
+            await asyncio.shield(abort(turn, "client-disconnected"))

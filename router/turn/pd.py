@@ -1,0 +1,106 @@
+"""P, then D: the legs of the connectors that call them in turn (NIXL pull, store). Verify the
+claimed handle, place the turn (the decode plan, the P holding the prompt), prefill on P with
+the handle or the null handoff, decode on D with P's params; D failing before its first byte
+redoes the turn with a new P leg."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from starlette.responses import Response
+
+from router.engines.pool import Instance, Role
+from router.errors import Unavailable, UpstreamError, UpstreamFailure
+from router.services import Services
+from router.turn import decide, kv_aware, plan
+from router.turn.claim import verify
+from router.turn.decode import decode
+from router.turn.early import EarlyTokens
+from router.turn.legs import pick_decode
+from router.turn.outcomes import Reason
+from router.turn.prefill import Prefilled, prefill
+from router.turn.state import Turn
+
+log = logging.getLogger("kvbaton.turn")
+
+# What a connector does with P's answer before D's leg (store: its reuse verdict).
+AfterPrefill = Callable[[Turn, Prefilled], None]
+
+
+async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Response:
+    svc = turn.svc
+    state = turn.claim.state
+    p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
+    source = svc.pool.find("decode", state.decode) if state is not None else None
+    if source is not None and turn.claim.params is not None:
+        p_inst = _reader(turn, source, p_inst)
+    tokens: EarlyTokens | None = turn.early
+    turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, tokens)
+    kv_aware.check_handle(turn, p_inst, source)
+    failed: list[str] = []
+    local = await plan.decode_here(turn, source, p_inst)
+    if local is not None:
+        try:
+            return await decode(turn, local, None)
+        except UpstreamFailure as exc:  # before its first byte: an ordinary P/D turn
+            svc.pool.record_failure(local, str(exc))
+            failed.append(local.url)
+            log.warning("decode plan on %s failed before the first byte: %s", local.url, exc)
+            turn.miss(Reason.DECODE_LOCAL_FAILED)
+    p_inst = await kv_aware.place_prefill(turn, p_inst)
+    while True:
+        sent = source if turn.claim.params is not None else None  # the handle's D, if sent
+        prefilled = await prefill(turn, p_inst)
+        _note_handle_result(turn, sent, prefilled)
+        if after_prefill is not None:
+            after_prefill(turn, prefilled)
+        d_inst = pick_decode(svc, state.decode if state else "", failed)
+        try:
+            return await decode(turn, d_inst, prefilled.params)
+        except UpstreamFailure as exc:
+            # D failed before its first byte: redo the whole turn with a new P leg, since
+            # P's params are single use (never send them to a second D).
+            svc.pool.record_failure(d_inst, str(exc))
+            failed.append(d_inst.url)
+            log.warning("decode on %s failed before the first byte: %s", d_inst.url, exc)
+            if not decide.redo_decode(len(failed)):
+                raise UpstreamError(f"decode failed twice; last: {exc}") from None
+            if turn.claim.params is not None:
+                turn.miss(Reason.DECODE_RETRIED)
+            # P's params may be what D failed on (forged or stale): another P if there is one.
+            p_inst = _pick_other(svc, "prefill", prefilled.instance)
+
+
+def _note_handle_result(turn: Turn, sent: Instance | None, prefilled: Prefilled) -> None:
+    """Record who prefilled, and whether P read or refused the handle's D."""
+    turn.prefill = prefilled.instance
+    turn.prefill_ids = prefilled.prompt_ids
+    if prefilled.refused_by:
+        turn.miss(Reason.HANDLE_REJECTED)
+        if sent is not None:
+            sent.ident.note_refused(prefilled.refused_by, time.monotonic())
+    elif sent is not None:
+        sent.ident.note_read(prefilled.instance.url)
+
+
+def _reader(turn: Turn, source: Instance, p_inst: Instance) -> Instance:
+    """A P that has not been refusing the handle's D (`source`); with none left, the turn's
+    claim becomes a miss (reads-paused) and p_inst serves it."""
+    now = time.monotonic()
+    if not source.ident.reads_paused(p_inst.url, now):
+        return p_inst
+    paused = list(source.ident.paused_for(now))
+    try:
+        return turn.svc.pool.pick("prefill", exclude=paused)
+    except Unavailable:
+        turn.miss(Reason.READS_PAUSED)
+        return p_inst
+
+
+def _pick_other(svc: Services, role: Role, inst: Instance) -> Instance:
+    try:
+        return svc.pool.pick(role, exclude=[inst.url])
+    except Unavailable:
+        return svc.pool.pick(role, prefer=inst.url)
