@@ -139,6 +139,9 @@ class FakeEngines:
     def _prefill(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         prompt = _prompt_ids(body)
         params = self._params(url, len(prompt), do_remote_prefill=True, do_remote_decode=False)
+        sent = body.get("kv_transfer_params") or {}
+        if "transfer_id" in sent:  # MoRI-IO's P answers with the transfer id it was given
+            params["transfer_id"] = sent["transfer_id"]
         return {"choices": [{"index": 0, "finish_reason": "length"}], "kv_transfer_params": params}
 
     def _decode(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
