@@ -1,5 +1,5 @@
-"""The words sessions and the router share: reuse reasons. Imports nothing from the project, so
-both may use it (the arq `constants.py` way)."""
+"""The words sessions and the router share: reuse reasons, abort reasons, commit results, leg
+outcomes. Imports nothing from the project, so both may use it (the arq `constants.py` way)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,46 @@ class Reason(StrEnum):
             return cls(value)
         except ValueError:
             return cls.STORED_REASON_UNKNOWN
+
+
+class AbortReason(StrEnum):
+    """Why a turn committed nothing (`kvbaton_turns_aborted_total{reason}`, `aborted:<reason>`).
+
+    Three families carry a detail: `finish`, `engine` and `raised` spell them."""
+
+    CLIENT_DISCONNECTED = "client-disconnected"
+    DECODE_BROKE = "decode-broke"  # D's stream failed after the first byte
+    DECODE_ERROR_EVENT = "decode-error-event"  # D sent an SSE error event
+
+    @staticmethod
+    def finish(finish_reason: str | None) -> str:
+        """`finish-<finish_reason>`: D finished other than stop/length (`finish-missing`)."""
+        return f"finish-{finish_reason or 'missing'}"
+
+    @staticmethod
+    def engine(status: int) -> str:
+        """`engine-<status>`: an engine's 4xx, passed to the client."""
+        return f"engine-{status}"
+
+    @staticmethod
+    def raised(exc: BaseException) -> str:
+        """The type name of the exception that ended the turn."""
+        return type(exc).__name__
+
+
+class CommitResult(StrEnum):
+    """The session write after a normal finish (`kvbaton_session_commits_total{result}`)."""
+
+    COMMITTED = "committed"
+    LOST_RACE = "lost-race"  # another turn of the conversation committed first (compare-and-set)
+    STORE_UNAVAILABLE = "store-unavailable"
+    NO_CONVERSATION_ID = "no-conversation-id"
+
+
+class LegOutcome(StrEnum):
+    """How an engine call ended (`kvbaton_upstream_duration_seconds{outcome}`)."""
+
+    OK = "ok"
+    ERROR = "error"  # 5xx, timeout, connection
+    REJECTED = "rejected"  # P answered 4xx
+    CLIENT_ERROR = "client-error"  # D: a 4xx, passed to the client

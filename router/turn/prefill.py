@@ -17,6 +17,7 @@ from router.turn import decide
 from router.turn.decide import Attempt, Next
 from router.turn.rewrite import PATHS, ids_prefill_body, prefill_body
 from router.turn.state import Turn
+from sessions.vocabulary import LegOutcome
 
 log = logging.getLogger("kvbaton.legs")
 
@@ -53,6 +54,13 @@ def _request(
     return body, PATHS[inc.api]
 
 
+def _outcome(status: int) -> LegOutcome:
+    """The upstream metric's outcome of a P call (status 0: no answer)."""
+    if status == 200:
+        return LegOutcome.OK
+    return LegOutcome.ERROR if status == 0 or status >= 500 else LegOutcome.REJECTED
+
+
 async def _attempt(
     turn: Turn, inst: Instance, handle: dict[str, Any] | None, ids: list[int] | None
 ) -> tuple[Attempt, bytes, dict[str, Any] | None, str]:
@@ -75,7 +83,7 @@ async def _attempt(
             status, raw, failure = 0, b"", str(exc)
             reached = exc.reached
     parsed = parse_answer(raw) if status else None
-    outcome = "ok" if status == 200 else "error" if status == 0 or status >= 500 else "rejected"
+    outcome = _outcome(status)
     svc.metrics.upstream.labels("prefill", inst.url, outcome).observe(time.monotonic() - started)
     ok = status == 200 and parsed is not None and not svc.connector.prefill_failed(status, parsed)
     attempt = Attempt(status, ok, reached, with_handle=handle is not None, with_ids=ids is not None)

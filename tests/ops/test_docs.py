@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from pathlib import Path
 
+import pytest
 from starlette.routing import Route, Router
 
 from router.engines.kv_events import Source
@@ -49,6 +51,24 @@ def test_the_router_and_sessions_share_one_reason_enum() -> None:
     """sessions/ cannot import the router: both use sessions/vocabulary.py's `Reason`, so the
     reasons the session model gives are the ones the table below documents."""
     assert Reason is vocabulary.Reason
+
+
+@pytest.mark.parametrize(
+    ("metric", "words"),
+    [
+        ("kvbaton_session_commits_total", vocabulary.CommitResult),
+        ("kvbaton_turns_aborted_total", vocabulary.AbortReason),
+        ("kvbaton_upstream_duration_seconds", vocabulary.LegOutcome),
+    ],
+)
+def test_every_label_value_of_the_vocabulary_is_documented(
+    metric: str, words: type[StrEnum]
+) -> None:
+    text = (DOCS / "metrics.md").read_text()
+    row = re.search(rf"^\| `{metric}` \|.*$", text, re.MULTILINE)
+    assert row, f"{metric} is not in docs/metrics.md"
+    for word in words:
+        assert f"`{word}`" in row.group(0), f"{metric}: {word!r} is not documented"
 
 
 def test_the_x_kv_reuse_table_is_the_enum() -> None:

@@ -1,4 +1,5 @@
-"""The shared vocabulary: a stored reason the router does not know falls back to a named one."""
+"""The shared vocabulary: a stored reason the router does not know falls back to a named one,
+and the abort families spell what the metric and the log line count."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import msgspec
 import pytest
 
 from sessions.model import SessionState, from_fields, handle_unusable_reason, to_fields
-from sessions.vocabulary import Reason
+from sessions.vocabulary import AbortReason, Reason
 
 
 @pytest.mark.parametrize(
@@ -39,3 +40,15 @@ def test_an_unknown_reason_in_redis_fields_becomes_a_named_miss() -> None:
     assert handle_unusable_reason(state, "chat", 0.0) is Reason.STORED_REASON_UNKNOWN
     busy = msgspec.structs.replace(state, inflight="req-1")
     assert handle_unusable_reason(busy, "chat", 0.0) is Reason.BUSY
+
+
+def test_abort_families() -> None:
+    assert AbortReason.finish("abort") == "finish-abort"
+    assert AbortReason.finish(None) == AbortReason.finish("") == "finish-missing"
+    assert AbortReason.engine(404) == "engine-404"
+    assert AbortReason.raised(TimeoutError("slow")) == "TimeoutError"
+    assert [str(r) for r in AbortReason] == [
+        "client-disconnected",
+        "decode-broke",
+        "decode-error-event",
+    ]
