@@ -19,6 +19,7 @@ from sessions.digests import conversation_heads as conversation_heads
 from sessions.digests import iter_block_digests
 from sessions.digests import sequence_digest as sequence_digest
 from sessions.digests import text_digest as text_digest
+from sessions.vocabulary import Reason
 
 
 class SessionState(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,7 +32,7 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True):
     decode_engine_id: str = ""  # remote_engine_id in D's handle
     decode_started: float = 0.0  # D's process start time when the handle was made (0: unknown)
     kv_transfer_params: dict[str, Any] | None = None  # D's handle (single use); None = none usable
-    no_handle_reason: str = ""  # why the last turn left no handle, e.g. "stream-no-kv-params"
+    no_handle_reason: str = ""  # why the last turn left no handle: a `Reason`, as stored
     prefix_digest: str = ""  # digest chain head over the canonical conversation D holds
     prefix_len: int = 0  # items or characters (completions) that prefix_digest covers
     prompt_digest: str = ""  # the same chain over the last turn's prompt only (without D's answer)
@@ -99,19 +100,21 @@ def verified_tokens(state: SessionState, token_ids: Sequence[int]) -> int:
     return matched * size
 
 
-def handle_unusable_reason(state: SessionState | None, api: str, now: float) -> str:
-    """ "" when the state's handle may be sent to P, else the reason for `X-KV-Reuse: miss`."""
+def handle_unusable_reason(state: SessionState | None, api: str, now: float) -> Reason | None:
+    """None when the state's handle may be sent to P, else the reason for `X-KV-Reuse: miss`."""
     if state is None:
-        return "no-session"
+        return Reason.NO_SESSION
     if not state.kv_transfer_params:
         if state.inflight:
-            return "busy"
-        return state.no_handle_reason or "no-handle"
+            return Reason.BUSY
+        if state.no_handle_reason:
+            return Reason.stored(state.no_handle_reason)  # unknown: a named reason, no error
+        return Reason.NO_HANDLE
     if state.api != api:
-        return "api-mismatch"
+        return Reason.API_MISMATCH
     if now >= state.handle_expires_at:
-        return "expired"
-    return ""
+        return Reason.EXPIRED
+    return None
 
 
 _JSON = msgspec.json.Encoder()

@@ -17,6 +17,7 @@ from router.turn.tenant import conversation_hash
 from sessions import integrity
 from sessions import model as sm
 from sessions.store import StoreError
+from sessions.vocabulary import AbortReason, CommitResult
 
 log = logging.getLogger("kvbaton.turn")
 
@@ -26,17 +27,18 @@ NORMAL_FINISH = ("stop", "length")
 async def finish(turn: Turn, captured: Captured) -> None:
     """Commit after a normal finish (stop/length, no error event); otherwise release."""
     if captured.error is not None:
-        await abort(turn, "decode-error-event", captured)
+        await abort(turn, AbortReason.DECODE_ERROR_EVENT, captured)
         return
     if captured.finish_reason not in NORMAL_FINISH:
-        await abort(turn, f"finish-{captured.finish_reason or 'missing'}", captured)
+        await abort(turn, AbortReason.finish(captured.finish_reason), captured)
         return
     result = await _commit(turn, captured)
     report(turn, result, captured)
 
 
-async def abort(turn: Turn, reason: str, captured: Captured | None = None) -> None:
-    """A failed or cancelled turn commits nothing; it only gives back its claim."""
+async def abort(turn: Turn, reason: AbortReason | str, captured: Captured | None = None) -> None:
+    """A failed or cancelled turn commits nothing; it only gives back its claim. `reason` is an
+    `AbortReason` or one of its families' spellings (`AbortReason.engine(status)`, ...)."""
     await release(turn)
     turn.svc.metrics.aborts.labels(reason).inc()
     report(turn, f"aborted:{reason}", captured)
@@ -50,10 +52,10 @@ async def release(turn: Turn) -> None:
         await svc.guard.call(lambda: svc.store.release(key, turn.request_id))
 
 
-async def _commit(turn: Turn, captured: Captured) -> str:
+async def _commit(turn: Turn, captured: Captured) -> CommitResult:
     key = turn.claim.key
     if key is None or turn.decode is None:
-        return "no-conversation-id"
+        return CommitResult.NO_CONVERSATION_ID
     state = next_state(turn, captured)
     expected = turn.claim.state.turn if turn.claim.state else 0
     svc = turn.svc
@@ -64,10 +66,10 @@ async def _commit(turn: Turn, captured: Captured) -> str:
                 lambda: svc.store.commit(key, state, expected, svc.settings.session_ttl)
             )
     except StoreError:
-        result = "store-unavailable"
+        result = CommitResult.STORE_UNAVAILABLE
     else:
         # A lost race: another turn of this conversation committed first (compare-and-set).
-        result = "committed" if ok else "lost-race"
+        result = CommitResult.COMMITTED if ok else CommitResult.LOST_RACE
     svc.metrics.commits.labels(result).inc()
     # The next turn's P /tokenize goes out early only after a turn that left a handle.
     p_url = turn.prefill.url if turn.prefill is not None else None
@@ -168,7 +170,7 @@ def _digests(inc: Incoming, captured: Captured) -> tuple[str, int, str, int]:
     return (sm.text_digest(inc.api, prompt), len(prompt), sm.text_digest(inc.api, text), len(text))
 
 
-def report(turn: Turn, result: str, captured: Captured | None) -> None:
+def report(turn: Turn, result: CommitResult | str, captured: Captured | None) -> None:
     """One INFO line per turn, without prompt content, handles or engine side channels."""
     now = time.monotonic()
     route = turn.inc.api
@@ -188,7 +190,7 @@ def report(turn: Turn, result: str, captured: Captured | None) -> None:
         "e2e_ms": round((now - turn.started) * 1000, 1),
         "prompt_tokens": usage.get("prompt_tokens", usage.get("input_tokens", "-")),
         "completion_tokens": usage.get("completion_tokens", usage.get("output_tokens", "-")),
-        "result": result,
+        "result": str(result),
     }
     text = " ".join(f"{k}={v}" for k, v in fields.items())
     log.info("turn %s", text, extra={"turn": fields})

@@ -30,7 +30,7 @@ def claimed_reuse(
 ) -> Reuse:
     """What a claimed state allows: a hit on its handle, or the reason it may not be sent."""
     unusable = sm.handle_unusable_reason(state, api, now)
-    if unusable:
+    if unusable is not None:
         return Reuse.miss(unusable)
     assert state is not None
     blocker = decode_blocker(decode, state)

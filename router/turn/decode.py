@@ -20,6 +20,7 @@ from router.turn.commit import abort, finish
 from router.turn.rewrite import PATHS, decode_body
 from router.turn.sse import SseRelay, capture_body
 from router.turn.state import Turn
+from sessions.vocabulary import AbortReason, LegOutcome
 
 log = logging.getLogger("kvbaton.turn")
 
@@ -43,7 +44,7 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
     body = decode_body(inc.body, kv, return_token_ids=turn.want_token_ids)
     url = d_inst.url + PATHS[inc.api]
     started = time.monotonic()
-    outcome = "error"
+    outcome = LegOutcome.ERROR
     try:
         with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream):
             resp = await svc.engines.open_stream(
@@ -57,9 +58,9 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
             raise UpstreamFailure(f"{url} answered {resp.status}: {text[:200]!r}")
         if resp.status != 200:
             raw = await resp.read()
-            outcome = "client-error"
+            outcome = LegOutcome.CLIENT_ERROR
             raise EngineReply(resp.status, raw)
-        outcome = "ok"
+        outcome = LegOutcome.OK
         return resp
     finally:
         svc.metrics.upstream.labels("decode", d_inst.url, outcome).observe(
@@ -130,7 +131,7 @@ async def _relay(
         log.warning("decode stream from %s broke: %s", d_inst.url, exc)
         turn.svc.pool.record_failure(d_inst, str(exc))
         ended = True
-        await abort(turn, "decode-broke")
+        await abort(turn, AbortReason.DECODE_BROKE)
         yield sse_error_event(f"the decode engine failed mid-stream: {exc}")
     except Exception as exc:
         # Design rule 8: after the first byte every failure ends the stream with one error
@@ -138,7 +139,7 @@ async def _relay(
         log.error("turn %s failed mid-stream: %s: %.200s", turn.request_id, type(exc).__name__, exc)
         log.debug("traceback of the error above", exc_info=exc)
         ended = True
-        await abort(turn, type(exc).__name__)
+        await abort(turn, AbortReason.raised(exc))
         yield sse_error_event("internal router error", "internal_error")
     finally:
         d_inst.outstanding -= 1
@@ -147,4 +148,4 @@ async def _relay(
         else:
             resp.close()  # cancels D's request: the client left or D broke
         if not ended:
-            await asyncio.shield(abort(turn, "client-disconnected"))
+            await asyncio.shield(abort(turn, AbortReason.CLIENT_DISCONNECTED))

@@ -18,6 +18,7 @@ from router.services import Services
 from router.tracing import span
 from router.turn.rewrite import PATHS, ids_prefill_body, prefill_body
 from router.turn.state import Turn
+from sessions.vocabulary import LegOutcome
 
 
 def parse_answer(raw: bytes) -> dict[str, Any] | None:
@@ -92,10 +93,18 @@ async def call_prefill(
             status, raw, failure = 0, b"", str(exc)
             reached = exc.reached
     parsed = parse_answer(raw) if status else None
-    outcome = "ok" if status == 200 else "error" if status == 0 or status >= 500 else "rejected"
-    svc.metrics.upstream.labels("prefill", inst.url, outcome).observe(time.monotonic() - started)
+    svc.metrics.upstream.labels("prefill", inst.url, _outcome(status)).observe(
+        time.monotonic() - started
+    )
     ok = status == 200 and parsed is not None and not svc.connector.prefill_failed(status, parsed)
     return Answer(status, raw, parsed, failure, reached, ok)
+
+
+def _outcome(status: int) -> LegOutcome:
+    """The upstream metric's outcome of a P call (status 0: no answer)."""
+    if status == 200:
+        return LegOutcome.OK
+    return LegOutcome.ERROR if status == 0 or status >= 500 else LegOutcome.REJECTED
 
 
 def pick_decode(svc: Services, prefer: str, failed: list[str]) -> Instance:

@@ -1,10 +1,13 @@
-"""The reuse verdicts and their reasons: the one source of `X-KV-Reuse`, the metric labels
-and the docs table (tests/ops/test_docs.py keeps docs/architecture.md true to it)."""
+"""The reuse verdicts and what each reason means (`Reason` is sessions/vocabulary.py's): the one
+source of `X-KV-Reuse`, the metric labels and the docs table (tests/ops/test_docs.py keeps
+docs/architecture.md true to it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+
+from sessions.vocabulary import Reason as Reason  # re-exported: the router imports it here
 
 
 class Outcome(StrEnum):
@@ -47,43 +50,6 @@ FOUND_MEANINGS: dict[Found, str] = {
 }
 
 
-class Reason(StrEnum):
-    """Why a turn did not read the conversation's KV from D (`miss;reason=...`)."""
-
-    NO_SESSION = "no-session"
-    BUSY = "busy"
-    NO_HANDLE = "no-handle"
-    NO_KV_PARAMS = "no-kv-params"
-    STREAM_NO_KV_PARAMS = "stream-no-kv-params"
-    TOOL_CALLS = "tool-calls"
-    NO_TOKEN_IDS = "no-token-ids"
-    NO_TOKEN_DIGESTS = "no-token-digests"
-    PROMPT_IDS_DIFFER = "prompt-ids-differ"
-    API_MISMATCH = "api-mismatch"
-    EXPIRED = "expired"
-    PREFIX_MISMATCH = "prefix-mismatch"
-    EVICTED = "evicted"
-    TOKENIZE_FAILED = "tokenize-failed"
-    HANDLE_REJECTED = "handle-rejected"
-    READS_PAUSED = "reads-paused"
-    DECODE_RETRIED = "decode-retried"
-    DECODE_LOCAL = "decode-local"
-    DECODE_LOCAL_FAILED = "decode-local-failed"
-    DECODE_REMOVED = "decode-removed"
-    DECODE_UNHEALTHY = "decode-unhealthy"
-    DECODE_RESTARTED = "decode-restarted"
-    DECODE_UNREACHABLE = "decode-unreachable"
-    STORE_UNAVAILABLE = "store-unavailable"
-    CORRUPT_STATE = "corrupt-state"
-    HANDLE_UNAUTHENTICATED = "handle-unauthenticated"
-    HANDLE_INVALID = "handle-invalid"
-    STORE_MISSED = "store-missed"
-    REUSE_DISABLED = "reuse-disabled"
-    NO_CONVERSATION_ID = "no-conversation-id"
-    PUSH_AFFINITY = "push-affinity"
-    ERROR = "error"  # only on error responses: no turn ran
-
-
 # What each reason means, as docs/architecture.md's X-KV-Reuse table says it.
 MEANINGS: dict[Reason, str] = {
     Reason.NO_SESSION: "first turn of this conversation (or its state expired)",
@@ -123,6 +89,8 @@ MEANINGS: dict[Reason, str] = {
     Reason.STORE_UNAVAILABLE: "Redis failed or is being skipped by the circuit breaker",
     Reason.CORRUPT_STATE: "the conversation's Redis key held no valid state (a field that does "
     "not decode, a key of another type); the key was dropped, the next turn starts afresh",
+    Reason.STORED_REASON_UNKNOWN: "the previous turn left no handle, for a reason this router "
+    "does not know (its state was written by a newer router, or edited by hand)",
     Reason.HANDLE_UNAUTHENTICATED: "the session's HMAC does not match any `--session-secret`: "
     "its handle or digests were changed outside the router (or its secret was dropped)",
     Reason.HANDLE_INVALID: "the stored handle fails the router's checks (not a handle, "
@@ -159,10 +127,9 @@ class Reuse:
         return cls(Outcome.HIT, tokens=tokens, via=via, found=found)
 
     @classmethod
-    def miss(cls, reason: Reason | str) -> Reuse:
+    def miss(cls, reason: Reason) -> Reuse:
         """A miss, or a skip for the reasons that mean reuse was never tried."""
-        why = Reason(reason)
-        return cls(Outcome.SKIP if why in SKIP_REASONS else Outcome.MISS, why)
+        return cls(Outcome.SKIP if reason in SKIP_REASONS else Outcome.MISS, reason)
 
     @property
     def is_hit(self) -> bool:

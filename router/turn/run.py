@@ -18,6 +18,7 @@ from router.turn.commit import abort
 from router.turn.decode import final_headers
 from router.turn.incoming import Incoming
 from router.turn.state import Turn
+from sessions.vocabulary import AbortReason
 
 
 def new_request_id() -> str:
@@ -38,15 +39,15 @@ async def run_turn(svc: Services, inc: Incoming, request_id: str) -> Response:
     try:
         return await svc.connector.serve(turn)
     except EngineReply as reply:
-        await abort(turn, f"engine-{reply.status}")
+        await abort(turn, AbortReason.engine(reply.status))
         return Response(
             reply.body, reply.status, headers=final_headers(turn), media_type="application/json"
         )
     except asyncio.CancelledError:
-        await asyncio.shield(abort(turn, "client-disconnected"))
+        await asyncio.shield(abort(turn, AbortReason.CLIENT_DISCONNECTED))
         raise
     except BaseException as exc:
-        await abort(turn, type(exc).__name__)
+        await abort(turn, AbortReason.raised(exc))
         raise
     finally:
         if tokens is not None:

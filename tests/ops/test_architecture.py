@@ -72,6 +72,11 @@ def test_dependencies_point_one_way() -> None:
             assert "vllm_sim" not in tops, f"{name} imports the simulator"
 
 
+def test_the_vocabulary_is_the_base_layer() -> None:
+    """The words sessions and the router share import nothing from the project."""
+    assert graph()["sessions.vocabulary"] == set()
+
+
 def test_redis_is_only_in_sessions() -> None:
     for name, path in modules().items():
         if not name.startswith("sessions"):

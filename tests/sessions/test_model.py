@@ -136,7 +136,7 @@ USABLE = SessionState(api="chat", kv_transfer_params=PARAMS, handle_expires_at=N
 @pytest.mark.parametrize(
     ("state", "api", "reason"),
     [
-        (USABLE, "chat", ""),
+        (USABLE, "chat", None),
         (None, "chat", "no-session"),
         (
             msgspec.structs.replace(USABLE, kv_transfer_params=None, inflight="req-9"),
@@ -150,6 +150,13 @@ USABLE = SessionState(api="chat", kv_transfer_params=PARAMS, handle_expires_at=N
             "chat",
             "stream-no-kv-params",
         ),
+        (
+            msgspec.structs.replace(
+                USABLE, kv_transfer_params=None, no_handle_reason="from-a-newer-router"
+            ),
+            "chat",
+            "stored-reason-unknown",
+        ),
         (msgspec.structs.replace(USABLE, kv_transfer_params=None), "chat", "no-handle"),
         (msgspec.structs.replace(USABLE, kv_transfer_params={}), "chat", "no-handle"),
         (USABLE, "responses", "api-mismatch"),
@@ -157,7 +164,7 @@ USABLE = SessionState(api="chat", kv_transfer_params=PARAMS, handle_expires_at=N
         (msgspec.structs.replace(USABLE, handle_expires_at=0.0), "chat", "expired"),
     ],
 )
-def test_handle_unusable_reason(state: SessionState | None, api: str, reason: str) -> None:
+def test_handle_unusable_reason(state: SessionState | None, api: str, reason: str | None) -> None:
     assert handle_unusable_reason(state, api, NOW) == reason
 
 

@@ -105,7 +105,7 @@ async def test_claim_takes_the_handle(harness: Harness, params: dict[str, Any]) 
 
     first = await store.claim(KEY, "req-1")
     assert first == state  # as it was, handle included
-    assert handle_unusable_reason(first, "chat", 1_700_000_001.0) == ""
+    assert handle_unusable_reason(first, "chat", 1_700_000_001.0) is None
 
     second = await store.claim(KEY, "req-2")
     assert second is not None

@@ -15,9 +15,9 @@ from router.engines.pool import Pool
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
 from router.turn.claim import Claim, prefix_verdict, tokenize_body
-from router.turn.decide import decode_blocker
+from router.turn.decide import claimed_reuse, decode_blocker
 from router.turn.incoming import Incoming
-from router.turn.outcomes import Reuse
+from router.turn.outcomes import Reason, Reuse
 from router.turn.pd import _reader
 from router.turn.state import Turn
 from sessions import model as sm
@@ -133,10 +133,16 @@ def test_tokenize_body_keeps_rendering_fields() -> None:
 
 def test_reuse_header() -> None:
     assert Reuse.hit(3).header() == "hit"
-    assert Reuse.miss("expired").header() == "miss;reason=expired"
-    assert Reuse.miss("no-conversation-id").header() == "skip;reason=no-conversation-id"
-    with pytest.raises(ValueError):
-        Reuse.miss("not-a-reason")
+    assert Reuse.miss(Reason.EXPIRED).header() == "miss;reason=expired"
+    assert Reuse.miss(Reason.NO_CONVERSATION_ID).header() == "skip;reason=no-conversation-id"
+
+
+def test_a_stored_reason_this_router_does_not_know_is_a_named_miss() -> None:
+    """A state a newer router wrote (or a hand edit) once made the turn raise in Reuse.miss."""
+    state = sm.SessionState(turn=2, api="chat", no_handle_reason="kv-moved-elsewhere")
+    reuse = claimed_reuse(state, "chat", 0.0, None)
+    assert reuse.header() == "miss;reason=stored-reason-unknown"
+    assert reuse.labels() == ("miss", "stored-reason-unknown")
 
 
 async def test_store_guard_opens_and_recovers() -> None:
