@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from vllm_sim import model, moriio, push, transfer
+from vllm_sim import model, moriio, push, push_params, transfer
 from vllm_sim.blocks import BlockPool
 from vllm_sim.config import SimSettings
 from vllm_sim.errors import KVLoadError
@@ -65,7 +65,7 @@ class Connector:
                 self.counters.nixl_failed_transfers += 1
                 self.counters.sim_requests_failed += 1
                 raise
-        pushed = push.classify(params) if self.push is not None else None
+        pushed = push_params.classify(params) if self.push is not None else None
         return pushed or transfer.classify(params, self.settings.bidirectional)
 
     # -- loading a request's KV -----------------------------------------------------------
@@ -176,7 +176,7 @@ class Connector:
             return None  # a D node without bidirectional_kv_xfer returns no params
         if leg.kind == "push_producer":
             # Written already (or the lease ended): push mode pins nothing after the finish.
-            return push.producer_params(
+            return push_params.producer_params(
                 self.engine_id, self.settings.side_channel_host, port, len(req.prompt)
             )
         num_kv = len(seq.tokens) - 1  # the last sampled token has no KV yet
