@@ -7,7 +7,9 @@ from typing import Any
 
 import msgspec
 
-# Positional field order of the pre-#42892 array_like events, after the tag.
+# Positional field order of the pre-#42892 array_like events, after the tag. The router's
+# subscriber has the same table (router/engines/kv_events.py): written twice because the
+# simulator shares no code with the router, so a change to one must be made in the other.
 _POSITIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     "BlockStored": (
         "block_hashes",
