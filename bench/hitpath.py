@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench import overhead
 from bench.plan import Plan
-from bench.stack import LoadGen, passthrough, start_stack, tree_cpu_seconds
+from bench.stack import LoadGen, passthrough, reset_caches, start_stack, tree_cpu_seconds
 from bench.stats import summary_ms
+from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
 from tests.support.router import RouterProc
 from tests.support.stack import Stack, argv_of
 
@@ -35,7 +35,7 @@ ASYNCIO_ARGS = [*ROUTER_ARGS, "--event-loop", "asyncio"]
 
 
 def job(plan: Plan, url: str, *, stream: bool, clients: int, rnd: int, ids: bool) -> dict[str, Any]:
-    tokens = overhead.STREAM_TOKENS if stream else overhead.NONSTREAM_TOKENS
+    tokens = STREAM_TOKENS if stream else NONSTREAM_TOKENS
     return {
         "kind": "conversations",
         "target": {"mode": "router", "urls": [url]},
@@ -44,8 +44,8 @@ def job(plan: Plan, url: str, *, stream: bool, clients: int, rnd: int, ids: bool
         "turns": plan.hit_turns,
         "concurrency": clients,
         "stream": stream,
-        "system_words": (overhead.SYSTEM_WORDS, overhead.SYSTEM_WORDS),
-        "user_words": (overhead.USER_WORDS, overhead.USER_WORDS),
+        "system_words": (SYSTEM_WORDS, SYSTEM_WORDS),
+        "user_words": (USER_WORDS, USER_WORDS),
         "output_tokens": (tokens, tokens),
         "jitter_s": 0.0,
         "seed": 500 + rnd,
@@ -90,7 +90,7 @@ def _cell(
     cpu = dict.fromkeys(turns, 0.0)
     for rnd in range(plan.hit_rounds):
         for arm, url in arms if rnd % 2 == 0 else arms[::-1]:
-            overhead.reset_caches(st)
+            reset_caches(st)
             before = tree_cpu_seconds(pids[arm])
             spec = job(plan, url, stream=stream, clients=clients, rnd=rnd, ids=arm != "floor")
             turns[arm] += lg.run(spec, timeout=240.0)["turns"]

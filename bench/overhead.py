@@ -11,8 +11,17 @@ from typing import Any
 
 from bench import floor, hitpath, redis_cost
 from bench.plan import Plan
-from bench.stack import LoadGen, RedisStats, cpu_seconds, passthrough, post, router_cpu, start_stack
+from bench.stack import (
+    LoadGen,
+    RedisStats,
+    cpu_seconds,
+    passthrough,
+    reset_caches,
+    router_cpu,
+    start_stack,
+)
 from bench.stats import per_chunk, summary_ms
+from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
 from tests.support.router import RouterProc
 from tests.support.stack import Stack, argv_of
 
@@ -29,10 +38,6 @@ PACED = ["--decode-ms-per-token", "5"]
 # 16,000 tokens, side by side; D's pace is the plan's.
 LONG_MODEL = ["--max-model-len", "20000"]
 LONG_TOKENS = (1000, 16000)
-NONSTREAM_TOKENS = 16
-STREAM_TOKENS = 32
-SYSTEM_WORDS = 120
-USER_WORDS = 40
 
 
 def direct(st: Stack) -> dict[str, Any]:
@@ -68,12 +73,6 @@ def closed_job(
         "user_words": USER_WORDS,
         "deadline_s": 180.0,
     }
-
-
-def reset_caches(st: Stack) -> None:
-    """Both arms start from empty prefix caches, so the engines do the same work."""
-    for s in st.engines:
-        post(s.url + "/reset_prefix_cache", {})
 
 
 def digest(r: dict[str, Any]) -> dict[str, Any]:

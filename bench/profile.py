@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import hitpath, overhead
+from bench import hitpath, overhead, workload
 from bench.plan import Plan
-from bench.stack import LoadGen, router_cpu, start_stack
+from bench.stack import LoadGen, reset_caches, router_cpu, start_stack
 from tests.support.stack import Stack
 
 Tick = Callable[[str], None]
@@ -190,7 +190,7 @@ def profile_hits(plan: Plan, lg: LoadGen, clients: int = 16) -> dict[str, Any]:
     result.update(
         turns=len(ok),
         hits=sum(1 for t in ok if t["reuse"] == "hit"),
-        max_tokens=overhead.NONSTREAM_TOKENS,
+        max_tokens=workload.NONSTREAM_TOKENS,
         clients=clients,
         seconds=plan.profile_s,
         cpu_ms_per_turn=cpu / max(1, len(turns)) * 1000.0,
@@ -212,7 +212,7 @@ def profile_load(
         seed=3,
     )
     spec.update(max_tokens=tokens, deadline_s=plan.profile_s + 1.5)
-    overhead.reset_caches(st)
+    reset_caches(st)
     r, cpu, result = spied(plan, st, lg, spec)
     events = sum(r["events"])
     result.update(

@@ -9,6 +9,7 @@ from bench import events, hitpath, redis_cost, reuse, throughput
 from bench import targets as bench_targets
 from bench.plan import SOURCES, Plan
 from bench.stats import fmt
+from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
 
 SECTIONS = (
     "## Run",
@@ -203,13 +204,11 @@ def ample_note(res: dict[str, Any] | None, plan: Plan) -> list[str]:
 
 
 def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
-    from bench import overhead as oh
-
     lines = [
         "## 1. Router overhead",
         "",
         "Zero-cost simulators (one P, one D, cost model 0). The same seeded requests (a system",
-        f"prompt of {oh.SYSTEM_WORDS} and a user message of {oh.USER_WORDS} one-token words) go",
+        f"prompt of {SYSTEM_WORDS} and a user message of {USER_WORDS} one-token words) go",
         "(a) straight to the engines by a minimal client that does the two legs itself (P with",
         "`max_tokens=1` and the null handoff, then D with P's `kv_transfer_params`), and",
         "(b) through kvbaton. Prefix caches are reset before every run, so both arms cost the",
@@ -226,7 +225,7 @@ def overhead_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
         "adds over direct is what any router built on this stack pays on this machine; kvbaton's",
         "own work is the difference between its *added* and the floor's.",
         "",
-        f"### JSON responses (`max_tokens={oh.NONSTREAM_TOKENS}`), latency in ms",
+        f"### JSON responses (`max_tokens={NONSTREAM_TOKENS}`), latency in ms",
         "",
     ]
     rows = []
@@ -303,12 +302,10 @@ def us_pair(d: dict[str, float]) -> str:
 
 
 def streaming_table(res: dict[str, Any]) -> list[str]:
-    from bench import overhead as oh
-
     cells = [c for c in res["cells"] if c["stream"]]
     events = cells[0]["kvbaton"]["events"] if cells else 0
     lines = [
-        f"### Streaming responses (`max_tokens={oh.STREAM_TOKENS}`, {events:.0f} SSE events each)",
+        f"### Streaming responses (`max_tokens={STREAM_TOKENS}`, {events:.0f} SSE events each)",
         "",
         "TTFT is the arrival of the first SSE event. *Per chunk* is, per request, (last event -",
         "first event) / (events - 1): with zero-cost engines D streams as fast as it can, so",

@@ -16,9 +16,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from bench import overhead
+from bench import overhead, workload
 from bench.plan import Plan
-from bench.stack import LoadGen, pin, start_stack, tree_cpu_seconds
+from bench.stack import LoadGen, pin, reset_caches, start_stack, tree_cpu_seconds
 from bench.stats import pct
 from tests.support.stack import Stack
 
@@ -130,16 +130,16 @@ def _step(
         "kind": "open",
         "target": overhead.via_router(st, index),
         "stream": stream,
-        "max_tokens": STREAM_TOKENS if stream else overhead.NONSTREAM_TOKENS,
+        "max_tokens": STREAM_TOKENS if stream else workload.NONSTREAM_TOKENS,
         "rate": rate,
         "duration_s": plan.sweep_step_s,
         "max_inflight": 1024,
         "drain_s": 15.0,
         "seed": int(rate),
-        "system_words": overhead.SYSTEM_WORDS,
-        "user_words": overhead.USER_WORDS,
+        "system_words": workload.SYSTEM_WORDS,
+        "user_words": workload.USER_WORDS,
     }
-    overhead.reset_caches(st)
+    reset_caches(st)
     router = st.routers[index].proc.pid
     cpu0 = tree_cpu_seconds(router)
     r = lg.run(spec, timeout=plan.sweep_step_s + 60.0)

@@ -13,9 +13,10 @@ import msgspec
 from aiohttp import web
 
 from vllm_sim.config import SimSettings
-from vllm_sim.engine import Engine, GenRequest, RunResult, Step
+from vllm_sim.engine import Engine
 from vllm_sim.errors import ApiError
 from vllm_sim.metrics import Counters, Gauges
+from vllm_sim.request import GenRequest, RunResult, Step
 
 HEADER = "X-data-parallel-rank"
 

@@ -50,6 +50,20 @@ class Gauges:
     pinned_blocks: int
 
 
+@dataclass
+class PushCounters:
+    """Push mode's (vllm_sim/push.py), on /metrics only where an instance pushes."""
+
+    registrations_sent: int = 0
+    registrations_refused: int = 0  # by P (this instance as P)
+    writes: int = 0  # transfers written (this instance as P)
+    blocks_written: int = 0
+    bytes_written: int = 0
+    blocks_received: int = 0  # this instance as D
+    timeouts: int = 0  # D waited push_registration_timeout for a write that never came
+    lease_expired: int = 0  # P waited kv_lease_duration for a registration that never came
+
+
 _VLLM_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("prompt_tokens", "vllm:prompt_tokens_total", "Number of prefill tokens processed."),
     ("generation_tokens", "vllm:generation_tokens_total", "Number of generation tokens."),
@@ -195,3 +209,35 @@ def render(
     )
     lines.append("")
     return "\n".join(lines)
+
+
+_PUSH_METRICS = (
+    ("writes", "vllm_sim:push_writes_total", "Push transfers written by this instance as P."),
+    ("blocks_written", "vllm_sim:push_blocks_written_total", "KV blocks written as P."),
+    ("bytes_written", "vllm_sim:push_bytes_written_total", "KV bytes written as P."),
+    ("blocks_received", "vllm_sim:push_blocks_received_total", "KV blocks written into D."),
+    ("registrations_sent", "vllm_sim:push_registrations_total", "Registrations sent as D."),
+    ("registrations_refused", "vllm_sim:push_registrations_refused_total", "Refused as P."),
+    ("timeouts", "vllm_sim:push_registration_timeouts_total", "D gave up waiting for a write."),
+    ("lease_expired", "vllm_sim:push_lease_expired_total", "P gave up waiting for D."),
+)
+
+
+def push_text(counters: PushCounters) -> str:
+    lines: list[str] = []
+    for attr, name, help_ in _PUSH_METRICS:
+        lines += [
+            f"# HELP {name} {help_}",
+            f"# TYPE {name} counter",
+            f"{name} {getattr(counters, attr)}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def push_summed(counters: list[PushCounters]) -> PushCounters:
+    """Every data-parallel rank's push counters added up."""
+    total = PushCounters()
+    for c in counters:
+        for name in PushCounters.__dataclass_fields__:
+            setattr(total, name, getattr(total, name) + getattr(c, name))
+    return total

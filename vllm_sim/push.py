@@ -1,5 +1,6 @@
 """NixlPushConnector (push/WRITE mode) in the simulator: D registers the blocks it lacks with P
 over P's side channel, P writes its KV into them after its prefill, D waits for the write.
+Which params make a push leg, and P's returned params: vllm_sim/push_params.py.
 
 The model (vLLM's `disagg_proxy_pushconnector_demo.py` and the push connector's registration,
 reference sections 3.4 and 4.8):
@@ -33,7 +34,8 @@ import msgspec
 from aiohttp import web
 
 from vllm_sim.kvchannel import TransferError, pack, unpack
-from vllm_sim.transfer import Leg, PushPeer
+from vllm_sim.metrics import PushCounters
+from vllm_sim.transfer import Leg
 
 logger = logging.getLogger(__name__)
 
@@ -77,48 +79,6 @@ class _Wait:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     blocks: list[list[int]] | None = None
     error: str = ""
-
-
-def classify(params: dict[str, Any] | None) -> Leg | None:
-    """A push leg (None: not one; the pull rules apply)."""
-    if not params or not isinstance(params.get("transfer_id"), str):
-        return None
-    transfer_id = params["transfer_id"]
-    if params.get("do_remote_prefill"):
-        peer = _peer(params, transfer_id)
-        if peer is None:
-            return Leg("push_broken", False)
-        return Leg("push_consumer", False, push=peer)
-    if params.get("do_remote_decode"):
-        return Leg("push_producer", True, push=PushPeer("", "", 0, 1, 1, "", transfer_id))
-    return None
-
-
-def _peer(params: dict[str, Any], transfer_id: str) -> PushPeer | None:
-    engine_id, host, port = (
-        params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port")
-    )
-    request_id = params.get("remote_request_id")
-    if not (isinstance(engine_id, str) and isinstance(host, str) and isinstance(request_id, str)):
-        return None
-    if not isinstance(port, int) or isinstance(port, bool):
-        return None
-    tp, pp = params.get("tp_size", 1), params.get("pp_size", 1)
-    if not isinstance(tp, int) or not isinstance(pp, int):
-        return None
-    return PushPeer(engine_id, host, port, tp, pp, request_id, transfer_id)
-
-
-@dataclass
-class PushCounters:
-    registrations_sent: int = 0
-    registrations_refused: int = 0  # by P (this instance as P)
-    writes: int = 0  # transfers written (this instance as P)
-    blocks_written: int = 0
-    bytes_written: int = 0
-    blocks_received: int = 0  # this instance as D
-    timeouts: int = 0  # D waited push_registration_timeout for a write that never came
-    lease_expired: int = 0  # P waited kv_lease_duration for a registration that never came
 
 
 class PushSide:
@@ -342,52 +302,3 @@ def add_routes(app: web.Application, side: PushSide) -> None:
 
     app.router.add_post("/push/register", register)
     app.router.add_post("/push/write", write)
-
-
-def producer_params(engine_id: str, host: str, port: int, num_tokens: int) -> dict[str, Any]:
-    """P's returned params in push mode: its coordinates (what a router learns them from),
-    `transfer_mode: "push"` (vllm#50620) and no blocks (they were written to D)."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": [],
-        "remote_engine_id": engine_id,
-        "remote_host": host,
-        "remote_port": port,
-        "tp_size": 1,
-        "pp_size": 1,
-        "remote_num_tokens": num_tokens,
-        "transfer_mode": "push",
-    }
-
-
-_METRICS = (
-    ("writes", "vllm_sim:push_writes_total", "Push transfers written by this instance as P."),
-    ("blocks_written", "vllm_sim:push_blocks_written_total", "KV blocks written as P."),
-    ("bytes_written", "vllm_sim:push_bytes_written_total", "KV bytes written as P."),
-    ("blocks_received", "vllm_sim:push_blocks_received_total", "KV blocks written into D."),
-    ("registrations_sent", "vllm_sim:push_registrations_total", "Registrations sent as D."),
-    ("registrations_refused", "vllm_sim:push_registrations_refused_total", "Refused as P."),
-    ("timeouts", "vllm_sim:push_registration_timeouts_total", "D gave up waiting for a write."),
-    ("lease_expired", "vllm_sim:push_lease_expired_total", "P gave up waiting for D."),
-)
-
-
-def metrics_text(counters: PushCounters) -> str:
-    lines: list[str] = []
-    for attr, name, help_ in _METRICS:
-        lines += [
-            f"# HELP {name} {help_}",
-            f"# TYPE {name} counter",
-            f"{name} {getattr(counters, attr)}",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def summed(counters: list[PushCounters]) -> PushCounters:
-    """Every data-parallel rank's push counters added up."""
-    total = PushCounters()
-    for c in counters:
-        for name in PushCounters.__dataclass_fields__:
-            setattr(total, name, getattr(total, name) + getattr(c, name))
-    return total

@@ -20,9 +20,9 @@ from vllm_sim import api, dp
 from vllm_sim import responses_api as rapi
 from vllm_sim import responses_shapes as rs
 from vllm_sim.dp import Ranks
-from vllm_sim.engine import GenRequest, RunResult
 from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
 from vllm_sim.faults import Faults, Injection
+from vllm_sim.request import GenRequest, RunResult
 from vllm_sim.serving import Sink, abort_connection, json_response, require_json
 
 

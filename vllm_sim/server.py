@@ -136,7 +136,7 @@ class Sim:
         )
         pushing = [e.push.counters for e in self.ranks.engines if e.push is not None]
         if pushing:
-            text += push.metrics_text(push.summed(pushing))
+            text += metrics.push_text(metrics.push_summed(pushing))
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def tokenize(self, request: web.Request) -> web.Response:

@@ -20,9 +20,9 @@ from aiohttp import web
 
 from vllm_sim import api, dp, shapes
 from vllm_sim.dp import Ranks
-from vllm_sim.engine import GenRequest, RunResult, Step
 from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
 from vllm_sim.faults import Faults, Injection
+from vllm_sim.request import GenRequest, RunResult, Step
 
 logger = logging.getLogger("vllm_sim.serving")
 

@@ -28,6 +28,8 @@ log = logging.getLogger("kvbaton.kv_events")
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 # Field order of the positional (pre-#42892) events after the tag; later fields may be absent.
+# The simulator's decoder has the same table (vllm_sim/events_decode.py): written twice because
+# the simulator shares no code with the router, so a change to one must be made in the other.
 _FIELDS: dict[str, tuple[str, ...]] = {
     "BlockStored": (
         "block_hashes",

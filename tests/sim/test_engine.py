@@ -14,7 +14,8 @@ from tests.sim.conftest import FakeTime, running
 from tests.support.chat import NULL_HANDOFF
 from vllm_sim.blocks import CacheEvent, Removed, Stored
 from vllm_sim.config import SimSettings
-from vllm_sim.engine import Engine, GenRequest, RunResult
+from vllm_sim.engine import Engine
+from vllm_sim.request import GenRequest, RunResult
 from vllm_sim.template import render
 
 MSGS = [{"role": "user", "content": words(500, 60)}]

@@ -18,7 +18,7 @@ from tests.sim.client import chat, get, parse_sse, post, stream, tokenize, words
 from tests.support.chat import NULL_HANDOFF
 from tests.support.procs import SimProc, sims
 from vllm_sim import model
-from vllm_sim.events import decode_batch
+from vllm_sim.events_decode import decode_batch
 
 MSGS = [{"role": "user", "content": words(200, 40)}]
 

@@ -10,7 +10,8 @@ import time
 
 from tests.sim.client import words
 from vllm_sim.config import SimSettings
-from vllm_sim.engine import Engine, GenRequest, RunResult
+from vllm_sim.engine import Engine
+from vllm_sim.request import GenRequest, RunResult
 from vllm_sim.steps import StepLoop
 
 

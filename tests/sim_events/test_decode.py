@@ -7,7 +7,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from vllm_sim.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from vllm_sim.events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm_sim.events_decode import decode_batch
 
 BIG = 2**64 - 1  # uint64 block hashes may exceed 2**63
 

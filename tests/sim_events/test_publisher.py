@@ -21,8 +21,8 @@ from vllm_sim.events import (
     BlockRemoved,
     BlockStored,
     KVEventPublisher,
-    decode_batch,
 )
+from vllm_sim.events_decode import decode_batch
 
 Frames = list[bytes]
 SYNC_HASH = 2**64 - 2
