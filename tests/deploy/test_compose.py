@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from router.engines.coords import parse_spec
+from router.connectors.nixl_push.coords import parse_spec
 
 from router.config import ENV_PREFIX, FLAGS, Settings, load_settings
 from vllm_sim.config import SimSettings, parse_settings
