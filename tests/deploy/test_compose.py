@@ -11,9 +11,9 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from router.connectors.nixl_push.coords import parse_spec
 
 from router.config import ENV_PREFIX, FLAGS, Settings, load_settings
+from router.connectors.nixl_push.coords import parse_spec
 from vllm_sim.config import SimSettings, parse_settings
 
 ROOT = Path(__file__).resolve().parents[2]
