@@ -49,6 +49,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     session_store: Literal["redis", "memory"] = "redis"
     handle_ttl: float = 450.0
     session_ttl: float = 3600.0
+    release_pins: bool = True
+    release_after: float = 0.0
+    pin_high_water: float = 0.9
+    pin_low_water: float = 0.75
     reuse: bool = True
     history_sessions: bool = True
     verify_prefix: Literal["tokens", "digest"] = "tokens"
@@ -256,6 +260,12 @@ def _check(settings: Settings) -> None:
         raise ConfigError("--handle-ttl must be > 0 and not above --session-ttl")
     if min(settings.block_size, settings.min_reuse_tokens, settings.decode_local_max_tokens) < 0:
         raise ConfigError("--block-size, --min-reuse-tokens, --decode-local-max-tokens: >= 0")
+    if settings.release_after < 0 or not (
+        0 < settings.pin_low_water <= settings.pin_high_water <= 1
+    ):
+        raise ConfigError(
+            "--release-after must be >= 0 and 0 < --pin-low-water <= --pin-high-water <= 1"
+        )
     if settings.decode_local_max_inflight < 1:
         raise ConfigError("--decode-local-max-inflight must be >= 1")
     if any(len(s) < 16 for s in settings.session_secrets):

@@ -64,6 +64,25 @@ FLAGS: tuple[Flag, ...] = (
         float,
     ),
     Flag("session_ttl", "seconds a conversation's affinity and digests are kept", float),
+    Flag(
+        "release_pins",
+        "release the handles nobody will read (superseded, ended, idle, or on a D under "
+        "pressure), so that D frees their pinned blocks before its decoder_kv_blocks_ttl",
+        bool,
+    ),
+    Flag(
+        "release_after",
+        "seconds a conversation's handle may sit unread before it is released (0: the p95 "
+        "of the measured time between turns, at most --handle-ttl)",
+        float,
+    ),
+    Flag(
+        "pin_high_water",
+        "a D's KV usage (0-1) above which the oldest handles on it are released, and new "
+        "conversations go to another D, until it is below --pin-low-water",
+        float,
+    ),
+    Flag("pin_low_water", "the KV usage (0-1) a D under pin pressure is brought below", float),
     Flag("reuse", "send the previous D's handle to P (--no-reuse keeps affinity only)", bool),
     Flag(
         "history_sessions",

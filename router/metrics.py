@@ -70,11 +70,24 @@ class _StateCollector(Collector):
             "Restarts seen per instance (a new process start time): its handles are not used",
             labels=INSTANCE,
         )
+        usage = GaugeMetricFamily(
+            "kvbaton_decode_kv_usage",
+            "A D's KV-cache usage (0-1, its vllm:kv_cache_usage_perc as of the last health read)",
+            labels=["instance"],
+        )
+        pins = GaugeMetricFamily(
+            "kvbaton_decode_pinned_handles",
+            "Handles the router holds on a D (each pins its blocks there until read or released)",
+            labels=["instance"],
+        )
         for inst in instances:
             healthy.add_metric([inst.role, inst.url], 1.0 if inst.usable else 0.0)
             restarts.add_metric([inst.role, inst.url], float(inst.ident.restarts))
-        yield healthy
-        yield restarts
+            if inst.role == "decode" and inst.kv_usage >= 0:
+                usage.add_metric([inst.url], inst.kv_usage)
+            if inst.role == "decode" and inst.pins >= 0:
+                pins.add_metric([inst.url], float(inst.pins))
+        yield from (healthy, restarts, usage, pins)
         if self._shared:
             return
         inflight = GaugeMetricFamily(*INFLIGHT, labels=INSTANCE)
@@ -238,6 +251,18 @@ class Metrics:
             "kvbaton_turns_aborted",
             "Turns that committed nothing, by reason",
             ["reason"],
+            registry=r,
+        )
+        self.releases = Counter(
+            "kvbaton_pin_releases",
+            "Handles released so that D frees their pinned blocks, by reason and outcome",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.inter_turn = Histogram(
+            "kvbaton_inter_turn_seconds",
+            "Time from a conversation's last commit to its next turn (the release delay's base)",
+            buckets=(1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0),
             registry=r,
         )
         state = _StateCollector(pool, store_open, shared=shared)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from router.connectors.base import Connector
 from router.engines.client import EngineClient
 from router.engines.kv_watch import KvEvents
 from router.engines.pool import Pool
+from router.engines.release import Gaps, Releaser
 from router.metrics import Metrics
 from sessions.guard import StoreGuard
 from sessions.store import SessionStore
@@ -42,6 +44,17 @@ class Services:
     kv_events: KvEvents | None = None
     # Per conversation whose last turn here left a handle: that turn's P (router/turn/early.py).
     prefill_hints: dict[str, str] = field(default_factory=dict)
+    # Releases handles nobody will read (None: the connector pins nothing, or --no-release-pins).
+    releaser: Releaser | None = None
+    gaps: Gaps = field(default_factory=Gaps)  # the measured time between turns
+    # Work a turn starts and does not wait for (the pin index's writes).
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` without waiting for it (kept referenced until it ends)."""
+        task = asyncio.create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     def ids_leg_on(self) -> bool:
         return self.settings.prefill_token_ids and not self.ids_leg_off

@@ -78,6 +78,13 @@ class Connector(Protocol[TurnT]):
         """Whether P's answer says it failed (and so refused a handle it was given)."""
         ...
 
+    def release_request(
+        self, handle: Mapping[str, Any], model: str
+    ) -> tuple[dict[str, Any], str] | None:
+        """P's body and path for a request that makes D free a handle's pinned blocks and
+        reads nothing (None: this protocol pins nothing on D)."""
+        ...
+
     async def inspect(
         self, engines: EngineClient, inst: Instance, model: str, timeout: float
     ) -> None:
@@ -146,6 +153,11 @@ class Defaults:
 
     def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
         return prefill_failed(status, body)
+
+    def release_request(
+        self, handle: Mapping[str, Any], model: str
+    ) -> tuple[dict[str, Any], str] | None:
+        return None  # D pins nothing for this protocol
 
     async def inspect(
         self, engines: EngineClient, inst: Instance, model: str, timeout: float

@@ -25,6 +25,8 @@ _REQUESTS = re.compile(
 )
 # vLLM appends `_dp<rank>` to the engine id of each data-parallel engine of one D process.
 _DP_SUFFIX = re.compile(r"_dp\d+$")
+# vLLM's KV-cache usage, 0-1, one gauge per engine (and data-parallel rank) (measured on 0.32).
+_KV_USAGE = re.compile(rb"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 
 
 def process_started(metrics: bytes) -> float:
@@ -45,6 +47,17 @@ def engine_requests(metrics: bytes) -> int:
         except ValueError:
             continue
     return int(total)
+
+
+def kv_usage(metrics: bytes) -> float | None:
+    """The engine's KV-cache usage (0-1; the highest of its ranks), None if absent."""
+    found = []
+    for match in _KV_USAGE.finditer(metrics):
+        try:
+            found.append(float(match.group(1)))
+        except ValueError:
+            continue
+    return max(found) if found else None
 
 
 def engine_family(engine_id: str) -> str:

@@ -39,9 +39,26 @@ class Instance:
     ident: EngineIdentity = field(default_factory=EngineIdentity)
     next_rank: int = 0  # the data-parallel rank the next new conversation gets (ranks.py)
     dp_size: int = 0  # data-parallel ranks its /metrics shows (0: not read; ranks.py)
+    # A D's KV-cache usage (0-1) as of the health loop's last read (-1: unknown), and whether
+    # it is above the pin high-water mark (until it falls below the low-water mark).
+    kv_usage: float = -1.0
+    pressured: bool = False
+    pins: int = -1  # handles on this D in the store's pin index, as of the last sweep
+    high_water: float = 0.9
+    low_water: float = 0.75
 
     def __post_init__(self) -> None:
         self.ident.label = f"{self.role} instance {self.url}"
+
+    def note_kv_usage(self, usage: float | None) -> None:
+        """A new reading of D's KV usage; the pressure flag keeps its hysteresis."""
+        if usage is None:
+            return
+        self.kv_usage = usage
+        if usage >= self.high_water:
+            self.pressured = True
+        elif usage < self.low_water:
+            self.pressured = False
 
     @property
     def usable(self) -> bool:
@@ -55,6 +72,8 @@ class Pool:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     unhealthy_after: int = 3
+    high_water: float = 0.9  # --pin-high-water and --pin-low-water, for every instance
+    low_water: float = 0.75
     _by_role: dict[str, list[Instance]] = field(default_factory=dict)
     _next: dict[str, int] = field(default_factory=dict)
 
@@ -64,6 +83,8 @@ class Pool:
             "decode": [Instance(url, "decode") for url in self.decode_urls],
         }
         self._next = {"prefill": 0, "decode": 0}
+        for inst in self.instances():
+            inst.high_water, inst.low_water = self.high_water, self.low_water
 
     def instances(self, role: Role | None = None) -> list[Instance]:
         if role is None:
@@ -71,6 +92,7 @@ class Pool:
         return list(self._by_role[role])
 
     def add(self, inst: Instance) -> None:
+        inst.high_water, inst.low_water = self.high_water, self.low_water
         self._by_role[inst.role].append(inst)
 
     def remove(self, inst: Instance) -> None:
@@ -84,6 +106,10 @@ class Pool:
         candidates = [i for i in self._by_role[role] if i.usable and i.url not in exclude]
         if not candidates:
             raise Unavailable(f"no healthy {role} instance is available")
+        # A D whose KV is nearly all pinned would make the turn wait for blocks: another D
+        # with headroom takes it (affinity included) while there is one.
+        roomy = [i for i in candidates if not i.pressured]
+        candidates = roomy or candidates
         least = min(i.outstanding for i in candidates)
         if prefer:
             for inst in candidates:

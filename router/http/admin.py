@@ -29,6 +29,7 @@ from router.errors import (
 from router.http.status import instances_by_role, view
 from router.lifecycle import registry as reg
 from router.services import Services
+from router.turn import pins
 from router.turn.tenant import DEFAULT_TENANT, validate_conversation_id
 from sessions.admin_ops import ConversationIndex
 from sessions.keys import conversation_key
@@ -264,11 +265,11 @@ async def get_conversation(request: Request) -> Response:
 
 
 async def delete_conversation(request: Request) -> Response:
-    """Forget it: its next turn is a miss (no-session); D's blocks expire on D's own TTL."""
+    """Forget it: its next turn is a miss (no-session); its handle is released (D frees it)."""
     svc, _ = _context(request)
     tenant, conversation_id, key = _key(request)
     try:
-        deleted = await svc.store.delete(key)
+        deleted = await pins.end(svc, key) is not None
     except StoreError as exc:
         raise Unavailable(f"the session store is unavailable: {exc}") from None
     if not deleted:

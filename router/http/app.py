@@ -23,12 +23,13 @@ from router.engines.dns import DnsExpander, Resolver, SystemResolver
 from router.engines.kv_watch import KvEvents, parse_sources
 from router.engines.pool import Pool
 from router.errors import RouterError, Unavailable, UpstreamFailure, error_body, error_bytes
+from router.http import conversations
 from router.http.admin import Operations, admin_app
 from router.http.body import read_body
 from router.http.disconnect import until_disconnect
 from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
-from router.lifecycle import registry
+from router.lifecycle import pins, registry
 from router.lifecycle.discovery import discover
 from router.lifecycle.health import health_loop
 from router.metrics import CONTENT_TYPE, Metrics
@@ -198,7 +199,13 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         backend = open_backend(
             settings.session_store, settings.redis_url, store_timeout=settings.store_timeout
         )
-        pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
+        pool = Pool(
+            settings.prefill,
+            settings.decode,
+            settings.unhealthy_after,
+            settings.pin_high_water,
+            settings.pin_low_water,
+        )
         guard = StoreGuard(settings.store_retry_after)
         metrics = Metrics(pool, lambda: guard.is_open, shared=settings.workers > 1)
         guard.on_failure = metrics.store_errors.inc
@@ -220,13 +227,17 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         syncer = registry.Syncer(svc, backend.registry, dns)
         ops = Operations(syncer, backend.conversations)
         syncing: asyncio.Task[None] | None = None
-        background: list[asyncio.Task[None]] = []  # the connector's (registration)
+        background: list[asyncio.Task[None]] = []  # the connector's (registration), the sweep
+        svc.releaser = pins.releaser(svc)
         try:
             await discover(svc)
             app.state.services = svc
             app.state.operations = ops
             syncing = await registry.start(ops.syncer, settings.health_interval)
             background = [asyncio.create_task(c) for c in connector.start(syncer.resync)]
+            if svc.releaser is not None:
+                svc.releaser.start()
+                background.append(asyncio.create_task(pins.sweep_loop(svc)))
             svc.kv_events.start()
             prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
             # While the store breaker is open, ping the store so reuse resumes when it is back.
@@ -243,6 +254,8 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
                         await task
             if syncing is not None:
                 await registry.stop(syncing)
+            if svc.releaser is not None:
+                await svc.releaser.stop()
             await svc.kv_events.stop()
             await backend.close()
             await upstream.close()
@@ -252,6 +265,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         Route("/v1/completions", turn_endpoint("completions"), methods=["POST"]),
         Route("/v1/responses", turn_endpoint("responses"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id:path}", conversations.delete, methods=["DELETE"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from router.engines import ranks
 from router.engines.dns import DnsExpander
 from router.engines.pool import Instance, Role
+from router.lifecycle.pins import release_delay
 from router.services import Services
 from sessions.store import StoreError
 
@@ -49,6 +50,24 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
         "engine_requests": inst.engine_requests,
         "streams_params": inst.ident.streams_params,
         "source": source,
+        # A D's KV usage (0-1, -1 unknown), whether it is over the pin high-water mark, and
+        # the handles on it in the pin index (-1: not swept yet).
+        "kv_usage": inst.kv_usage,
+        "pin_pressure": inst.pressured,
+        "pinned_handles": inst.pins,
+    }
+
+
+def pins_view(svc: Services) -> dict[str, Any]:
+    """The release of D's pinned handles: on or off, the delay, what was released."""
+    if svc.releaser is None:
+        return {"release": False}
+    p95 = svc.gaps.p95()
+    return {
+        "release": True,
+        "release_after_s": round(release_delay(svc), 3),
+        "inter_turn_p95_s": round(p95, 3) if p95 is not None else None,
+        **svc.releaser.view(),
     }
 
 
@@ -117,6 +136,7 @@ async def status(request: Request) -> Response:
         "store": await store_view(svc),
         # The connector (--kv-connector) and its own state: MoRI-IO's announced instances.
         **svc.connector.status(),
+        "pins": pins_view(svc),
         # The demo proxies' /status fields (every instance in the pool, usable or not).
         "prefill_node_count": len(prefill_nodes),
         "decode_node_count": len(decode_nodes),

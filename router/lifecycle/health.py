@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from router.engines.client import EngineClient
-from router.engines.identity import engine_requests, process_started
+from router.engines.identity import engine_requests, kv_usage, process_started
 from router.engines.pool import Instance, Pool
 from router.errors import UpstreamFailure
 
@@ -28,6 +28,7 @@ async def read_started(engines: EngineClient, inst: Instance, timeout: float) ->
     if status == 200:
         inst.ident.note_started(process_started(metrics))
         inst.engine_requests = engine_requests(metrics)
+        inst.note_kv_usage(kv_usage(metrics))
     inst.ident.note_reachable(True)
 
 

@@ -64,6 +64,9 @@ class Claim:
     # The synthetic id of a session named by its history only ("" otherwise): the commit
     # indexes it under the digest of the conversation its D then holds.
     history_id: str = ""
+    # The handle the claim took from the store, when D may still pin its blocks: unless a P
+    # reads it this turn, it is released (router/turn/pins.py).
+    taken: dict[str, Any] | None = None
 
     def miss(self, reason: Reason) -> Claim:
         return replace(self, reuse=Reuse.miss(reason), params=None)
@@ -135,10 +138,14 @@ async def _claim_key(
     reuse = decide.claimed_reuse(state, inc.api, svc.clock(), decode)
     if state is not None and state.kv_transfer_params is not None:
         reuse = _checked(svc, key, state, reuse)
+    taken = None
+    if state is not None and (not expect or state.prefix_digest == expect):
+        taken = state.kv_transfer_params if decide.releasable(reuse.reason) else None
     if not reuse.is_hit:
-        return Claim(key, state, reuse, claimed=state is not None)
+        return Claim(key, state, reuse, claimed=state is not None, taken=taken)
     assert state is not None and state.kv_transfer_params is not None
-    return Claim(key, state, reuse, params=state.kv_transfer_params, claimed=True)
+    params = state.kv_transfer_params
+    return Claim(key, state, reuse, params=params, claimed=True, taken=taken)
 
 
 def _checked(svc: Services, key: str, state: SessionState, reuse: Reuse) -> Reuse:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from router.tracing import span
-from router.turn import decide, early, history
+from router.turn import decide, early, history, pins
 from router.turn.capture import Captured
 from router.turn.incoming import Incoming, canonical_items
 from router.turn.state import Turn
@@ -32,6 +32,7 @@ async def finish(turn: Turn, captured: Captured) -> None:
     if captured.finish_reason not in NORMAL_FINISH:
         await abort(turn, AbortReason.finish(captured.finish_reason), captured)
         return
+    pins.release_unread(turn, "superseded")
     result = await _commit(turn, captured)
     report(turn, result, captured)
 
@@ -40,6 +41,7 @@ async def abort(turn: Turn, reason: AbortReason | str, captured: Captured | None
     """A failed or cancelled turn commits nothing; it only gives back its claim. `reason` is an
     `AbortReason` or one of its families' spellings (`AbortReason.engine(status)`, ...)."""
     await release(turn)
+    pins.release_unread(turn, "aborted")
     turn.svc.metrics.aborts.labels(reason).inc()
     report(turn, f"aborted:{reason}", captured)
 
@@ -71,6 +73,8 @@ async def _commit(turn: Turn, captured: Captured) -> CommitResult:
         # A lost race: another turn of this conversation committed first (compare-and-set).
         result = CommitResult.COMMITTED if ok else CommitResult.LOST_RACE
     svc.metrics.commits.labels(result).inc()
+    if ok:
+        pins.note_committed(turn, state)
     # The next turn's P /tokenize goes out early only after a turn that left a handle.
     p_url = turn.prefill.url if turn.prefill is not None else None
     early.remember(svc, key, p_url if ok and state.kv_transfer_params else None)

@@ -77,6 +77,25 @@ def handle_check(connector: Connector[Any], state: SessionState) -> Reason | Non
     return None
 
 
+# A taken handle that must not go to a P even to be released: one the router cannot trust
+# (tampered with: it could aim P at any address) or whose D no longer holds it.
+NOT_RELEASABLE = frozenset(
+    {
+        Reason.HANDLE_UNAUTHENTICATED,
+        Reason.HANDLE_INVALID,
+        Reason.DECODE_REMOVED,
+        Reason.DECODE_UNHEALTHY,
+        Reason.DECODE_RESTARTED,
+        Reason.DECODE_UNREACHABLE,
+    }
+)
+
+
+def releasable(reason: Reason | None) -> bool:
+    """Whether a handle the claim took may be released (sent to a P that reads nothing)."""
+    return reason not in NOT_RELEASABLE
+
+
 class Prefix(StrEnum):
     EXTENDS = "extends"  # the new prompt starts with what D holds
     DIVERGES_LATE = "diverges-late"  # differs inside D's last answer: tokens decide

@@ -33,6 +33,8 @@ async def _attempt(
     kv = turn.svc.connector.prefill_params(handle)
     request = prefill_request(turn, kv, ids)
     answer = await call_prefill(turn, inst, request, turn.leg_headers(inst), hit=bool(handle))
+    if handle is not None and (answer.status or answer.reached):
+        turn.handle_sent = True  # P may have read it (or notified D): never released after
     attempt = Attempt(
         answer.status,
         answer.ok,

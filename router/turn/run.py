@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from router.errors import EngineReply
 from router.services import Services
-from router.turn import early
+from router.turn import early, pins
 from router.turn.claim import claim
 from router.turn.commit import abort
 from router.turn.decode import final_headers
@@ -36,6 +36,7 @@ async def run_turn(svc: Services, inc: Incoming, request_id: str) -> Response:
             tokens.cancel()
         raise
     turn = Turn(svc, inc, request_id, found, started, early=tokens)
+    pins.measure_gap(turn)
     try:
         return await svc.connector.serve(turn)
     except EngineReply as reply:

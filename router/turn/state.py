@@ -33,6 +33,7 @@ class Turn:
     # The X-Request-Id of both legs when it is not request_id (MoRI-IO's addressed id).
     leg_id: str = ""
     early: EarlyTokens | None = None  # P's /tokenize sent during the claim (turn/early.py)
+    handle_sent: bool = False  # the claimed handle reached a P (read, or D notified)
 
     def miss(self, reason: Reason) -> None:
         """The turn's verdict becomes a miss (its handle, if any, is not sent)."""

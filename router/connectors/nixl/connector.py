@@ -39,6 +39,12 @@ class NixlPull(Defaults):
     def is_handle(self, value: object) -> bool:
         return params.is_handle(value)
 
+    def release_request(
+        self, handle: Mapping[str, Any], model: str
+    ) -> tuple[dict[str, Any], str] | None:
+        body = params.release_body(handle, model)
+        return (body, "/v1/completions") if body is not None else None
+
 
 def make(settings: Settings) -> NixlPull:
     return NixlPull()

@@ -48,6 +48,25 @@ def hit_params(handle: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def release_body(handle: Mapping[str, Any], model: str) -> dict[str, Any] | None:
+    """A one-token P request that carries D's handle and reads none of it: P's scheduler finds
+    min(remote_num_tokens, prompt) - cached = 0 tokens to load, so it queues an empty read,
+    whose only effect is the notification that frees D's pinned blocks (vLLM 0.32-0.33,
+    `update_state_after_alloc` with no external tokens; any kv_recompute_threshold). P pins
+    its own one block for kv_lease_duration (30 s). None: not a handle (nothing to free)."""
+    if not is_handle(handle):
+        return None
+    kv = hit_params(handle)
+    kv["remote_num_tokens"] = 0  # nothing to read: the free-only notification
+    return {
+        "model": model,
+        "prompt": [0],  # token ids: a text prompt may gain a BOS token (and a second block)
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": kv,
+    }
+
+
 def truncate(params: Mapping[str, Any], num_tokens: int, block_size: int) -> dict[str, Any]:
     """The handle reduced to its first `num_tokens` tokens (a block-aligned prefix).
 

@@ -1,0 +1,174 @@
+"""Releasing D's pinned blocks: a handle nobody will read goes to a P in a request that reads
+nothing, so P notifies D and D frees the blocks (vLLM's read-nothing path) long before
+`decoder_kv_blocks_ttl`. Queued, rate limited, never in a turn's way."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.engines.client import EngineClient
+from router.engines.pool import Pool
+from router.errors import RouterError, UpstreamFailure
+
+log = logging.getLogger("kvbaton.pins")
+
+# What the connector makes of a handle to release: P's body and path (None: nothing to do).
+ReleaseRequest = Callable[[Mapping[str, Any], str], tuple[dict[str, Any], str] | None]
+# Counts one release: (reason, outcome) with outcome "released", "failed" or "dropped".
+Counted = Callable[[str, str], None]
+
+# The release delay before enough gaps are measured, its floor, and the samples it needs.
+DEFAULT_DELAY_S = 60.0
+MIN_DELAY_S = 5.0
+MIN_SAMPLES = 20
+
+# Releases in flight at once, and queued before the oldest are dropped (D's TTL frees them).
+MAX_INFLIGHT = 4
+MAX_QUEUED = 4096
+
+
+@dataclass
+class Gaps:
+    """The time between a conversation's turns, as this process measured it (the last 1,024):
+    a handle unread for longer than their p95 is released (`--release-after 0`)."""
+
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+
+    def note(self, seconds: float) -> None:
+        if seconds >= 0:
+            self.samples.append(seconds)
+
+    def p95(self) -> float | None:
+        if len(self.samples) < MIN_SAMPLES:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[int(0.95 * (len(ordered) - 1))]
+
+    def delay(self, fixed: float, ceiling: float) -> float:
+        """`fixed` if set, else the measured p95 (DEFAULT_DELAY_S until measured), at least
+        MIN_DELAY_S, never above `ceiling` (--handle-ttl: a handle past it is not used)."""
+        if fixed > 0:
+            return min(fixed, ceiling)
+        p95 = self.p95()
+        return min(DEFAULT_DELAY_S if p95 is None else max(p95, MIN_DELAY_S), ceiling)
+
+
+@dataclass(frozen=True)
+class Job:
+    handle: Mapping[str, Any]
+    decode: str  # the D that pins it (its base URL)
+    reason: str  # why nobody will read it: superseded, ended, idle, pressure
+
+
+@dataclass
+class Releaser:
+    """Sends P the read-nothing requests, at most MAX_INFLIGHT at a time."""
+
+    pool: Pool
+    engines: EngineClient
+    request: ReleaseRequest
+    model: Callable[[], str]
+    counted: Counted
+    timeout: float = 10.0
+    queue: asyncio.Queue[Job] = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED))
+    released: int = 0
+    failed: int = 0
+    dropped: int = 0
+    _workers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def submit(self, handle: Mapping[str, Any] | None, decode: str, reason: str) -> None:
+        """Queue a release; never waits (a full queue drops the oldest: D's TTL frees it)."""
+        if handle is None:
+            return
+        if self.queue.full():
+            with contextlib.suppress(asyncio.QueueEmpty):
+                old = self.queue.get_nowait()
+                self.queue.task_done()
+                self._count(old.reason, "dropped")
+        self.queue.put_nowait(Job(handle, decode, reason))
+
+    def start(self) -> None:
+        self._workers = [asyncio.create_task(self._work()) for _ in range(MAX_INFLIGHT)]
+
+    async def stop(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        for task in self._workers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._workers = []
+
+    async def drain(self) -> None:
+        """Wait until every queued release is done (tests, shutdown)."""
+        await self.queue.join()
+
+    async def _work(self) -> None:
+        while True:
+            job = await self.queue.get()
+            try:
+                outcome = await self.release(job)
+            except Exception as exc:  # a release must never take the worker down
+                log.warning("releasing a handle on %s failed: %s", job.decode, exc)
+                outcome = "failed"
+            finally:
+                self.queue.task_done()
+            self._count(job.reason, outcome)
+
+    async def release(self, job: Job) -> str:
+        """One read-nothing request to the least loaded usable P: "released" or "failed"."""
+        made = self.request(job.handle, self.model())
+        if made is None:
+            return "dropped"
+        body, path = made
+        try:
+            inst = self.pool.pick("prefill")
+        except RouterError as exc:
+            log.warning("no P to release a handle on %s: %s", job.decode, exc)
+            return "failed"
+        started = time.monotonic()
+        try:
+            with self.pool.busy(inst):
+                status, raw = await self.engines.post_json(
+                    inst.url + path,
+                    body,
+                    request_id=f"kvbaton-release-{int(started * 1e6):x}",
+                    timeout=self.timeout,
+                )
+        except UpstreamFailure as exc:
+            log.warning("release of a handle on %s via %s failed: %s", job.decode, inst.url, exc)
+            return "failed"
+        if status != 200:
+            log.warning(
+                "release of a handle on %s via %s: HTTP %d %.200r",
+                job.decode,
+                inst.url,
+                status,
+                raw,
+            )
+            return "failed"
+        log.debug("released a handle on %s via %s (%s)", job.decode, inst.url, job.reason)
+        return "released"
+
+    def _count(self, reason: str, outcome: str) -> None:
+        if outcome == "released":
+            self.released += 1
+        elif outcome == "failed":
+            self.failed += 1
+        else:
+            self.dropped += 1
+        self.counted(reason, outcome)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "queued": self.queue.qsize(),
+            "released": self.released,
+            "failed": self.failed,
+            "dropped": self.dropped,
+        }

@@ -1,0 +1,73 @@
+"""The turn's part in D's memory: a handle it took and no P read is released when the turn
+ends, a handle it leaves is noted in the store's pin index (for the idle and pressure
+releases, router/lifecycle/pins.py), and the time since the conversation's last turn is
+measured (the release delay's base)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from router.services import Services
+from router.turn.state import Turn
+from sessions.model import SessionState
+from sessions.store import StoreError
+
+log = logging.getLogger("kvbaton.pins")
+
+
+def measure_gap(turn: Turn) -> None:
+    """A continued conversation: how long after its last commit this turn came."""
+    state = turn.claim.state
+    if state is not None and state.updated_at > 0:
+        gap = turn.svc.clock() - state.updated_at
+        turn.svc.gaps.note(gap)
+        turn.svc.metrics.inter_turn.observe(max(gap, 0.0))
+
+
+def release_unread(turn: Turn, reason: str) -> None:
+    """The handle this turn took from the store and did not send to any P is dead (nobody
+    else can claim it): release it, unless the P leg may have read it."""
+    svc, claim = turn.svc, turn.claim
+    if svc.releaser is None or claim.taken is None or turn.handle_sent or claim.state is None:
+        return
+    # Its entry in the pin index stays until a sweep finds no handle there (or a commit on
+    # the same D replaces it): a removal racing this turn's own note could drop the new one.
+    svc.releaser.submit(claim.taken, claim.state.decode, reason)
+
+
+def note_committed(turn: Turn, state: SessionState) -> None:
+    """After a commit that left a handle: index it under its D (off the turn's path)."""
+    svc, key = turn.svc, turn.claim.key
+    if svc.releaser is None or key is None or state.kv_transfer_params is None:
+        return
+    svc.spawn(_note(turn, state.decode, key, state.updated_at))
+
+
+async def _note(turn: Turn, decode: str, key: str, at: float) -> None:
+    svc = turn.svc
+    try:
+        await svc.guard.call(lambda: svc.store.note_pin(decode, key, at, svc.settings.session_ttl))
+    except StoreError as exc:
+        # The handle is then freed by D's own TTL, or released when a later turn takes it.
+        log.warning("pin index write failed: %s", exc)
+
+
+async def end(svc: Services, key: str) -> SessionState | None:
+    """The conversation ended (a client's or the admin's delete): forget it, and release its
+    handle at once (nobody can read it any more). Its state as it was; None if there was none.
+    Raises StoreError."""
+    state = await svc.guard.call(lambda: svc.store.end(key))
+    if state is None:
+        return None
+    if svc.releaser is not None and state.kv_transfer_params is not None and not state.inflight:
+        svc.releaser.submit(state.kv_transfer_params, state.decode, "ended")
+    if state.decode:
+        decode = state.decode
+        svc.spawn(_forget(svc, decode, key))
+    return state
+
+
+async def _forget(svc: Services, decode: str, key: str) -> None:
+    with contextlib.suppress(StoreError):
+        await svc.guard.call(lambda: svc.store.forget_pin(decode, key))

@@ -1,0 +1,156 @@
+"""D's pinned blocks (bidirectional_kv_xfer, the simulator's default 480 s TTL): every handle
+nobody will read is released through P's read-nothing request, so D frees its blocks at once:
+superseded (an edited history, a failed turn), ended (DELETE /v1/conversations/{id}, the admin
+API), idle past --release-after, and the oldest on a D above --pin-high-water."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import BIDIR, pd_stack
+from tests.support.chat import chat_turn, client, get_json, post
+from tests.support.metrics import metric
+from tests.support.procs import wait_until
+from tests.support.stack import Stack, start_stack
+
+AUTH = {"authorization": "Bearer test-key", "content-type": "application/json"}
+
+
+def decoder_pins(st: Stack) -> set[str]:
+    """D's request ids whose blocks it pins for a reader (kind "decoder": D's, not P's)."""
+    return {
+        p["request_id"] for p in get_json(st.d.url + "/sim/state")["pins"] if p["kind"] == "decoder"
+    }
+
+
+def pinned_by(st: Stack, turn: Callable[[], Any]) -> set[str]:
+    """The pins on D that `turn` added."""
+    before = decoder_pins(st)
+    turn()
+    return decoder_pins(st) - before
+
+
+def released(st: Stack, reason: str) -> float:
+    return metric(st.url, "kvbaton_pin_releases_total", reason=reason, outcome="released")
+
+
+def question(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def pins(redis_url_session: str) -> Iterator[Stack]:
+    """A router that releases idle handles only after 300 s: what goes sooner is superseded or
+    ended."""
+    with pd_stack(redis_url_session, "pins", "--release-after", "300") as st:
+        yield st
+
+
+def test_an_edited_history_releases_the_handle_it_no_longer_reads(pins: Stack) -> None:
+    api, cid = client(pins.url + "/v1"), uuid.uuid4().hex
+    first: list[Any] = []
+    turn1 = pinned_by(
+        pins, lambda: first.append(chat_turn(api, question("About the sea?"), cid=cid))
+    )
+    assert len(turn1) == 1
+    edited = [*question("About mountains?"), {"role": "assistant", "content": first[0].text}]
+    before = released(pins, "superseded")
+    turn2 = pinned_by(
+        pins, lambda: first.append(chat_turn(api, [*edited, *question("More?")], cid=cid))
+    )
+    assert first[1].reuse == "miss;reason=prefix-mismatch"
+    wait_until(lambda: not turn1 & decoder_pins(pins), "turn 1's blocks freed on D", 10)
+    assert turn2 <= decoder_pins(pins), "turn 2's handle stays for its next turn"
+    assert released(pins, "superseded") == before + 1
+
+
+def test_a_continued_conversation_keeps_hitting_and_releases_nothing(pins: Stack) -> None:
+    api, cid = client(pins.url + "/v1"), uuid.uuid4().hex
+    messages = question("Count to three.")
+    before = released(pins, "superseded") + released(pins, "ended")
+    for i in range(3):
+        turn = chat_turn(api, messages, cid=cid)
+        assert turn.reuse.startswith("hit") == (i > 0), turn.reuse
+        messages = [*messages, {"role": "assistant", "content": turn.text}, *question("And?")]
+    assert released(pins, "superseded") + released(pins, "ended") == before
+
+
+def test_deleting_a_conversation_releases_its_handle(pins: Stack) -> None:
+    api, cid = client(pins.url + "/v1"), uuid.uuid4().hex
+    held = pinned_by(pins, lambda: chat_turn(api, question("Hello there."), cid=cid))
+    assert len(held) == 1
+    reply = post(f"{pins.url}/v1/conversations/{cid}", method="DELETE", headers=AUTH)
+    assert reply.status == 200 and reply.headers["x-request-id"]
+    assert reply.json() == {"id": cid, "object": "conversation.deleted", "deleted": True}
+    wait_until(lambda: not held & decoder_pins(pins), "the ended conversation's blocks freed", 10)
+    again = post(f"{pins.url}/v1/conversations/{cid}", method="DELETE", headers=AUTH)
+    assert again.status == 404 and again.headers["x-request-id"]
+    assert again.json()["error"]["code"] == "conversation_not_found"
+    assert chat_turn(api, question("Hello there."), cid=cid).reuse == "miss;reason=no-session"
+
+
+def test_another_tenant_cannot_end_a_conversation(pins: Stack) -> None:
+    api, cid = client(pins.url + "/v1"), uuid.uuid4().hex
+    chat_turn(api, question("Mine."), cid=cid)
+    other = {**AUTH, "authorization": "Bearer someone-else"}
+    reply = post(f"{pins.url}/v1/conversations/{cid}", method="DELETE", headers=other)
+    assert reply.status == 404
+    bad = post(f"{pins.url}/v1/conversations/a%20b", method="DELETE", headers=AUTH)
+    assert bad.status == 400 and bad.json()["error"]["param"] == "conversation_id"
+
+
+@pytest.fixture(scope="module")
+def pressed(redis_url_session: str) -> Iterator[Stack]:
+    """A small D (256 blocks) behind a router that releases idle handles after 1 s and the
+    oldest ones while D's KV is over 60 % used."""
+    small = ("--num-blocks", "256", "--max-model-len", "2048")
+    with start_stack(
+        prefill=[BIDIR],
+        decode=[(*BIDIR, *small)],
+        routers=[
+            (
+                "--release-after",
+                "1",
+                "--pin-high-water",
+                "0.6",
+                "--pin-low-water",
+                "0.4",
+                "--health-interval",
+                "0.3",
+            )
+        ],
+        redis=redis_url_session,
+        name="pressed",
+    ) as st:
+        yield st
+
+
+def test_an_idle_conversation_s_handle_is_released(pressed: Stack) -> None:
+    api, cid = client(pressed.url + "/v1"), uuid.uuid4().hex
+    held = pinned_by(pressed, lambda: chat_turn(api, question("One turn only."), cid=cid))
+    assert len(held) == 1
+    wait_until(lambda: not held & decoder_pins(pressed), "the idle handle released", 10)
+    assert released(pressed, "idle") >= 1
+    status = get_json(pressed.url + "/status")
+    assert status["pins"]["release"] is True and status["pins"]["release_after_s"] == 1.0
+
+
+def _one_turn(url: str, i: int) -> str:
+    api = client(url + "/v1", timeout=30)
+    words = " ".join(f"word{i}-{j}" for j in range(60))
+    return chat_turn(api, question(words), cid=f"load-{i}-{uuid.uuid4().hex}").reuse
+
+
+def test_one_turn_conversations_never_fill_a_small_d(pressed: Stack) -> None:
+    """80 one-turn conversations of ~200 tokens would pin ~1,200 blocks on a 256-block D."""
+    with ThreadPoolExecutor(8) as pool:
+        reuse = list(pool.map(lambda i: _one_turn(pressed.url, i), range(80)))
+    assert reuse.count("miss;reason=no-session") == 80
+    state = get_json(pressed.d.url + "/sim/state")
+    assert state["blocks"]["usage"] < 0.95
+    assert released(pressed, "idle") + released(pressed, "pressure") > 0
