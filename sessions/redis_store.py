@@ -1,6 +1,5 @@
-"""The Redis session store: one HASH per conversation, claim and commit as single Lua scripts.
-
-One round trip each (redis-py's Script objects send EVALSHA and reload on NOSCRIPT).
+"""The Redis session store: one HASH per conversation, claim and commit as single Lua scripts
+(sessions/scripts.py), one round trip each.
 """
 
 from __future__ import annotations
@@ -19,54 +18,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from sessions import connect
+from sessions import connect, scripts
 from sessions.connect import RedisClient
 from sessions.model import SessionState, StateDecodeError, from_fields, to_fields
 from sessions.store import CorruptState, StoreError
 
 T = TypeVar("T")
-
-# Returns the hash as it was; takes the handle (single use) if there is one, and, when
-# ARGV[2] is not empty, only if the prefix digest is ARGV[2].
-_CLAIM = """
-local fields = redis.call('HGETALL', KEYS[1])
-if #fields == 0 then return false end
-if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'prefix_digest') ~= ARGV[2] then
-  return fields
-end
-for i = 1, #fields, 2 do
-  if fields[i] == 'kv_transfer_params' then
-    local params = fields[i + 1]
-    if params ~= '' and params ~= 'null' then
-      redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'inflight', ARGV[1])
-    end
-    break
-  end
-end
-return fields
-"""
-
-# ARGV: expected turn, TTL in ms, then the fields as one JSON array [field, value, ...] (one
-# argument for redis-py to encode instead of 44). A missing (or unreadable) turn is 0, so a
-# first commit, or one over a garbage hash, goes through with expected turn 0.
-_COMMIT = """
-local stored = redis.call('HGET', KEYS[1], 'turn')
-local turn = 0
-if stored then turn = tonumber(stored) or 0 end
-if turn ~= tonumber(ARGV[1]) then return 0 end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(cjson.decode(ARGV[3])))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-_RELEASE = """
-if redis.call('HGET', KEYS[1], 'inflight') == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'inflight', '')
-  return 1
-end
-return 0
-"""
 
 _ENCODE = msgspec.json.Encoder().encode
 
@@ -117,9 +74,9 @@ class RedisSessionStore:
         # retry a script that already ran: it is set up once, before the first command.
         self._set_up = not isinstance(client, RedisCluster)
         self._set_up_lock = asyncio.Lock()
-        self._claim = client.register_script(_CLAIM)
-        self._commit = client.register_script(_COMMIT)
-        self._release = client.register_script(_RELEASE)
+        self._claim = client.register_script(scripts.CLAIM)
+        self._commit = client.register_script(scripts.COMMIT)
+        self._release = client.register_script(scripts.RELEASE)
 
     async def _set_up_cluster(self) -> None:
         async with self._set_up_lock:
