@@ -44,3 +44,40 @@ if redis.call('HGET', KEYS[1], 'inflight') == ARGV[1] then
 end
 return 0
 """
+
+# Takes the handle for release (single use, as CLAIM): only when there is one, no turn holds
+# the state (`inflight` empty) and `updated_at` <= ARGV[1] ('' : no bound). Returns the hash
+# as it was, or false and changes nothing. The handle is cleared as CLAIM clears it, and
+# `no_handle_reason` becomes ARGV[2] (`released`) so that the next turn says why.
+TAKE_HANDLE = """
+local fields = redis.call('HGETALL', KEYS[1])
+if #fields == 0 then return false end
+local f = {}
+for i = 1, #fields, 2 do f[fields[i]] = fields[i + 1] end
+local params = f['kv_transfer_params']
+if not params or params == '' or params == 'null' then return false end
+if f['inflight'] and f['inflight'] ~= '' then return false end
+if ARGV[1] ~= '' then
+  local updated = tonumber(f['updated_at'] or '')
+  if not updated or updated > tonumber(ARGV[1]) then return false end
+end
+redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'no_handle_reason', ARGV[2])
+return fields
+"""
+
+# The conversation ended: its hash as it was, deleted (false when there is none).
+END = """
+local fields = redis.call('HGETALL', KEYS[1])
+if #fields == 0 then return false end
+redis.call('DEL', KEYS[1])
+return fields
+"""
+
+# One pin index (a ZSET): ARGV score, member, TTL in ms. The key's expiry only grows (a key
+# without one gets it), so an index nobody notes into any more disappears.
+NOTE_PIN = """
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+local ttl = tonumber(ARGV[3])
+if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+return 1
+"""
