@@ -15,6 +15,10 @@ HISTORY_PREFIX = "kvbaton:hist:"
 # API and read by every replica (docs/operations.md).
 INSTANCES_KEY = "kvbaton:instances"
 
+# One ZSET per decode instance: conversation key -> when its live handle on that D was made
+# (D pins the blocks of an unread handle; docs/operations.md, *Pinned handles*).
+PINS_PREFIX = "kvbaton:pins:"
+
 
 def conversation_key(tenant: str, conversation_id: str) -> str:
     """`kvbaton:conv:{<tenant>:<conversation_id>}`; the braces are a Redis Cluster hash tag."""
@@ -43,3 +47,12 @@ def history_key(tenant: str, digest: str) -> str:
     if "{" in tenant or "}" in tenant or not digest.isalnum():
         raise ValueError("tenant must not contain braces; digest must be hex")
     return f"{HISTORY_PREFIX}{{{tenant}:{digest}}}"
+
+
+def pins_key(decode: str) -> str:
+    """`kvbaton:pins:{<decode base URL>}`: the conversations holding a live handle on that D.
+    The URL is the hash tag, so each D's index is one key in its own slot on Redis Cluster."""
+    if not decode or "{" in decode or "}" in decode:
+        # A brace inside would move the hash tag (and no URL needs one).
+        raise ValueError("decode must be a non-empty URL without braces")
+    return f"{PINS_PREFIX}{{{decode}}}"

@@ -1,19 +1,22 @@
 """The in-process session store, for a single replica without Redis (`--session-store memory`).
 
-Same semantics as the Redis store, TTLs included, expired lazily against an injected clock.
+Same semantics as the Redis store, TTLs and pin indexes included, expired lazily by a clock.
 """
 
 from __future__ import annotations
 
 import copy
+import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import msgspec
 
+from sessions.keys import pins_key
 from sessions.model import SessionState
 from sessions.store import StoreError
+from sessions.vocabulary import Reason
 
 
 def _detached(state: SessionState) -> SessionState:
@@ -41,6 +44,8 @@ class MemorySessionStore:
         self._entries: OrderedDict[str, tuple[SessionState, float]] = OrderedDict()
         # History keys: value and deadline, evicted like the sessions they name.
         self._history: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # Pin indexes: decode URL -> ({conversation key: since}, deadline of the index).
+        self._pins: dict[str, tuple[dict[str, float], float]] = {}
         self._closed = False
 
     def __len__(self) -> int:
@@ -95,6 +100,64 @@ class MemorySessionStore:
         if state is not None and state.inflight == request_id:
             self._replace(key, msgspec.structs.replace(state, inflight=""))
 
+    async def take_handle(self, key: str, not_after: float) -> SessionState | None:
+        state = self._live(key)
+        if state is None or not state.kv_transfer_params or state.inflight:
+            return None
+        if state.updated_at > not_after:
+            return None
+        reason = str(Reason.RELEASED)
+        self._replace(
+            key, msgspec.structs.replace(state, kv_transfer_params=None, no_handle_reason=reason)
+        )
+        return state
+
+    async def end(self, key: str) -> SessionState | None:
+        state = self._live(key)
+        if state is not None:
+            del self._entries[key]
+        return state
+
+    def _pin_index(self, decode: str) -> dict[str, float] | None:
+        """D's live index; None when it has none (never noted, emptied, or expired)."""
+        self._check_open()
+        pins_key(decode)  # the Redis store's ValueError for a URL it cannot name a key after
+        entry = self._pins.get(decode)
+        if entry is not None and self._clock() >= entry[1]:
+            del self._pins[decode]
+            return None
+        return None if entry is None else entry[0]
+
+    async def note_pin(self, decode: str, key: str, at: float, ttl_s: float) -> None:
+        index = self._pin_index(decode)
+        deadline = self._clock() + max(ttl_s, 0.001)
+        if index is None:
+            index = {}
+        else:
+            deadline = max(deadline, self._pins[decode][1])  # the expiry only grows
+        index[key] = at
+        self._pins[decode] = (index, deadline)
+        if len(index) > self._max_entries:  # the oldest pin goes, as a state would
+            del index[min(index, key=index.__getitem__)]
+
+    async def forget_pin(self, decode: str, key: str) -> None:
+        index = self._pin_index(decode)
+        if index is not None:
+            index.pop(key, None)
+            if not index:  # as Redis deletes an empty ZSET (its expiry with it)
+                del self._pins[decode]
+
+    async def pins_due(self, decode: str, before: float, limit: int) -> list[tuple[str, float]]:
+        index = self._pin_index(decode)
+        if index is None or limit < 1:
+            return []
+        due = heapq.nsmallest(limit, ((at, k) for k, at in index.items() if at <= before))
+        return [(k, at) for at, k in due]
+
+    async def count_pins(self, decode: str) -> int:
+        index = self._pin_index(decode)
+        return 0 if index is None else len(index)
+
     async def find_history(self, keys: Sequence[str]) -> list[str | None]:
         self._check_open()
         now = self._clock()
@@ -133,3 +196,4 @@ class MemorySessionStore:
         self._closed = True
         self._entries.clear()
         self._history.clear()
+        self._pins.clear()

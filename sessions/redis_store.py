@@ -1,6 +1,5 @@
-"""The Redis session store: one HASH per conversation, claim and commit as single Lua scripts.
-
-One round trip each (redis-py's Script objects send EVALSHA and reload on NOSCRIPT).
+"""The Redis session store: one HASH per conversation, claim and commit as single Lua scripts
+(sessions/scripts.py), and one ZSET per decode instance indexing its live handles.
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ import asyncio
 import contextlib
 import inspect
 import math
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import msgspec
@@ -19,54 +18,14 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from sessions import connect
+from sessions import connect, scripts
 from sessions.connect import RedisClient
+from sessions.keys import pins_key
 from sessions.model import SessionState, StateDecodeError, from_fields, to_fields
 from sessions.store import CorruptState, StoreError
+from sessions.vocabulary import Reason
 
 T = TypeVar("T")
-
-# Returns the hash as it was; takes the handle (single use) if there is one, and, when
-# ARGV[2] is not empty, only if the prefix digest is ARGV[2].
-_CLAIM = """
-local fields = redis.call('HGETALL', KEYS[1])
-if #fields == 0 then return false end
-if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'prefix_digest') ~= ARGV[2] then
-  return fields
-end
-for i = 1, #fields, 2 do
-  if fields[i] == 'kv_transfer_params' then
-    local params = fields[i + 1]
-    if params ~= '' and params ~= 'null' then
-      redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'inflight', ARGV[1])
-    end
-    break
-  end
-end
-return fields
-"""
-
-# ARGV: expected turn, TTL in ms, then the fields as one JSON array [field, value, ...] (one
-# argument for redis-py to encode instead of 44). A missing (or unreadable) turn is 0, so a
-# first commit, or one over a garbage hash, goes through with expected turn 0.
-_COMMIT = """
-local stored = redis.call('HGET', KEYS[1], 'turn')
-local turn = 0
-if stored then turn = tonumber(stored) or 0 end
-if turn ~= tonumber(ARGV[1]) then return 0 end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(cjson.decode(ARGV[3])))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-_RELEASE = """
-if redis.call('HGET', KEYS[1], 'inflight') == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'inflight', '')
-  return 1
-end
-return 0
-"""
 
 _ENCODE = msgspec.json.Encoder().encode
 
@@ -89,7 +48,7 @@ def _decode_pairs(reply: Sequence[bytes] | None) -> SessionState | None:
     if not reply:
         return None
     if len(reply) % 2:
-        raise StateDecodeError("claim returned an odd number of hash fields and values")
+        raise StateDecodeError("a script returned an odd number of hash fields and values")
     return from_fields(dict(zip(reply[::2], reply[1::2], strict=True)))
 
 
@@ -117,9 +76,12 @@ class RedisSessionStore:
         # retry a script that already ran: it is set up once, before the first command.
         self._set_up = not isinstance(client, RedisCluster)
         self._set_up_lock = asyncio.Lock()
-        self._claim = client.register_script(_CLAIM)
-        self._commit = client.register_script(_COMMIT)
-        self._release = client.register_script(_RELEASE)
+        self._claim = client.register_script(scripts.CLAIM)
+        self._commit = client.register_script(scripts.COMMIT)
+        self._release = client.register_script(scripts.RELEASE)
+        self._take_handle = client.register_script(scripts.TAKE_HANDLE)
+        self._end = client.register_script(scripts.END)
+        self._note_pin = client.register_script(scripts.NOTE_PIN)
 
     async def _set_up_cluster(self) -> None:
         async with self._set_up_lock:
@@ -162,6 +124,30 @@ class RedisSessionStore:
             await self._drop(key)
             raise
 
+    async def _taking(
+        self, what: str, key: str, call: Callable[[], Awaitable[Any]]
+    ) -> SessionState | None:
+        """A script that returns the hash as it was; a key that holds no state is dropped."""
+
+        async def run() -> SessionState | None:
+            return _decode_pairs(await call())  # called here: never a coroutine left unawaited
+
+        try:
+            return await self._run(what, run())
+        except CorruptState:
+            await self._drop(key)
+            raise
+
+    async def take_handle(self, key: str, not_after: float) -> SessionState | None:
+        bound = "" if not_after == math.inf else repr(float(not_after))
+        args = [bound, str(Reason.RELEASED)]
+        return await self._taking(
+            "take handle", key, lambda: self._take_handle(keys=[key], args=args)
+        )
+
+    async def end(self, key: str) -> SessionState | None:
+        return await self._taking("end", key, lambda: self._end(keys=[key], args=[]))
+
     async def _drop(self, key: str) -> None:
         """Remove a key that holds no state, so the conversation's next turn starts afresh
         (its commit then writes a good state) instead of failing on it until it expires."""
@@ -198,6 +184,34 @@ class RedisSessionStore:
         await self._run(
             "history index", cast(Awaitable[Any], self._client.set(key, value, px=ttl_ms))
         )
+
+    async def note_pin(self, decode: str, key: str, at: float, ttl_s: float) -> None:
+        ttl_ms = max(1, math.ceil(ttl_s * 1000))
+        args: list[str | int] = [repr(float(at)), key, ttl_ms]
+        await self._run("note pin", self._note_pin(keys=[pins_key(decode)], args=args))
+
+    async def forget_pin(self, decode: str, key: str) -> None:
+        await self._run(
+            "forget pin", cast(Awaitable[Any], self._client.zrem(pins_key(decode), key))
+        )
+
+    async def pins_due(self, decode: str, before: float, limit: int) -> list[tuple[str, float]]:
+        name = pins_key(decode)
+        top = "+inf" if before == math.inf else repr(float(before))
+
+        async def due() -> list[tuple[str, float]]:
+            if limit < 1:  # LIMIT 0 0 is empty, but LIMIT 0 -1 would be everything
+                return []
+            raw = await cast(
+                Awaitable[list[tuple[bytes, float]]],
+                self._client.zrangebyscore(name, "-inf", top, start=0, num=limit, withscores=True),
+            )
+            return [(_text(member), float(score)) for member, score in raw]
+
+        return await self._run("pins due", due())
+
+    async def count_pins(self, decode: str) -> int:
+        return int(await self._run("count pins", self._client.zcard(pins_key(decode))))
 
     async def get(self, key: str) -> SessionState | None:
         async def get() -> SessionState | None:

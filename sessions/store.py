@@ -64,6 +64,46 @@ class SessionStore(Protocol):
         """Forget a conversation; True if there was a state."""
         ...
 
+    async def end(self, key: str) -> SessionState | None:
+        """The conversation ended: delete it and return its state as it was (handle included,
+        for its release), atomically; None when there was none. A key that holds no state
+        raises CorruptState, as `get` does, and is deleted all the same."""
+        ...
+
+    async def take_handle(self, key: str, not_after: float) -> SessionState | None:
+        """Take the handle for release, atomically: only if the state has one, no turn holds it
+        (`inflight` empty) and its `updated_at` <= not_after (math.inf: any age).
+
+        Returns the state as it was (with its handle); the stored copy loses the handle as in
+        `claim` and records `no_handle_reason` "released" (`Reason.RELEASED`). Otherwise None,
+        and nothing changes. Single use with `claim`: a handle is read or released, never both.
+        A key of another type, or a hash that is not a state but looks as if it held a due
+        handle, raises CorruptState (as `get` does) and is dropped (as by `claim`): its handle
+        cannot be read to be released, D frees the blocks at its own TTL. Any other garbage
+        hash is not due (None) and is left as it is for the conversation's next claim.
+        """
+        ...
+
+    async def note_pin(self, decode: str, key: str, at: float, ttl_s: float) -> None:
+        """Record in `sessions.keys.pins_key(decode)` that conversation key holds a live handle
+        on D since wall-clock time `at` (a newer note replaces the time). The index's own
+        expiry grows to at least ttl_s, so an index nobody notes into disappears."""
+        ...
+
+    async def forget_pin(self, decode: str, key: str) -> None:
+        """Remove key from D's pin index (no-op when absent)."""
+        ...
+
+    async def pins_due(self, decode: str, before: float, limit: int) -> list[tuple[str, float]]:
+        """Up to limit (key, at) of D's index with at <= before, oldest first (ties by key).
+
+        before=math.inf lists the oldest whatever their age (D short of memory); limit < 1: []."""
+        ...
+
+    async def count_pins(self, decode: str) -> int:
+        """How many conversations D's pin index holds."""
+        ...
+
     async def ping(self) -> None:
         """Return when the store is usable; raise StoreError otherwise."""
         ...

@@ -22,6 +22,7 @@ class Reason(StrEnum):
     PROMPT_IDS_DIFFER = "prompt-ids-differ"
     API_MISMATCH = "api-mismatch"
     EXPIRED = "expired"
+    RELEASED = "released"  # the router gave the handle back so that D frees its blocks
     PREFIX_MISMATCH = "prefix-mismatch"
     EVICTED = "evicted"
     TOKENIZE_FAILED = "tokenize-failed"

@@ -66,6 +66,8 @@ MEANINGS: dict[Reason, str] = {
     "them from (see *The P leg by token ids*)",
     Reason.API_MISMATCH: "the handle came from another API (chat vs Responses render differently)",
     Reason.EXPIRED: "older than `--handle-ttl`",
+    Reason.RELEASED: "the router released the handle (unread too long, or its D short of KV "
+    "memory) so that D could free the pinned blocks",
     Reason.PREFIX_MISMATCH: "the new prompt does not extend what D holds (enough)",
     Reason.EVICTED: "D's KV events say it evicted or cleared blocks of the handle since it "
     "was made: it was dropped before any read",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sessions.keys import CONVERSATION_PREFIX, conversation_key
+from sessions.keys import CONVERSATION_PREFIX, PINS_PREFIX, conversation_key, pins_key
 
 
 def test_conversation_key_layout() -> None:
@@ -16,3 +16,14 @@ def test_conversation_key_layout() -> None:
 def test_braces_are_refused(tenant: str, conv: str) -> None:
     with pytest.raises(ValueError, match="braces"):
         conversation_key(tenant, conv)
+
+
+def test_pins_key_layout() -> None:
+    assert pins_key("http://10.0.0.21:8200") == "kvbaton:pins:{http://10.0.0.21:8200}"
+    assert pins_key("https://d/v1").startswith(PINS_PREFIX)
+
+
+@pytest.mark.parametrize("decode", ["", "http://d{1}:8000", "http://d:8000/}"])
+def test_pins_key_refuses_braces_and_nothing(decode: str) -> None:
+    with pytest.raises(ValueError, match="braces"):
+        pins_key(decode)

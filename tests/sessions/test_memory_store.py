@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -47,6 +48,12 @@ async def test_size_is_bounded_oldest_commit_first(clock: FakeClock) -> None:
         ("get", ("k",)),
         ("delete", ("k",)),
         ("ping", ()),
+        ("take_handle", ("k", math.inf)),
+        ("end", ("k",)),
+        ("note_pin", ("http://d:1", "k", 1.0, 1.0)),
+        ("forget_pin", ("http://d:1", "k")),
+        ("pins_due", ("http://d:1", math.inf, 1)),
+        ("count_pins", ("http://d:1",)),
     ],
 )
 async def test_closed_store_raises_store_error(method: str, args: tuple[Any, ...]) -> None:
@@ -59,3 +66,17 @@ async def test_closed_store_raises_store_error(method: str, args: tuple[Any, ...
 def test_max_entries_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_entries"):
         MemorySessionStore(max_entries=0)
+
+
+async def test_a_pin_index_is_bounded_oldest_pin_first(clock: FakeClock) -> None:
+    store = MemorySessionStore(clock, max_entries=2)
+    await store.note_pin("http://d:1", "b", 20.0, 60.0)
+    await store.note_pin("http://d:1", "a", 10.0, 60.0)
+    await store.note_pin("http://d:1", "c", 30.0, 60.0)
+    assert await store.pins_due("http://d:1", math.inf, 10) == [("b", 20.0), ("c", 30.0)]
+
+
+async def test_a_decode_url_with_braces_is_refused_as_by_redis() -> None:
+    store = MemorySessionStore()
+    with pytest.raises(ValueError, match="braces"):
+        await store.note_pin("http://d:1/{x}", "k", 1.0, 1.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from sessions.guard import StoreGuard
-from sessions.keys import conversation_key
+from sessions.keys import conversation_key, pins_key
 from sessions.model import SessionState, to_fields
 from sessions.redis_store import RedisSessionStore
 from sessions.store import CorruptState, StoreError
@@ -90,10 +91,19 @@ def store_calls(store: RedisSessionStore) -> list[Callable[[], Awaitable[Any]]]:
         lambda: store.get(KEY),
         lambda: store.delete(KEY),
         store.ping,
+        lambda: store.take_handle(KEY, math.inf),
+        lambda: store.end(KEY),
+        lambda: store.note_pin("http://d1:8000", KEY, 1.0, 450.0),
+        lambda: store.forget_pin("http://d1:8000", KEY),
+        lambda: store.pins_due("http://d1:8000", math.inf, 10),
+        lambda: store.count_pins("http://d1:8000"),
     ]
 
 
-@pytest.mark.parametrize("method", range(6))
+CALLS = 12
+
+
+@pytest.mark.parametrize("method", range(CALLS))
 async def test_dead_redis_raises_store_error_fast(method: int) -> None:
     store = RedisSessionStore(f"redis://127.0.0.1:{free_port()}/0")
     started = time.monotonic()
@@ -109,7 +119,7 @@ async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
     writer.close()
 
 
-@pytest.mark.parametrize("method", range(6))
+@pytest.mark.parametrize("method", range(CALLS))
 async def test_stalled_redis_raises_store_error_fast(method: int) -> None:
     server = await asyncio.start_server(_silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -148,6 +158,32 @@ async def test_garbage_hash_is_that_conversation_s_corrupt_state(
     assert await store.get(KEY) == STATE
 
 
+async def test_a_garbage_hash_whose_handle_is_taken_is_dropped(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    """take_handle and end raise CorruptState, as get does, and leave no key behind: the
+    script changed it already, and its handle cannot be read to be released."""
+    garbage = {"turn": "1", "kv_transfer_params": "{oops"}
+    await raw.hset(KEY, mapping=garbage)
+    assert await store.take_handle(KEY, 1e12) is None  # no readable updated_at: not due
+    assert await raw.hgetall(KEY) == garbage  # and untouched
+    with pytest.raises(CorruptState, match="take handle"):
+        await store.take_handle(KEY, math.inf)
+    assert not await raw.exists(KEY)
+    await raw.hset(KEY, mapping=garbage)
+    with pytest.raises(CorruptState, match="end"):
+        await store.end(KEY)
+    assert not await raw.exists(KEY)
+
+
+async def test_a_garbage_hash_without_a_handle_is_left_to_the_claim(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    await raw.hset(KEY, mapping={"turn": "not-a-number"})
+    assert await store.take_handle(KEY, math.inf) is None
+    assert await raw.hgetall(KEY) == {"turn": "not-a-number"}
+
+
 async def test_a_key_of_another_type_is_corrupt_state_and_dropped(
     store: RedisSessionStore, raw: aioredis.Redis
 ) -> None:
@@ -158,6 +194,56 @@ async def test_a_key_of_another_type_is_corrupt_state_and_dropped(
     with pytest.raises(CorruptState, match="WRONGTYPE"):
         await store.claim(KEY, "req-1")
     assert not await raw.exists(KEY)
+
+
+@pytest.mark.parametrize("call", [6, 7])  # take_handle, end
+async def test_a_key_of_another_type_is_dropped_by_take_handle_and_end(
+    store: RedisSessionStore, raw: aioredis.Redis, call: int
+) -> None:
+    await raw.set(KEY, "a string, not a hash")
+    with pytest.raises(CorruptState, match="WRONGTYPE"):
+        await store_calls(store)[call]()
+    assert not await raw.exists(KEY)
+
+
+async def test_the_pin_index_is_readable_with_redis_cli(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    decode = "http://10.0.0.21:8200"
+    await store.note_pin(decode, KEY, 1_732_934_400.125, 480.0)
+    await store.note_pin(decode, "kvbaton:conv:{t:b}", 1_732_934_399.5, 60.0)
+    assert await raw.keys("kvbaton:pins:*") == ["kvbaton:pins:{http://10.0.0.21:8200}"]
+    assert await raw.type(pins_key(decode)) == "zset"
+    assert await raw.zrange(pins_key(decode), 0, -1, withscores=True) == [
+        ("kvbaton:conv:{t:b}", 1_732_934_399.5),
+        (KEY, 1_732_934_400.125),
+    ]
+    assert 470 < await raw.ttl(pins_key(decode)) <= 480
+
+
+async def test_a_pin_index_without_expiry_gets_one(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    await raw.zadd(pins_key("http://d1:8000"), {"kvbaton:conv:{t:old}": 1.0})  # no TTL
+    await store.note_pin("http://d1:8000", KEY, 2.0, 60.0)
+    assert 50 < await raw.ttl(pins_key("http://d1:8000")) <= 60
+
+
+async def test_release_and_end_are_one_round_trip_each(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    await store.commit(KEY, STATE, 0, 450.0)
+    await store.take_handle(KEY, 0.0)  # not due: loads the script, changes nothing
+    await store.end(conversation_key("t", "none"))
+    await store.note_pin("http://d1:8000", KEY, 1.0, 450.0)
+    await raw.config_resetstat()
+    assert await store.take_handle(KEY, math.inf) == STATE
+    assert await store.end(KEY) is not None
+    await store.note_pin("http://d1:8000", KEY, 2.0, 450.0)
+    stats = await raw.info("commandstats")
+    calls = {name: s["calls"] for name, s in stats.items() if name != "cmdstat_config"}
+    assert calls.get("cmdstat_evalsha") == 3
+    assert "cmdstat_eval" not in calls and "cmdstat_script|load" not in calls
 
 
 async def test_corrupt_state_never_opens_the_breaker(

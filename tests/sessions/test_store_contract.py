@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,16 +12,19 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from sessions.keys import conversation_key, history_key
+from sessions.keys import conversation_key, history_key, pins_key
 from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState, handle_unusable_reason
 from sessions.redis_store import RedisSessionStore
 from sessions.store import SessionStore
+from sessions.vocabulary import Reason
 from tests.sessions.conftest import FakeClock
 
 KEY = conversation_key("tenant-a", "conv-1")
 OTHER = conversation_key("tenant-b", "conv-1")
 TTL = 600.0
+D1 = "http://d1:8000"
+D2 = "http://10.0.0.22:8200/v1"
 
 
 @dataclass
@@ -28,6 +32,8 @@ class Harness:
     store: SessionStore
     # Checks that key expires after about ttl_s (Redis: PTTL; memory: by moving the clock).
     assert_ttl: Callable[[str, float], Awaitable[None]]
+    # The same for a decode instance's pin index (`pins_key`).
+    assert_pin_ttl: Callable[[str, float], Awaitable[None]]
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -43,7 +49,13 @@ async def harness(
             clock.advance(0.01)
             assert await memory.get(key) is None
 
-        yield Harness(memory, memory_ttl)
+        async def memory_pin_ttl(decode: str, ttl_s: float) -> None:
+            clock.advance(ttl_s - 0.01)
+            assert await memory.count_pins(decode) > 0
+            clock.advance(0.01)
+            assert await memory.count_pins(decode) == 0
+
+        yield Harness(memory, memory_ttl, memory_pin_ttl)
         await memory.close()
         return
     # The async `redis_url` fixture cannot be requested lazily; flush here as it does.
@@ -55,7 +67,10 @@ async def harness(
         pttl = await raw.pttl(key)
         assert ttl_s * 1000 - 5_000 < pttl <= ttl_s * 1000
 
-    yield Harness(store, redis_ttl)
+    async def redis_pin_ttl(decode: str, ttl_s: float) -> None:
+        await redis_ttl(pins_key(decode), ttl_s)
+
+    yield Harness(store, redis_ttl, redis_pin_ttl)
     await store.close()
     await raw.aclose()
 
@@ -224,3 +239,157 @@ async def test_history_keys_are_values_with_a_ttl(harness: Harness) -> None:
     assert await store.find_history([other, hist]) == [None, "3 h-one"]
     await store.index_history(hist, "5 h-two", TTL)
     assert await store.find_history([hist]) == ["5 h-two"]
+
+
+RELEASED = state_with(None, no_handle_reason="released")
+UPDATED = 1_700_000_000.0  # state_with's updated_at
+
+
+async def test_take_handle_takes_an_idle_handle_once(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    state = state_with(params)
+    await store.commit(KEY, state, 0, TTL)
+    assert await store.take_handle(KEY, UPDATED) == state  # as it was, handle included
+    # Only the handle went, as a claim takes it, and the next turn learns why.
+    assert await store.get(KEY) == RELEASED
+    assert handle_unusable_reason(RELEASED, "chat", UPDATED + 1) is Reason.RELEASED
+    assert await store.take_handle(KEY, math.inf) is None  # single use
+    assert await store.claim(KEY, "req-1") == RELEASED  # nothing left to claim
+    assert await store.get(KEY) == RELEASED  # and the claim took nothing
+    await harness.assert_ttl(KEY, TTL)  # the conversation keeps its TTL
+
+
+@pytest.mark.parametrize(
+    ("stored", "not_after"),
+    [
+        ("fresh", UPDATED - 0.001),  # updated after not_after: a turn may read it soon
+        ("no-handle", math.inf),
+        ("null-handle", math.inf),
+        ("in-flight", math.inf),
+    ],
+)
+async def test_take_handle_leaves_what_it_may_not_take(
+    harness: Harness, params: dict[str, Any], stored: str, not_after: float
+) -> None:
+    state = {
+        "fresh": state_with(params),
+        "no-handle": state_with(None, no_handle_reason="stream-no-kv-params"),
+        "null-handle": state_with(None),
+        "in-flight": state_with(params, inflight="req-9"),
+    }[stored]
+    await harness.store.commit(KEY, state, 0, TTL)
+    assert await harness.store.take_handle(KEY, not_after) is None
+    assert await harness.store.get(KEY) == state
+
+
+async def test_take_handle_without_a_state(harness: Harness) -> None:
+    assert await harness.store.take_handle(KEY, math.inf) is None
+    assert await harness.store.get(KEY) is None  # creates nothing
+
+
+async def test_take_handle_any_age_with_inf(harness: Harness, params: dict[str, Any]) -> None:
+    state = state_with(params, updated_at=4_000_000_000.0)  # even one from the future
+    await harness.store.commit(KEY, state, 0, TTL)
+    assert await harness.store.take_handle(KEY, math.inf) == state
+
+
+async def test_a_handle_is_claimed_or_released_never_both(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    await store.commit(KEY, state_with(params), 0, TTL)
+    calls = [store.claim(KEY, f"req-{i}") for i in range(10)]
+    calls += [store.take_handle(KEY, math.inf) for _ in range(10)]
+    results = await asyncio.gather(*calls)
+    winners = [r for r in results if r is not None and r.kv_transfer_params is not None]
+    assert len(winners) == 1
+
+
+async def test_a_claimed_handle_cannot_be_released(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    await store.commit(KEY, state_with(params), 0, TTL)
+    await store.claim(KEY, "req-1")
+    assert await store.take_handle(KEY, math.inf) is None
+    held = await store.get(KEY)
+    assert held == state_with(None, inflight="req-1")  # still the turn's, reason untouched
+
+
+async def test_end_returns_the_state_and_deletes_it(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    state = state_with(params)
+    await store.commit(KEY, state, 0, TTL)
+    await store.commit(OTHER, state, 0, TTL)
+    assert await store.end(KEY) == state  # with its handle, for the release
+    assert await store.get(KEY) is None
+    assert await store.end(KEY) is None
+    assert await store.get(OTHER) == state
+    assert await store.commit(KEY, state, 0, TTL) is True  # starts over
+
+
+async def test_end_and_claim_race(harness: Harness, params: dict[str, Any]) -> None:
+    """The handle goes to one of them: a claim after the end finds no session."""
+    store = harness.store
+    await store.commit(KEY, state_with(params), 0, TTL)
+    claimed, ended = await asyncio.gather(store.claim(KEY, "req-1"), store.end(KEY))
+    assert ended is not None
+    holders = [s for s in (claimed, ended) if s is not None and s.kv_transfer_params]
+    assert len(holders) == 1
+    assert await store.get(KEY) is None
+
+
+async def test_pins_are_listed_oldest_first(harness: Harness) -> None:
+    store = harness.store
+    assert await store.count_pins(D1) == 0
+    assert await store.pins_due(D1, math.inf, 10) == []
+    for name, at in [("c", 30.0), ("a", 10.0), ("b", 20.0), ("z", 20.0), ("y", 20.0)]:
+        await store.note_pin(D1, conversation_key("t", name), at, TTL)
+    a, b, c, y, z = (conversation_key("t", n) for n in "abcyz")
+    assert await store.count_pins(D1) == 5
+    assert await store.pins_due(D1, 20.0, 10) == [(a, 10.0), (b, 20.0), (y, 20.0), (z, 20.0)]
+    assert await store.pins_due(D1, 19.999, 10) == [(a, 10.0)]
+    assert (await store.pins_due(D1, 30.0, 10))[-1] == (c, 30.0)
+    assert await store.pins_due(D1, 9.0, 10) == []
+    assert await store.pins_due(D1, math.inf, 2) == [(a, 10.0), (b, 20.0)]
+    assert await store.pins_due(D1, math.inf, 0) == []
+    assert await store.pins_due(D1, math.inf, -1) == []
+    assert await store.pins_due(D2, math.inf, 10) == []  # another D's index
+    assert await store.count_pins(D2) == 0
+
+
+async def test_a_newer_note_replaces_and_forget_removes(harness: Harness) -> None:
+    store = harness.store
+    await store.note_pin(D1, KEY, 1_700_000_000.25, TTL)
+    await store.note_pin(D1, OTHER, 1_700_000_001.5, TTL)
+    await store.note_pin(D2, KEY, 1_700_000_002.0, TTL)
+    await store.note_pin(D1, KEY, 1_700_000_009.75, TTL)  # its next handle
+    assert await store.count_pins(D1) == 2
+    assert await store.pins_due(D1, math.inf, 10) == [
+        (OTHER, 1_700_000_001.5),
+        (KEY, 1_700_000_009.75),
+    ]
+    await store.forget_pin(D1, KEY)
+    await store.forget_pin(D1, KEY)  # absent: no-op
+    await store.forget_pin(D2, OTHER)
+    assert await store.pins_due(D1, math.inf, 10) == [(OTHER, 1_700_000_001.5)]
+    assert await store.pins_due(D2, math.inf, 10) == [(KEY, 1_700_000_002.0)]
+    await store.forget_pin(D1, OTHER)
+    assert await store.count_pins(D1) == 0
+    await store.note_pin(D1, KEY, 5.0, TTL)  # an emptied index starts over
+    assert await store.pins_due(D1, math.inf, 10) == [(KEY, 5.0)]
+
+
+async def test_the_pin_index_expiry_only_grows(harness: Harness) -> None:
+    store = harness.store
+    await store.note_pin(D1, KEY, 1.0, 30.0)
+    await store.note_pin(D1, OTHER, 2.0, 10.0)  # a shorter TTL does not shorten it
+    await store.forget_pin(D1, OTHER)
+    await harness.assert_pin_ttl(D1, 30.0)
+    await store.note_pin(D2, KEY, 1.0, 30.0)
+    await store.note_pin(D2, KEY, 3.0, TTL)  # a longer one extends it
+    await harness.assert_pin_ttl(D2, TTL)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from sessions import connect
-from sessions.keys import conversation_key
+from sessions.keys import conversation_key, pins_key
 from sessions.model import SessionState
 from sessions.redis_store import RedisSessionStore
 from sessions.store import StoreError
@@ -20,6 +20,9 @@ from sessions.store import StoreError
 from tests.sessions.test_store_contract import (  # noqa: F401
     TTL,
     Harness,
+    test_a_claimed_handle_cannot_be_released,
+    test_a_handle_is_claimed_or_released_never_both,
+    test_a_newer_note_replaces_and_forget_removes,
     test_absent_key,
     test_claim_takes_the_handle,
     test_claim_without_handle_changes_nothing,
@@ -29,8 +32,16 @@ from tests.sessions.test_store_contract import (  # noqa: F401
     test_concurrent_claims_single_use,
     test_concurrent_commits_one_wins,
     test_delete,
+    test_end_and_claim_race,
+    test_end_returns_the_state_and_deletes_it,
+    test_pins_are_listed_oldest_first,
     test_release,
     test_stored_state_is_a_copy,
+    test_take_handle_any_age_with_inf,
+    test_take_handle_leaves_what_it_may_not_take,
+    test_take_handle_takes_an_idle_handle_once,
+    test_take_handle_without_a_state,
+    test_the_pin_index_expiry_only_grows,
 )
 from tests.sessions.topologies import Topology, redis_cluster, redis_sentinel, wait_until
 
@@ -58,7 +69,10 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
         pttl = await raw.pttl(key)
         assert ttl_s * 1000 - 5_000 < pttl <= ttl_s * 1000
 
-    yield Harness(store, ttl)
+    async def pin_ttl(decode: str, ttl_s: float) -> None:
+        await ttl(pins_key(decode), ttl_s)
+
+    yield Harness(store, ttl, pin_ttl)
     await store.close()
     await connect.close(raw)
 

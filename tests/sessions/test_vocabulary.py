@@ -15,6 +15,7 @@ from sessions.vocabulary import AbortReason, Reason
     [
         ("stream-no-kv-params", Reason.STREAM_NO_KV_PARAMS),
         ("decode-local", Reason.DECODE_LOCAL),
+        ("released", Reason.RELEASED),
         ("stored-reason-unknown", Reason.STORED_REASON_UNKNOWN),
         ("from-a-newer-router", Reason.STORED_REASON_UNKNOWN),
         ("Stream-No-KV-Params", Reason.STORED_REASON_UNKNOWN),  # values are exact

@@ -1,0 +1,83 @@
+"""The Redis store's Lua scripts: each touches one key only (one hash slot, so Redis Cluster
+runs it), and each is one round trip (EVALSHA, reloaded on NOSCRIPT by redis-py)."""
+
+from __future__ import annotations
+
+# Returns the hash as it was; takes the handle (single use) if there is one, and, when
+# ARGV[2] is not empty, only if the prefix digest is ARGV[2].
+CLAIM = """
+local fields = redis.call('HGETALL', KEYS[1])
+if #fields == 0 then return false end
+if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'prefix_digest') ~= ARGV[2] then
+  return fields
+end
+for i = 1, #fields, 2 do
+  if fields[i] == 'kv_transfer_params' then
+    local params = fields[i + 1]
+    if params ~= '' and params ~= 'null' then
+      redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'inflight', ARGV[1])
+    end
+    break
+  end
+end
+return fields
+"""
+
+# ARGV: expected turn, TTL in ms, then the fields as one JSON array [field, value, ...] (one
+# argument for redis-py to encode instead of 44). A missing (or unreadable) turn is 0, so a
+# first commit, or one over a garbage hash, goes through with expected turn 0.
+COMMIT = """
+local stored = redis.call('HGET', KEYS[1], 'turn')
+local turn = 0
+if stored then turn = tonumber(stored) or 0 end
+if turn ~= tonumber(ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(cjson.decode(ARGV[3])))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+RELEASE = """
+if redis.call('HGET', KEYS[1], 'inflight') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'inflight', '')
+  return 1
+end
+return 0
+"""
+
+# Takes the handle for release (single use, as CLAIM): only when there is one, no turn holds
+# the state (`inflight` empty) and `updated_at` <= ARGV[1] ('' : no bound). Returns the hash
+# as it was, or false and changes nothing. The handle is cleared as CLAIM clears it, and
+# `no_handle_reason` becomes ARGV[2] (`released`) so that the next turn says why.
+TAKE_HANDLE = """
+local fields = redis.call('HGETALL', KEYS[1])
+if #fields == 0 then return false end
+local f = {}
+for i = 1, #fields, 2 do f[fields[i]] = fields[i + 1] end
+local params = f['kv_transfer_params']
+if not params or params == '' or params == 'null' then return false end
+if f['inflight'] and f['inflight'] ~= '' then return false end
+if ARGV[1] ~= '' then
+  local updated = tonumber(f['updated_at'] or '')
+  if not updated or updated > tonumber(ARGV[1]) then return false end
+end
+redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'no_handle_reason', ARGV[2])
+return fields
+"""
+
+# The conversation ended: its hash as it was, deleted (false when there is none).
+END = """
+local fields = redis.call('HGETALL', KEYS[1])
+if #fields == 0 then return false end
+redis.call('DEL', KEYS[1])
+return fields
+"""
+
+# One pin index (a ZSET): ARGV score, member, TTL in ms. The key's expiry only grows (a key
+# without one gets it), so an index nobody notes into any more disappears.
+NOTE_PIN = """
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+local ttl = tonumber(ARGV[3])
+if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+return 1
+"""
