@@ -66,7 +66,7 @@ def sample(flag: Flag) -> Any:
 
 # Flags that only go with others (the rest of the command line they need).
 COMPANIONS = {"moriio_register": ["--kv-connector", "moriio"]}
-SAMPLES = {"moriio_register": "tcp://127.0.0.1:5999"}
+SAMPLES = {"moriio_register": "tcp://127.0.0.1:5999", "pin_high_water": 0.95, "pin_low_water": 0.5}
 
 
 def base_argv(flag: Flag) -> list[str]:
