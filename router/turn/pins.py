@@ -9,6 +9,7 @@ import contextlib
 import logging
 
 from router.services import Services
+from router.turn import decide
 from router.turn.state import Turn
 from sessions.model import SessionState
 from sessions.store import StoreError
@@ -30,6 +31,8 @@ def release_unread(turn: Turn, reason: str) -> None:
     else can claim it): release it, unless the P leg may have read it."""
     svc, claim = turn.svc, turn.claim
     if svc.releaser is None or claim.taken is None or turn.handle_sent or claim.state is None:
+        return
+    if not decide.releasable(claim.reuse.reason):  # the turn's verdict, as it ended
         return
     # Its entry in the pin index stays until a sweep finds no handle there (or a commit on
     # the same D replaces it): a removal racing this turn's own note could drop the new one.

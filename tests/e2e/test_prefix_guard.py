@@ -11,6 +11,8 @@ import pytest
 from tests.e2e.conftest import Stack, p_route_calls, pulled, reference_chat
 from tests.e2e.test_conversation import SYSTEM
 from tests.support.chat import chat_turn, client
+from tests.support.metrics import metric
+from tests.support.procs import wait_until
 from tests.support.router import router
 
 
@@ -88,7 +90,14 @@ def test_a_prefix_mismatch_found_by_tokens_sends_p_the_body(stack: Stack) -> Non
         answer, reuse, _ = chat_turn(api, messages, stream=False, cid=cid)
         assert reuse == "miss;reason=prefix-mismatch"
         assert answer == reference_chat(stack, messages, 24)
-        assert p_route_calls(stack.p.url) == (calls[0] + 1, calls[1])
+        # P's chat route got the body; its /v1/completions only the release of the handle
+        # this turn took and did not read (a one-token read-nothing request: D frees it).
+        wait_until(lambda: released(r.url) == 1, "the unread handle released", 10)
+        assert p_route_calls(stack.p.url) == (calls[0] + 1, calls[1] + 1)
+
+
+def released(router_url: str) -> float:
+    return metric(router_url, "kvbaton_pin_releases_total", reason="superseded")
 
 
 def test_reasoning_template_is_caught_by_tokens(stack_reasoning: Stack) -> None:

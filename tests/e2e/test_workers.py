@@ -204,8 +204,9 @@ def test_in_flight_requests_are_summed_over_the_workers(redis_url_session: str) 
 
 
 def test_one_workers_open_store_breaker_shows_on_the_other(redis_url_session: str) -> None:
-    # The breaker stays open 30 s; no registry re-read (which also calls Redis) meanwhile.
-    args = ("--store-retry-after", "30", "--health-interval", "60")
+    # The breaker stays open 30 s; no registry re-read (which also calls Redis) meanwhile,
+    # and no pin sweep (each worker's would find Redis gone within a second).
+    args = ("--store-retry-after", "30", "--health-interval", "60", "--no-release-pins")
     with (
         redis_server() as (redis_url, _, redis_proc),
         two_worker_router(redis_url, "workers-circuit", router_args=args) as (r, _),

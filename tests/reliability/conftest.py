@@ -34,7 +34,11 @@ TENANT_HEADER = "X-Tenant"
 ADMIN_KEY = "reliability-admin-key"
 # Every shared-stack router signs its sessions (tests/reliability/test_integrity.py).
 SESSION_SECRET = "reliability-session-secret-0001"
+# --release-after 900: no handle goes idle-released during the run; a release is a request
+# to a P, which would take a fault armed for a turn (tests/e2e/test_pins.py covers releases).
 ROUTER_FLAGS = (
+    "--release-after",
+    "900",
     "--session-secret",
     SESSION_SECRET,
     "--engine-api-key",

@@ -18,7 +18,10 @@ LONG_HANDLE_TTL = 60.0
 
 def ttl_router(stack: Stack, handle_ttl: float, name: str) -> Iterator[RouterProc]:
     """A second router on the shared engines and Redis whose handles live handle_ttl s."""
+    # --no-release-pins: the release delay is capped at --handle-ttl, so a release would race
+    # the expiry these tests observe (released handles say miss;reason=released instead).
     args = ("--stream-kv-params", "--handle-ttl", str(handle_ttl), "--session-ttl", "120")
+    args += ("--no-release-pins",)
     args += ("--engine-api-key", ENGINE_KEY)
     ps, ds = [p.url for p in stack.ps], [d.url for d in stack.ds]
     with router(ps, ds, *args, redis_url=stack.redis_url, name=name) as r:

@@ -167,7 +167,11 @@ def start_router(engines_: Engines, redis_url: str, name: str, *extra: str) -> I
     # Generous timeouts: the defaults (120 s prefill, 60 s idle, 0.25 s store) are for real
     # deployments; a machine loaded by something else makes this tier slow, not wrong (with
     # vLLM's multiprocess executor, engine legs stalled for minutes and Redis calls missed 2 s).
+    # --release-after 900: no handle of one test is released as idle during another (a release
+    # is a /v1/completions request to P, which tests count); test_pins ends its conversations.
     args = (
+        "--release-after",
+        "900",
         *extra,
         "--store-timeout",
         "10",

@@ -1,0 +1,206 @@
+"""Releasing D's pinned handles, through the fake engines: what a turn releases when it ends,
+the read-nothing request's shape, the release delay, the queue, D's pressure flag."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from router.connectors.nixl.params import release_body
+from router.engines.pool import Instance, Pool
+from router.engines.release import DEFAULT_DELAY_S, MIN_DELAY_S, Gaps, Job, Releaser
+from router.lifecycle import pins
+from router.services import Services
+from router.turn import decide
+from router.turn.outcomes import Reason
+from tests.unit.fake_engines import FakeEngines
+from tests.unit.test_turn import (
+    P1,
+    P2,
+    conversation,
+    crowd_prefill,
+    second_turn,
+    services,
+    state_of,
+    turn,
+)
+
+HANDLE: dict[str, Any] = {
+    "do_remote_decode": False,
+    "do_remote_prefill": True,
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_engine_id": "d-engine",
+    "remote_request_id": "d-req-1",
+    "remote_host": "10.0.0.2",
+    "remote_port": 5600,
+    "remote_num_tokens": 40,
+    "tp_size": 1,
+}
+
+
+def releasing(engines: FakeEngines, **overrides: Any) -> Services:
+    svc = services(engines, **overrides)
+    svc.releaser = pins.releaser(svc)
+    assert svc.releaser is not None
+    svc.releaser.start()
+    return svc
+
+
+def releases(engines: FakeEngines) -> list[dict[str, Any]]:
+    """The read-nothing requests P got: their kv_transfer_params."""
+    return [
+        c.body["kv_transfer_params"]
+        for c in engines.calls
+        if c.url.startswith((P1, P2))
+        and c.url.endswith("/v1/completions")
+        and c.body.get("prompt") == [0]
+    ]
+
+
+def test_the_read_nothing_request_carries_the_handle_and_asks_for_no_tokens() -> None:
+    body = release_body(HANDLE, "m")
+    assert body is not None
+    assert (body["model"], body["prompt"], body["max_tokens"], body["stream"]) == (
+        "m",
+        [0],
+        1,
+        False,
+    )
+    kv = body["kv_transfer_params"]
+    assert kv["remote_num_tokens"] == 0 and kv["do_remote_decode"] is True
+    assert kv["do_remote_prefill"] is False
+    assert {k: kv[k] for k in ("remote_request_id", "remote_engine_id", "remote_block_ids")} == {
+        "remote_request_id": "d-req-1",
+        "remote_engine_id": "d-engine",
+        "remote_block_ids": [[1, 2, 3]],
+    }
+    assert HANDLE["remote_num_tokens"] == 40, "the stored handle is not changed"
+    assert release_body({"remote_block_ids": None}, "m") is None
+
+
+async def test_a_decode_plan_turn_releases_the_handle_it_took() -> None:
+    engines = FakeEngines()
+    svc = releasing(engines, decode_local_max_inflight=1)
+    await conversation(svc, 1)
+    first = await state_of(svc)
+    assert first.kv_transfer_params is not None
+    crowd_prefill(svc)
+    _, headers, _ = await turn(svc, second_turn("and then?"), request_id="r1")
+    assert headers["x-kv-reuse"] == "hit;via=decode"
+    assert svc.releaser is not None
+    await svc.releaser.drain()
+    (sent,) = releases(engines)
+    assert sent["remote_request_id"] == first.kv_transfer_params["remote_request_id"]
+    assert counted(svc, "superseded") == 1
+    await svc.releaser.stop()
+
+
+async def test_a_turn_that_fails_before_any_p_gets_its_handle_releases_it() -> None:
+    engines = FakeEngines()
+    svc = releasing(engines, decode_local_max_inflight=1)
+    await conversation(svc, 1)
+    first = await state_of(svc)
+    crowd_prefill(svc)  # the decode plan: D alone, and D refuses the request
+    engines.scripts[first.decode] = lambda call: 400 if "/v1/" in call.url else None
+    status, _, _ = await turn(svc, second_turn("and then?"), request_id="r1")
+    assert status == 400
+    assert svc.releaser is not None
+    await svc.releaser.drain()
+    assert len(releases(engines)) == 1 and counted(svc, "aborted") == 1
+    await svc.releaser.stop()
+
+
+def counted(svc: Services, reason: str) -> float:
+    labels = {"reason": reason, "outcome": "released"}
+    return svc.metrics.registry.get_sample_value("kvbaton_pin_releases_total", labels) or 0.0
+
+
+async def test_a_turn_that_reads_the_handle_releases_nothing() -> None:
+    engines = FakeEngines()
+    svc = releasing(engines)
+    results = await conversation(svc, 3)
+    assert [h["x-kv-reuse"] for _, h, _ in results][1:] == ["hit", "hit"]
+    assert svc.releaser is not None
+    await svc.releaser.drain()
+    assert releases(engines) == [] and svc.releaser.released == 0
+    await svc.releaser.stop()
+
+
+async def test_with_release_off_nothing_is_released() -> None:
+    engines = FakeEngines()
+    svc = services(engines, decode_local_max_inflight=1, release_pins=False)
+    assert pins.releaser(svc) is None
+    await conversation(svc, 1)
+    crowd_prefill(svc)
+    await turn(svc, second_turn("and then?"), request_id="r1")
+    assert releases(engines) == []
+
+
+@pytest.mark.parametrize(
+    ("reason", "releasable"),
+    [
+        (None, True),
+        (Reason.PREFIX_MISMATCH, True),
+        (Reason.EXPIRED, True),
+        (Reason.HANDLE_UNAUTHENTICATED, False),  # could aim P at any address
+        (Reason.HANDLE_INVALID, False),
+        (Reason.DECODE_RESTARTED, False),  # D no longer holds it
+        (Reason.DECODE_REMOVED, False),
+        (Reason.READS_PAUSED, False),  # P's have been refusing that D
+    ],
+)
+def test_which_taken_handles_may_be_released(reason: Reason | None, releasable: bool) -> None:
+    assert decide.releasable(reason) is releasable
+
+
+def test_the_release_delay_follows_the_measured_time_between_turns() -> None:
+    gaps = Gaps()
+    assert gaps.delay(0, 450) == DEFAULT_DELAY_S  # nothing measured yet
+    assert gaps.delay(7, 450) == 7 and gaps.delay(900, 450) == 450  # fixed, capped
+    for seconds in range(1, 101):
+        gaps.note(float(seconds))
+    assert gaps.p95() == 95.0 and gaps.delay(0, 450) == 95.0
+    assert gaps.delay(0, 30) == 30  # never past --handle-ttl
+    quick = Gaps()
+    for _ in range(50):
+        quick.note(0.5)
+    assert quick.delay(0, 450) == MIN_DELAY_S
+
+
+async def test_a_full_queue_drops_its_oldest_and_no_p_is_a_failure() -> None:
+    counted: list[tuple[str, str]] = []
+    pool = Pool((), ("http://d1",))
+    releaser = Releaser(
+        pool,
+        FakeEngines(),
+        lambda handle, model: ({}, "/v1/completions"),
+        lambda: "m",
+        lambda reason, outcome: counted.append((reason, outcome)),
+        queue=asyncio.Queue(2),
+    )
+    for reason in ("a", "b", "c"):
+        releaser.submit(HANDLE, "http://d1", reason)
+    assert counted == [("a", "dropped")]
+    assert await releaser.release(Job(HANDLE, "http://d1", "b")) == "failed"  # no P at all
+
+
+def test_a_d_over_the_high_water_mark_is_avoided_until_under_the_low_one() -> None:
+    pool = Pool(("http://p",), ("http://d1", "http://d2"), high_water=0.8, low_water=0.5)
+    d1 = pool.find("decode", "http://d1")
+    assert isinstance(d1, Instance)
+    d1.note_kv_usage(0.85)
+    assert d1.pressured
+    assert {pool.pick("decode", prefer="http://d1").url for _ in range(4)} == {"http://d2"}
+    d1.note_kv_usage(0.6)  # still pressured: hysteresis
+    assert d1.pressured
+    d1.note_kv_usage(0.4)
+    assert not d1.pressured and pool.pick("decode", prefer="http://d1").url == "http://d1"
+    d2 = pool.find("decode", "http://d2")
+    assert d2 is not None
+    d1.note_kv_usage(0.9)
+    d2.note_kv_usage(0.95)
+    assert pool.pick("decode").url in ("http://d1", "http://d2"), "all pressured: any"
+    d1.note_kv_usage(None)  # no reading: unchanged
+    assert d1.kv_usage == 0.9
