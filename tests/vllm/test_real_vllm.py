@@ -20,7 +20,7 @@ import redis
 from tests.support.chat import get_json
 from tests.support.procs import free_port, wait_until
 from tests.support.router import RouterProc
-from tests.vllm import engines
+from tests.vllm import engines, pins
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import MODEL_NAME, by_source, failed_transfers
 from tests.vllm.turns import (
@@ -300,3 +300,10 @@ def test_streaming_responses_turns_read_from_decode(
             {"role": "assistant", "content": answer},
             {"role": "user", "content": f"Thanks. And what about hour {turn} of the evening?"},
         ]
+
+
+def test_ending_a_conversation_frees_its_blocks_on_d(
+    vllm_engines: Engines, vllm_router: RouterProc
+) -> None:
+    """One-turn conversations pin D's blocks for 480 s; ending one releases them at once."""
+    pins.ending_a_conversation_frees_its_blocks_on_d(vllm_engines, vllm_router)

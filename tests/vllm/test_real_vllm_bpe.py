@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.metrics import metric
 from tests.support.router import RouterProc
+from tests.vllm import pins
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import by_source, failed_transfers
 from tests.vllm.turns import chat, opening, reference, streamed_decode_plan
@@ -88,3 +89,10 @@ def test_streaming_on_stock_vllm_runs_later_turns_on_d(
     streamed_decode_plan(
         vllm_bpe_engines, vllm_bpe_router, redis_url_session, "bpe-stream", exact=False
     )
+
+
+def test_ending_a_conversation_frees_its_blocks_on_d(
+    vllm_bpe_engines: Engines, vllm_bpe_router: RouterProc
+) -> None:
+    """One-turn conversations pin D's blocks for 480 s; ending one releases them at once."""
+    pins.ending_a_conversation_frees_its_blocks_on_d(vllm_bpe_engines, vllm_bpe_router)
