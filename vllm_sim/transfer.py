@@ -123,7 +123,9 @@ def tokens_to_pull(
         return 0 if gate_prompt_pulls and count < threshold else count
     if leg.kind != "pull_bidir":
         return 0
-    remote = leg.source.num_tokens if leg.source.num_tokens is not None else prompt_len
+    # vLLM 0.32-0.33 read `remote_num_tokens or 0`: without it, or at 0, nothing is read and
+    # D is only notified (the router's release of a pinned handle).
+    remote = leg.source.num_tokens or 0
     count = min(remote, prompt_len) - local_hit
     if count <= 0 or count < threshold:
         return 0

@@ -254,6 +254,8 @@ def test_classify(params: Any, bidir: bool, kind: str, producer: bool) -> None:
         ("pull_bidir", 100, 150, 48, 64, 0),  # 52 < threshold: recompute
         ("pull_bidir", 100, 80, 0, 0, 80),  # prompt shorter than D's sequence
         ("pull_bidir", 30, 80, 32, 0, 0),  # P already holds more
+        ("pull_bidir", 0, 1, 0, 0, 0),  # the router's release: read nothing, notify D
+        ("pull_bidir", None, 80, 0, 0, 0),  # vLLM reads `remote_num_tokens or 0`
         ("plain", 100, 150, 0, 0, 0),
     ],
 )
