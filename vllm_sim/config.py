@@ -37,6 +37,7 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     transfer_ms_per_block: float = 0.0
     decode_ms_per_token: float = 0.0
     max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     kv_events_topic: str = "kv-events"
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--transfer-ms-per-block", type=float, default=0.0)
     a("--decode-ms-per-token", type=float, default=0.0)
     a("--max-num-seqs", type=int, default=256, help="concurrent requests; the rest queue")
+    a("--max-num-batched-tokens", type=int, default=8192, help="prompt tokens per step")
     a("--kv-events-port", type=int, default=None, help="ZMQ PUB port for KV events")
     a("--kv-events-replay-port", type=int, default=None, help="ZMQ ROUTER replay port")
     a("--kv-events-topic", default="kv-events")
@@ -161,6 +163,7 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         transfer_ms_per_block=ns.transfer_ms_per_block,
         decode_ms_per_token=ns.decode_ms_per_token,
         max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
         kv_events_port=ns.kv_events_port,
         kv_events_replay_port=ns.kv_events_replay_port,
         kv_events_topic=ns.kv_events_topic,
@@ -187,7 +190,12 @@ def check(s: SimSettings) -> None:
         raise SystemExit("--kv-connector moriio with --data-parallel-size needs --kv-port")
     if s.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be at least 1")
-    if s.block_size < 1 or s.max_model_len < 2 or s.max_num_seqs < 1:
+    if (
+        s.block_size < 1
+        or s.max_model_len < 2
+        or s.max_num_seqs < 1
+        or s.max_num_batched_tokens < 1
+    ):
         raise SystemExit("block-size, max-model-len and max-num-seqs must be positive")
     needed = -(-s.max_model_len // s.block_size) + 1
     if s.num_blocks < needed:

@@ -51,7 +51,11 @@ class Engine:
             settings.transfer_ms_per_block,
             settings.decode_ms_per_token,
         )
-        self.steps = StepLoop(settings.prefill_ms_per_token, settings.decode_ms_per_token)
+        self.steps = StepLoop(
+            settings.prefill_ms_per_token,
+            settings.decode_ms_per_token,
+            settings.max_num_batched_tokens,
+        )
         self._clock = clock
         self._on_events = on_events
         self.kv = Connector(

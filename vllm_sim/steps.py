@@ -4,6 +4,10 @@ any decode, plus `--prefill-ms-per-token` for every prompt token it computes: a 
 slows every decode batched with it, and concurrent prefills share the GPU instead of running
 side by side. KV pulls (`--transfer-ms-per-block`) are asynchronous reads outside the steps.
 
+A step computes at most `--max-num-batched-tokens` prompt tokens (vLLM's chunked prefill):
+a long prompt, or many at once, take several steps, and a short request queued behind them
+joins the next step instead of waiting for all of them.
+
 With both per-token costs at zero (the default) nothing waits on the loop: a request never
 yields to the event loop here, so the simulator is as fast as without a cost model.
 """
@@ -15,11 +19,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class _Prefill:
+    """A queued prompt: the tokens still to compute, and the future its request waits on."""
+
+    left: int
+    fut: asyncio.Future[None]
+
+
+@dataclass
 class StepLoop:
     prefill_ms_per_token: float = 0.0
     decode_ms_per_token: float = 0.0
+    max_batched_tokens: int = 8192  # prompt tokens one step computes (chunked prefill)
     steps: int = 0  # steps run so far
-    _prefills: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
+    _prefills: list[_Prefill] = field(default_factory=list)
     _decodes: list[asyncio.Future[None]] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
 
@@ -35,7 +48,7 @@ class StepLoop:
         if tokens <= 0 or self.prefill_ms_per_token <= 0:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._prefills.append((tokens, fut))
+        self._prefills.append(_Prefill(tokens, fut))
         await self._wait(fut)
 
     async def decode(self) -> None:
@@ -52,14 +65,32 @@ class StepLoop:
         await fut
 
     async def _run(self) -> None:
-        """Steps while work is queued: each takes what was queued when it began."""
+        """Steps while work is queued: each takes the decodes queued when it began and up to
+        max_batched_tokens prompt tokens, oldest first (a prompt may span steps)."""
         while self._prefills or self._decodes:
-            prefills, self._prefills = self._prefills, []
+            done, tokens = self._chunk()
             decodes, self._decodes = self._decodes, []
-            tokens = sum(n for n, fut in prefills if not fut.done())
             live = sum(1 for fut in decodes if not fut.done())
             await asyncio.sleep(self.step_s(tokens, live))
             self.steps += 1
-            for fut in [f for _, f in prefills] + decodes:
+            for fut in done + decodes:
                 if not fut.done():  # a cancelled request (client gone) is skipped
                     fut.set_result(None)
+
+    def _chunk(self) -> tuple[list[asyncio.Future[None]], int]:
+        """This step's prompt tokens: the futures of prompts it finishes, and the tokens."""
+        budget, done, kept = self.max_batched_tokens, [], []
+        tokens = 0
+        for entry in self._prefills:
+            if entry.fut.done():
+                continue  # cancelled: its tokens are not computed
+            take = min(entry.left, budget)
+            budget -= take
+            tokens += take
+            entry.left -= take
+            if entry.left:
+                kept.append(entry)
+            else:
+                done.append(entry.fut)
+        self._prefills = kept
+        return done, tokens

@@ -141,6 +141,9 @@ class _AiohttpStream:
         self._resp.close()
 
 
+KEEPALIVE_S = 4.0
+
+
 class Upstream:
     """The engines' client. Opened and closed by the app's lifespan."""
 
@@ -152,7 +155,10 @@ class Upstream:
             self._base_headers["Authorization"] = f"Bearer {settings.engine_api_key}"
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, ttl_dns_cache=300)
+        # vLLM's server (uvicorn) closes a connection idle for 5 s (--timeout-keep-alive): one
+        # kept longer may be reused just as the server closes it ("Can not write request
+        # body", seen on a /tokenize in the real-vLLM tier), so pooled ones go after 4 s.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, connect=self._settings.connect_timeout),

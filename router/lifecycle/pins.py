@@ -1,26 +1,30 @@
-"""The sweep that keeps every D's pinned share bounded: each second, per D, the handles left
-unread past the release delay (idle conversations, ended ones), and on a D above the pin
-high-water mark the oldest handles whatever their age, are taken from the store (one replica
-takes each) and released."""
+"""The sweep that keeps every D's pinned share bounded. Each second, per D, the handles left
+unread past the release delay (idle and ended conversations); and every tenth of a second, a
+D whose KV usage is past half its low-water mark is read again (its /metrics) and, while over
+the high-water mark, its oldest handles are released until it falls below the low-water mark.
+Handles are taken from the store first (one replica takes each, never one a turn holds)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 
+from router.engines.identity import kv_usage
 from router.engines.pool import Instance
 from router.engines.release import Releaser
+from router.errors import UpstreamFailure
 from router.services import Services
 from sessions.model import SessionState
 from sessions.store import StoreError
 
 log = logging.getLogger("kvbaton.pins")
 
-SWEEP_EVERY_S = 1.0
-# Handles taken per D and sweep: idle ones, and on a D under pressure.
-IDLE_BATCH = 64
-PRESSURE_BATCH = 32
+TICK_S = 0.1  # the pressure check on a D near its high-water mark
+IDLE_EVERY = 10  # ticks between idle sweeps (one a second)
+IDLE_BATCH = 64  # idle handles taken per D and sweep
+MAX_PRESSURE_BATCH = 256
 
 
 def releaser(svc: Services) -> Releaser | None:
@@ -38,24 +42,17 @@ def releaser(svc: Services) -> Releaser | None:
     )
 
 
-async def sweep_loop(svc: Services, every: float = SWEEP_EVERY_S) -> None:
+async def sweep_loop(svc: Services) -> None:
+    tick = 0
     while True:
-        await asyncio.sleep(every)
+        await asyncio.sleep(TICK_S)
+        tick += 1
         try:
-            await sweep(svc)
+            await relieve(svc, every_d=tick % IDLE_EVERY == 0)
+            if tick % IDLE_EVERY == 0:
+                await sweep(svc)
         except StoreError as exc:  # the store is down: D's own TTL frees what is due
             log.debug("pin sweep skipped: %s", exc)
-
-
-async def sweep(svc: Services) -> int:
-    """One pass over every D; the handles taken for release."""
-    if svc.releaser is None or svc.guard.is_open:
-        return 0
-    delay = release_delay(svc)
-    taken = 0
-    for inst in svc.pool.instances("decode"):
-        taken += await _sweep_decode(svc, inst, svc.clock() - delay)
-    return taken
 
 
 def release_delay(svc: Services) -> float:
@@ -63,14 +60,61 @@ def release_delay(svc: Services) -> float:
     return svc.gaps.delay(s.release_after, s.handle_ttl)
 
 
-async def _sweep_decode(svc: Services, inst: Instance, idle_since: float) -> int:
-    store = svc.store
-    inst.pins = await svc.guard.call(lambda: store.count_pins(inst.url))
-    if inst.pressured:
-        reason, before, limit = "pressure", math.inf, PRESSURE_BATCH
-    else:
-        reason, before, limit = "idle", idle_since, IDLE_BATCH
-    due = await svc.guard.call(lambda: store.pins_due(inst.url, before, limit))
+async def sweep(svc: Services) -> int:
+    """Every D's idle handles (unread past the release delay); the number taken."""
+    if svc.releaser is None or svc.guard.is_open:
+        return 0
+    before = svc.clock() - release_delay(svc)
+    taken = 0
+    for inst in svc.pool.instances("decode"):
+        await _count(svc, inst)
+        taken += await _release_due(svc, inst, "idle", before, IDLE_BATCH)
+    return taken
+
+
+async def relieve(svc: Services, *, every_d: bool = True) -> int:
+    """Read the KV usage of every D past half its low-water mark (of every D with `every_d`),
+    and while one is over its high-water mark, release its oldest handles whatever their age;
+    the number taken. D's usage is read here, not only by the health loop, because one-turn
+    conversations can fill a D within seconds."""
+    if svc.releaser is None or svc.guard.is_open:
+        return 0
+    taken = 0
+    for inst in svc.pool.instances("decode"):
+        if not every_d and 0 <= inst.kv_usage < inst.low_water / 2 and not inst.pressured:
+            continue
+        await _read_usage(svc, inst)
+        if inst.pressured:
+            await _count(svc, inst)
+            taken += await _release_due(svc, inst, "pressure", math.inf, pressure_batch(inst))
+    return taken
+
+
+def pressure_batch(inst: Instance) -> int:
+    """The oldest handles to release so that D falls under its low-water mark, taking its
+    pinned handles as what fills it: their share above the mark, and at least one."""
+    pins = max(inst.pins, 0)
+    if inst.kv_usage <= 0:
+        return 1
+    over = (inst.kv_usage - inst.low_water) / inst.kv_usage
+    return max(1, min(MAX_PRESSURE_BATCH, math.ceil(pins * over)))
+
+
+async def _count(svc: Services, inst: Instance) -> None:
+    inst.pins = await svc.guard.call(lambda: svc.store.count_pins(inst.url))
+
+
+async def _read_usage(svc: Services, inst: Instance) -> None:
+    with contextlib.suppress(UpstreamFailure):
+        status, text = await svc.engines.get(inst.url + "/metrics", timeout=1.0)
+        if status == 200:
+            inst.note_kv_usage(kv_usage(text))
+
+
+async def _release_due(
+    svc: Services, inst: Instance, reason: str, before: float, limit: int
+) -> int:
+    due = await svc.guard.call(lambda: svc.store.pins_due(inst.url, before, limit))
     taken = 0
     for key, _ in due:
         state = await _take(svc, inst, key, before)
@@ -78,6 +122,8 @@ async def _sweep_decode(svc: Services, inst: Instance, idle_since: float) -> int
             continue  # read, replaced or in flight since: nothing of it is pinned for nobody
         svc.releaser.submit(state.kv_transfer_params, state.decode, reason)
         taken += 1
+    if due:
+        inst.pins = max(inst.pins - len(due), 0)
     if taken:
         log.info("releasing %d %s handle(s) on %s", taken, reason, inst.url)
     return taken

@@ -66,3 +66,18 @@ async def test_zero_cost_never_waits_on_the_loop() -> None:
     e = engine()
     await token_times(e, prompt(e, 3, 50), 20)
     assert e.steps.steps == 0
+
+
+async def test_a_step_computes_at_most_its_token_budget_oldest_first() -> None:
+    """vLLM's chunked prefill (max_num_batched_tokens), first come first served: 2,500 queued
+    tokens over a 1,000-token budget take three steps, and a 10-token prompt queued behind
+    them shares the third."""
+    loop = StepLoop(prefill_ms_per_token=0.01, max_batched_tokens=1000)
+    done: dict[str, int] = {}
+
+    async def prefill(name: str, tokens: int) -> None:
+        await loop.prefill(tokens)
+        done[name] = loop.steps
+
+    await asyncio.gather(prefill("long", 2500), prefill("short", 10))
+    assert done == {"long": 3, "short": 3} and loop.steps == 3
