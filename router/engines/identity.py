@@ -38,26 +38,25 @@ def process_started(metrics: bytes) -> float:
         return 0.0
 
 
-def engine_requests(metrics: bytes) -> int:
-    """Requests an engine runs or queues (every router's), from its /metrics text; 0 if absent."""
-    total = 0.0
-    for match in _REQUESTS.finditer(metrics):
-        try:
-            total += float(match.group(1))
-        except ValueError:
-            continue
-    return int(total)
-
-
-def kv_usage(metrics: bytes) -> float | None:
-    """The engine's KV-cache usage (0-1; the highest of its ranks), None if absent."""
+def _samples(pattern: re.Pattern[bytes], metrics: bytes) -> list[float]:
+    """The values of every sample the pattern matches (one per engine or rank), garbage skipped."""
     found = []
-    for match in _KV_USAGE.finditer(metrics):
+    for match in pattern.finditer(metrics):
         try:
             found.append(float(match.group(1)))
         except ValueError:
             continue
-    return max(found) if found else None
+    return found
+
+
+def engine_requests(metrics: bytes) -> int:
+    """Requests an engine runs or queues (every router's), from its /metrics text; 0 if absent."""
+    return int(sum(_samples(_REQUESTS, metrics)))
+
+
+def kv_usage(metrics: bytes) -> float | None:
+    """The engine's KV-cache usage (0-1; the highest of its ranks), None if absent."""
+    return max(_samples(_KV_USAGE, metrics), default=None)
 
 
 def engine_family(engine_id: str) -> str:

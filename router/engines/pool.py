@@ -108,8 +108,8 @@ class Pool:
             raise Unavailable(f"no healthy {role} instance is available")
         # A D whose KV is nearly all pinned would make the turn wait for blocks: another D
         # with headroom takes it (affinity included) while there is one.
-        roomy = [i for i in candidates if not i.pressured]
-        candidates = roomy or candidates
+        if any(i.pressured for i in candidates):
+            candidates = [i for i in candidates if not i.pressured] or candidates
         least = min(i.outstanding for i in candidates)
         if prefer:
             for inst in candidates:

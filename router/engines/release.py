@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -132,13 +132,12 @@ class Releaser:
         except RouterError as exc:
             log.warning("no P to release a handle on %s: %s", job.decode, exc)
             return "failed"
-        started = time.monotonic()
         try:
             with self.pool.busy(inst):
                 status, raw = await self.engines.post_json(
                     inst.url + path,
                     body,
-                    request_id=f"kvbaton-release-{int(started * 1e6):x}",
+                    request_id=f"kvbaton-release-{uuid.uuid4().hex}",
                     timeout=self.timeout,
                 )
         except UpstreamFailure as exc:

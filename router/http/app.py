@@ -257,6 +257,8 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
             if svc.releaser is not None:
                 await svc.releaser.stop()
             await svc.kv_events.stop()
+            # The turns' pin-index writes still in flight finish before Redis closes.
+            await asyncio.gather(*svc.background, return_exceptions=True)
             await backend.close()
             await upstream.close()
 

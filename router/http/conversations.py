@@ -11,7 +11,7 @@ from router.errors import BadRequest, NotFound, Unavailable
 from router.services import Services
 from router.turn import pins
 from router.turn.run import new_request_id
-from router.turn.tenant import tenant_of, validate_conversation_id
+from router.turn.tenant import tenant_of_headers, validate_conversation_id
 from sessions.keys import conversation_key
 from sessions.store import StoreError
 
@@ -22,10 +22,7 @@ async def delete(request: Request) -> Response:
     svc: Services = request.app.state.services
     request_id = request.state.request_id = new_request_id()
     conversation_id = validate_conversation_id(request.path_params["conversation_id"])
-    header = svc.settings.tenant_header
-    tenant = tenant_of(
-        request.headers.get("authorization"), request.headers.get(header) if header else None
-    )
+    tenant = tenant_of_headers(request.headers, svc.settings.tenant_header)
     try:
         key = conversation_key(tenant, conversation_id)
     except ValueError as exc:

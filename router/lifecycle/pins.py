@@ -1,20 +1,18 @@
 """The sweep that keeps every D's pinned share bounded. Each second, per D, the handles left
 unread past the release delay (idle and ended conversations); and every tenth of a second, a
-D whose KV usage is past half its low-water mark is read again (its /metrics) and, while over
+D whose KV usage is past its low-water mark is read again (its /metrics) and, while over
 the high-water mark, its oldest handles are released until it falls below the low-water mark.
 Handles are taken from the store first (one replica takes each, never one a turn holds)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 
-from router.engines.identity import kv_usage
 from router.engines.pool import Instance
 from router.engines.release import Releaser
-from router.errors import UpstreamFailure
+from router.lifecycle.health import read_started
 from router.services import Services
 from sessions.model import SessionState
 from sessions.store import StoreError
@@ -73,17 +71,17 @@ async def sweep(svc: Services) -> int:
 
 
 async def relieve(svc: Services, *, every_d: bool = True) -> int:
-    """Read the KV usage of every D past half its low-water mark (of every D with `every_d`),
-    and while one is over its high-water mark, release its oldest handles whatever their age;
-    the number taken. D's usage is read here, not only by the health loop, because one-turn
-    conversations can fill a D within seconds."""
+    """Read the KV usage of every D past its low-water mark (of every D with `every_d`, once
+    a second), and while one is over its high-water mark, release its oldest handles whatever
+    their age; the number taken. D's usage is read here, not only by the health loop, because
+    one-turn conversations can fill a D within seconds."""
     if svc.releaser is None or svc.guard.is_open:
         return 0
     taken = 0
     for inst in svc.pool.instances("decode"):
-        if not every_d and 0 <= inst.kv_usage < inst.low_water / 2 and not inst.pressured:
+        if not (every_d or inst.pressured or inst.kv_usage >= inst.low_water):
             continue
-        await _read_usage(svc, inst)
+        await read_started(svc.engines, inst, 1.0)  # the health loop's read of /metrics
         if inst.pressured:
             await _count(svc, inst)
             taken += await _release_due(svc, inst, "pressure", math.inf, pressure_batch(inst))
@@ -102,13 +100,6 @@ def pressure_batch(inst: Instance) -> int:
 
 async def _count(svc: Services, inst: Instance) -> None:
     inst.pins = await svc.guard.call(lambda: svc.store.count_pins(inst.url))
-
-
-async def _read_usage(svc: Services, inst: Instance) -> None:
-    with contextlib.suppress(UpstreamFailure):
-        status, text = await svc.engines.get(inst.url + "/metrics", timeout=1.0)
-        if status == 200:
-            inst.note_kv_usage(kv_usage(text))
 
 
 async def _release_due(

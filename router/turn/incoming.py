@@ -11,7 +11,7 @@ import msgspec
 
 from router.errors import BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
 from router.turn.rewrite import client_wants_token_ids, split_client_body
-from router.turn.tenant import tenant_of, validate_conversation_id
+from router.turn.tenant import tenant_of_headers, validate_conversation_id
 
 Api = Literal["chat", "completions", "responses"]
 
@@ -240,9 +240,7 @@ def read_incoming(
     conversation_id = _conversation_id(body, headers, conversation_id)
     if conversation_id is not None:
         conversation_id = validate_conversation_id(conversation_id)
-    tenant = tenant_of(
-        headers.get("authorization"), headers.get(tenant_header) if tenant_header else None
-    )
+    tenant = tenant_of_headers(headers, tenant_header)
     return Incoming(
         api=api,
         body=body,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 
 from router.errors import BadRequest
 
@@ -32,6 +33,12 @@ def tenant_of(authorization: str | None, tenant_header_value: str | None = None)
         if secret:
             return _digest(secret, b"kvbaton-token")
     return DEFAULT_TENANT
+
+
+def tenant_of_headers(headers: Mapping[str, str], tenant_header: str) -> str:
+    """A request's tenant: `tenant_of` its Authorization and its --tenant-header value."""
+    value = headers.get(tenant_header) if tenant_header else None
+    return tenant_of(headers.get("authorization"), value)
 
 
 def validate_conversation_id(value: object) -> str:

@@ -56,11 +56,7 @@ class MoriIO(Defaults):
 
 def make(settings: Settings) -> MoriIO:
     """MoRI-IO peers are addressed by the ZMQ addresses they announce, nothing else: the
-    connector needs --moriio-register, and that one socket needs --workers 1."""
+    connector needs --moriio-register (whose own limits config.py checks)."""
     if not settings.moriio_register:
         raise ConfigError("--kv-connector moriio and --moriio-register go together")
-    if settings.workers > 1:
-        raise ConfigError("--moriio-register binds one socket: it needs --workers 1")
-    if settings.moriio_register_ttl <= 0:
-        raise ConfigError("--moriio-register-ttl must be > 0")
     return MoriIO(settings.moriio_register, settings.moriio_register_ttl)
