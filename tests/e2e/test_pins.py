@@ -13,13 +13,16 @@ from typing import Any
 import openai
 import pytest
 
+from router.turn.tenant import tenant_of
 from tests.e2e.conftest import BIDIR, pd_stack
 from tests.support.chat import chat_turn, client, get_json, post
 from tests.support.metrics import metric
 from tests.support.procs import wait_until
+from tests.support.router import router
 from tests.support.stack import Stack, start_stack
 
 AUTH = {"authorization": "Bearer test-key", "content-type": "application/json"}
+ADMIN_KEY = "pins-admin-key-0123456789"
 
 
 def decoder_pins(st: Stack) -> set[str]:
@@ -48,7 +51,8 @@ def question(text: str) -> list[dict[str, str]]:
 def pins(redis_url_session: str) -> Iterator[Stack]:
     """A router that releases idle handles only after 300 s: what goes sooner is superseded or
     ended."""
-    with pd_stack(redis_url_session, "pins", "--release-after", "300") as st:
+    args = ("--release-after", "300", "--admin-key", ADMIN_KEY)
+    with pd_stack(redis_url_session, "pins", *args) as st:
         yield st
 
 
@@ -117,6 +121,32 @@ def small_d_stack(redis_url: str, name: str, *router_args: str) -> Any:
         redis=redis_url,
         name=name,
     )
+
+
+def test_the_admin_delete_releases_the_handle_too(pins: Stack) -> None:
+    api, cid = client(pins.url + "/v1"), uuid.uuid4().hex
+    held = pinned_by(pins, lambda: chat_turn(api, question("For the operator."), cid=cid))
+    assert len(held) == 1
+    tenant = tenant_of("Bearer test-key")  # the SDK's key: the conversation's tenant
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    url = f"{pins.url}/admin/conversations/{cid}?tenant={tenant}"
+    before = released(pins, "ended")
+    reply = post(url, method="DELETE", headers=admin)
+    assert reply.status == 200 and reply.json()["deleted"] is True
+    wait_until(lambda: not held & decoder_pins(pins), "the deleted conversation's blocks freed", 10)
+    assert released(pins, "ended") == before + 1
+
+
+def test_a_restarted_router_finds_the_handles_due_in_redis(pins: Stack) -> None:
+    """The pin index lives in Redis: a router that did not serve the conversation (another
+    replica, or this one after a restart) releases it when it is due."""
+    api, cid = client(pins.url + "/v1"), uuid.uuid4().hex
+    held = pinned_by(pins, lambda: chat_turn(api, question("Then I left."), cid=cid))
+    assert len(held) == 1
+    p, d = [pins.p.url], [pins.d.url]
+    with router(p, d, "--release-after", "1", redis_url=pins.redis_url, name="pins-new") as r:
+        wait_until(lambda: not held & decoder_pins(pins), "released by the new router", 15)
+        assert metric(r.url, "kvbaton_pin_releases_total", reason="idle", outcome="released") >= 1
 
 
 @pytest.fixture(scope="module")

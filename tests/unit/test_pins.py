@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from router.connectors.nixl.params import release_body
+from router.engines.identity import kv_usage
 from router.engines.pool import Instance, Pool
 from router.engines.release import DEFAULT_DELAY_S, MIN_DELAY_S, Gaps, Job, Releaser
 from router.lifecycle import pins
@@ -16,6 +17,7 @@ from router.services import Services
 from router.turn import decide
 from router.turn.outcomes import Reason
 from tests.unit.fake_engines import FakeEngines
+from tests.unit.test_integrity import HANDLE
 from tests.unit.test_turn import (
     P1,
     P2,
@@ -26,18 +28,6 @@ from tests.unit.test_turn import (
     state_of,
     turn,
 )
-
-HANDLE: dict[str, Any] = {
-    "do_remote_decode": False,
-    "do_remote_prefill": True,
-    "remote_block_ids": [[1, 2, 3]],
-    "remote_engine_id": "d-engine",
-    "remote_request_id": "d-req-1",
-    "remote_host": "10.0.0.2",
-    "remote_port": 5600,
-    "remote_num_tokens": 40,
-    "tp_size": 1,
-}
 
 
 def releasing(engines: FakeEngines, **overrides: Any) -> Services:
@@ -71,12 +61,9 @@ def test_the_read_nothing_request_carries_the_handle_and_asks_for_no_tokens() ->
     kv = body["kv_transfer_params"]
     assert kv["remote_num_tokens"] == 0 and kv["do_remote_decode"] is True
     assert kv["do_remote_prefill"] is False
-    assert {k: kv[k] for k in ("remote_request_id", "remote_engine_id", "remote_block_ids")} == {
-        "remote_request_id": "d-req-1",
-        "remote_engine_id": "d-engine",
-        "remote_block_ids": [[1, 2, 3]],
-    }
-    assert HANDLE["remote_num_tokens"] == 40, "the stored handle is not changed"
+    for field in ("remote_request_id", "remote_engine_id", "remote_block_ids", "remote_port"):
+        assert kv[field] == HANDLE[field], field
+    assert HANDLE["remote_num_tokens"] == 10, "the stored handle is not changed"
     assert release_body({"remote_block_ids": None}, "m") is None
 
 
@@ -204,3 +191,37 @@ def test_a_d_over_the_high_water_mark_is_avoided_until_under_the_low_one() -> No
     assert pool.pick("decode").url in ("http://d1", "http://d2"), "all pressured: any"
     d1.note_kv_usage(None)  # no reading: unchanged
     assert d1.kv_usage == 0.9
+
+
+@pytest.mark.parametrize(
+    ("text", "usage"),
+    [
+        (b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42\n', 0.42),
+        (
+            b'vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.7\n',
+            0.7,
+        ),
+        (b"vllm:kv_cache_usage_perc 0.5\n", 0.5),
+        (b'vllm:kv_cache_usage_perc{engine="0"} NaNx\n', None),
+        (b"vllm:num_requests_running 3\n", None),
+    ],
+)
+def test_d_s_kv_usage_is_the_fullest_rank_s(text: bytes, usage: float | None) -> None:
+    assert kv_usage(text) == usage
+
+
+@pytest.mark.parametrize(
+    ("pins", "usage", "batch"),
+    [
+        (100, 0.95, 22),  # the pinned share above the 0.75 low-water mark: 100 * 0.2 / 0.95
+        (100, 1.0, 25),
+        (0, 0.95, 1),  # nothing counted yet: one at a time
+        (5000, 1.0, 256),  # capped per tick
+        (10, -1.0, 1),  # usage unknown
+    ],
+)
+def test_a_pressured_d_releases_its_pinned_share_above_the_low_water_mark(
+    pins: int, usage: float, batch: int
+) -> None:
+    inst = Instance("http://d", "decode", kv_usage=usage, pins=pins)
+    assert pins.pressure_batch(inst) == batch
