@@ -16,6 +16,7 @@ from router.engines.pool import Instance
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
 from router.tracing import span
+from router.turn import verdicts
 from router.turn.rewrite import PATHS, ids_prefill_body, prefill_body
 from router.turn.state import Turn
 from sessions.vocabulary import LegOutcome
@@ -105,6 +106,14 @@ def _outcome(status: int) -> LegOutcome:
     if status == 200:
         return LegOutcome.OK
     return LegOutcome.ERROR if status == 0 or status >= 500 else LegOutcome.REJECTED
+
+
+def keep_affinity(turn: Turn) -> None:
+    """A connector without a D->P handle (push, MoRI-IO): a continued conversation's verdict
+    says affinity (`verdicts.affinity`), and it sends no handle."""
+    reuse = verdicts.affinity(turn.claim.reuse, turn.claim.state is not None)
+    if reuse != turn.claim.reuse:
+        turn.rejudge(reuse, drop_handle=True)
 
 
 def pick_decode(svc: Services, prefer: str, failed: list[str]) -> Instance:

@@ -17,7 +17,6 @@ from router.services import Services
 from router.turn import decide, kv_aware, plan
 from router.turn.claim import verify
 from router.turn.decode import decode
-from router.turn.early import EarlyTokens
 from router.turn.legs import pick_decode
 from router.turn.outcomes import Reason
 from router.turn.prefill import Prefilled, prefill
@@ -36,8 +35,7 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
     source = svc.pool.find("decode", state.decode) if state is not None else None
     if source is not None and turn.claim.params is not None:
         p_inst = _reader(turn, source, p_inst)
-    tokens: EarlyTokens | None = turn.early
-    turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, tokens)
+    turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, turn.early)
     kv_aware.check_handle(turn, p_inst, source)
     failed: list[str] = []
     local = await plan.decode_here(turn, source, p_inst)

@@ -211,7 +211,7 @@ def test_d_s_kv_usage_is_the_fullest_rank_s(text: bytes, usage: float | None) ->
 
 
 @pytest.mark.parametrize(
-    ("pins", "usage", "batch"),
+    ("count", "usage", "batch"),
     [
         (100, 0.95, 22),  # the pinned share above the 0.75 low-water mark: 100 * 0.2 / 0.95
         (100, 1.0, 25),
@@ -221,7 +221,7 @@ def test_d_s_kv_usage_is_the_fullest_rank_s(text: bytes, usage: float | None) ->
     ],
 )
 def test_a_pressured_d_releases_its_pinned_share_above_the_low_water_mark(
-    pins: int, usage: float, batch: int
+    count: int, usage: float, batch: int
 ) -> None:
-    inst = Instance("http://d", "decode", kv_usage=usage, pins=pins)
+    inst = Instance("http://d", "decode", kv_usage=usage, pins=count)
     assert pins.pressure_batch(inst) == batch

@@ -21,9 +21,8 @@ from router.connectors.moriio.announce import Peer, Peers
 from router.engines.client import EngineStream
 from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure
-from router.turn import verdicts
 from router.turn.decode import open_decode, respond
-from router.turn.legs import BothFailed, both, call_prefill, prefill_request
+from router.turn.legs import BothFailed, both, call_prefill, keep_affinity, prefill_request
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.legs")
@@ -53,9 +52,7 @@ async def _prefill(
 async def serve(turn: Turn, peers: Peers) -> Response:
     svc = turn.svc
     state = turn.claim.state
-    reuse = verdicts.affinity(turn.claim.reuse, state is not None)  # no D->P handle
-    if reuse != turn.claim.reuse:
-        turn.rejudge(reuse, drop_handle=True)
+    keep_affinity(turn)  # no D->P handle
     p_inst, p_peer = _pick(turn, peers, "prefill", state.prefill if state else "")
     d_inst, d_peer = _pick(turn, peers, "decode", state.decode if state else "")
     turn.leg_id = params.request_id(p_peer.zmq_address, d_peer.zmq_address)

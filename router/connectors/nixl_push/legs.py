@@ -29,9 +29,16 @@ from router.engines import ranks
 from router.engines.client import EngineStream
 from router.engines.pool import Instance
 from router.errors import EngineReply, Unavailable, UpstreamError
-from router.turn import decide, verdicts
+from router.turn import decide
 from router.turn.decode import open_decode, respond
-from router.turn.legs import BothFailed, both, call_prefill, pick_decode, prefill_request
+from router.turn.legs import (
+    BothFailed,
+    both,
+    call_prefill,
+    keep_affinity,
+    pick_decode,
+    prefill_request,
+)
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.legs")
@@ -114,9 +121,7 @@ async def serve(turn: Turn, known: Directory) -> Response:
     """The whole push-mode turn, from placement to the response."""
     svc = turn.svc
     state = turn.claim.state
-    reuse = verdicts.affinity(turn.claim.reuse, state is not None)
-    if reuse != turn.claim.reuse:
-        turn.rejudge(reuse, drop_handle=True)
+    keep_affinity(turn)  # no D->P handle
     failed_p: list[str] = []
     failed_d: list[str] = []
     busy: list[str] = []  # P instances that answered 429 this turn
