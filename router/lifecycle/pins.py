@@ -1,7 +1,9 @@
 """The sweep that keeps every D's pinned share bounded. Each second, per D, the handles left
 unread past the release delay (idle and ended conversations); and every tenth of a second, a
 D whose KV usage is past its low-water mark is read again (its /metrics) and, while over
-the high-water mark, its oldest handles are released until it falls below the low-water mark.
+the high-water mark, its oldest handles are released until it falls below the low-water mark
+(those idle past the p95 time between turns first, so that conversations still going keep
+theirs).
 Handles are taken from the store first (one replica takes each, never one a turn holds)."""
 
 from __future__ import annotations
@@ -84,7 +86,20 @@ async def relieve(svc: Services, *, every_d: bool = True) -> int:
         await read_started(svc.engines, inst, 1.0)  # the health loop's read of /metrics
         if inst.pressured:
             await _count(svc, inst)
-            taken += await _release_due(svc, inst, "pressure", math.inf, pressure_batch(inst))
+            taken += await _relieve_decode(svc, inst, pressure_batch(inst))
+    return taken
+
+
+async def _relieve_decode(svc: Services, inst: Instance, batch: int) -> int:
+    """The oldest handles unread for longer than the p95 time between turns first (those of
+    conversations still going are younger), then the oldest of any age if that was not
+    enough: a D full of young one-turn pins must still drain."""
+    p95 = svc.gaps.p95()
+    taken = 0
+    if p95 is not None:
+        taken = await _release_due(svc, inst, "pressure", svc.clock() - p95, batch)
+    if taken < batch:
+        taken += await _release_due(svc, inst, "pressure", math.inf, batch - taken)
     return taken
 
 
