@@ -332,6 +332,39 @@ async def conversations(spec: dict[str, Any]) -> dict[str, Any]:
     return {"turns": turns, "wall_s": wall}
 
 
+async def arrivals(spec: dict[str, Any]) -> dict[str, Any]:
+    """Conversations arrive at `rate` per second (a Poisson process) for `duration_s`: a
+    `one_turn_share` of them have one turn, the others `turns` (lo, hi); a client thinks
+    `think_s` seconds (mean, exponential) between two turns of its conversation. Every turn
+    is timed and stamped with its start (seconds from the job's start)."""
+    target = make_target(spec)
+    rng = random.Random(spec.get("seed", 0))
+    rate, duration = float(spec["rate"]), float(spec["duration_s"])
+    deadline = time.monotonic() + duration + float(spec.get("drain_s", 30.0))
+    turns: list[dict[str, Any]] = []
+    running: set[asyncio.Task[None]] = set()
+    async with _session(spec, int(spec.get("max_inflight", 1024))) as s:
+        t0 = time.perf_counter()
+        at, c = rng.expovariate(rate), 0
+        while at < duration:
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            one = rng.random() < float(spec["one_turn_share"])
+            conv_spec = {**spec, "turns": 1 if one else rng.randint(*spec["turns"])}
+            conv_rng = random.Random(spec.get("seed", 0) * 7919 + c)
+            task = asyncio.create_task(
+                run_conversation(s, target, conv_spec, conv_rng, c, turns, deadline, True, t0)
+            )
+            running.add(task)
+            task.add_done_callback(running.discard)
+            at, c = at + rng.expovariate(rate), c + 1
+        if running:
+            await _bounded(asyncio.gather(*running), deadline)
+        wall = time.perf_counter() - t0
+    return {"turns": turns, "wall_s": wall, "conversations": c}
+
+
 async def run_conversation(
     s: aiohttp.ClientSession,
     target: Target,
@@ -341,13 +374,20 @@ async def run_conversation(
     turns: list[dict[str, Any]],
     deadline: float,
     use_ids: bool,
+    t0: float | None = None,
 ) -> None:
+    """One conversation's turns; with t0, each turn's record has its start from t0, and a
+    `think_s` (mean) pause comes before every turn after the first."""
     lo, hi = spec["system_words"]
     history: list[dict[str, Any]] = [{"role": "system", "content": words(rng, rng.randint(lo, hi))}]
     conv = f"bench-{spec.get('seed', 0)}-{c}-{uuid.uuid4().hex[:8]}" if use_ids else None
+    think = float(spec.get("think_s", 0.0))
     for t in range(1, int(spec["turns"]) + 1):
+        if t > 1 and think > 0:
+            await asyncio.sleep(min(rng.expovariate(1 / think), 4 * think))
         if time.monotonic() >= deadline:
             return
+        started = time.perf_counter() - t0 if t0 is not None else 0.0
         user = {"role": "user", "content": words(rng, rng.randint(*spec["user_words"]))}
         body: dict[str, Any] = {
             "model": spec.get("model", "sim-model"),
@@ -358,7 +398,7 @@ async def run_conversation(
         if body["stream"]:
             body["stream_options"] = {"include_usage": True}
         sample = await _guarded(target, s, body, conv, True)
-        turns.append(_turn_record(c, t, sample))
+        turns.append({**_turn_record(c, t, sample), "start": started})
         if not sample.ok:
             return  # the history would no longer match what D holds
         history += [user, {"role": "assistant", "content": "".join(sample.text)}]
@@ -407,6 +447,7 @@ KINDS: dict[str, Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]
     "closed": closed_loop,
     "open": open_loop,
     "conversations": conversations,
+    "arrivals": arrivals,
 }
 
 
