@@ -17,6 +17,7 @@ from starlette.responses import Response
 from router.connectors.names import ConnectorName
 from router.engines.client import EngineClient
 from router.engines.pool import Instance, Role
+from sessions.model import UNKNOWN_SIZE, PinSize
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,10 @@ class Connector(Protocol[TurnT]):
     ) -> tuple[dict[str, Any], str] | None:
         """P's body and path for a request that makes D free a handle's pinned blocks and
         reads nothing (None: this protocol pins nothing on D)."""
+        ...
+
+    def pinned(self, handle: Mapping[str, Any]) -> PinSize:
+        """What a handle D returned pins there: its blocks and tokens (0 and 0: nothing)."""
         ...
 
     async def inspect(
@@ -158,6 +163,9 @@ class Defaults:
         self, handle: Mapping[str, Any], model: str
     ) -> tuple[dict[str, Any], str] | None:
         return None  # D pins nothing for this protocol
+
+    def pinned(self, handle: Mapping[str, Any]) -> PinSize:
+        return UNKNOWN_SIZE
 
     async def inspect(
         self, engines: EngineClient, inst: Instance, model: str, timeout: float

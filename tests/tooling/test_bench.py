@@ -116,7 +116,9 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
         assert arm["summary"]["ok"] > 0 and arm["series"], arm["summary"]
     assert sum(arms["releases on"]["releases"].values()) > 0
     assert arms["releases off"]["releases"] == {}
-    assert arms["releases on"]["series"][-1]["pinned"] < arms["releases off"]["series"][-1]["pinned"]
+    assert (
+        arms["releases on"]["series"][-1]["pinned"] < arms["releases off"]["series"][-1]["pinned"]
+    )
 
 
 @pytest.mark.timeout(390)
