@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import random
@@ -141,18 +142,25 @@ class Target:
 
 
 class RouterTarget(Target):
-    def __init__(self, urls: list[str]) -> None:
+    """A router; the conversation id goes in the body (`conversation_id`), or with
+    session_header in an `X-Session-ID` header (what vllm-router's session policies hash)."""
+
+    def __init__(self, urls: list[str], session_header: bool = False) -> None:
         self._urls = itertools.cycle(urls)
+        self._header = session_header
 
     async def send(
         self, s: aiohttp.ClientSession, body: dict[str, Any], conv: str | None, parse: bool
     ) -> Sample:
         sample = Sample()
         stream = bool(body.get("stream"))
-        if conv is not None:
+        headers = _JSON
+        if conv is not None and self._header:
+            headers = {**_JSON, "X-Session-ID": conv}
+        elif conv is not None:
             body = {**body, "conversation_id": conv}
         t0 = time.perf_counter()
-        async with s.post(next(self._urls) + CHAT, data=_encode(body), headers=_JSON) as resp:
+        async with s.post(next(self._urls) + CHAT, data=_encode(body), headers=headers) as resp:
             await read_reply(resp, sample, t0, stream, parse)
         sample.latency = time.perf_counter() - t0
         return sample
@@ -197,7 +205,7 @@ _JSON = {"Content-Type": "application/json"}
 def make_target(spec: dict[str, Any]) -> Target:
     t = spec["target"]
     if t["mode"] == "router":
-        return RouterTarget(t["urls"])
+        return RouterTarget(t["urls"], bool(t.get("session_header")))
     return DirectTarget(t["prefill"], t["decode"])
 
 
@@ -398,7 +406,12 @@ async def run_conversation(
         if body["stream"]:
             body["stream_options"] = {"include_usage": True}
         sample = await _guarded(target, s, body, conv, True)
-        turns.append({**_turn_record(c, t, sample), "start": started})
+        record = {**_turn_record(c, t, sample), "start": started}
+        if t0 is not None:  # the answer, to compare across arms
+            record["answer"] = hashlib.blake2b(
+                "".join(sample.text).encode(), digest_size=8
+            ).hexdigest()
+        turns.append(record)
         if not sample.ok:
             return  # the history would no longer match what D holds
         history += [user, {"role": "assistant", "content": "".join(sample.text)}]

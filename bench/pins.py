@@ -67,10 +67,11 @@ def job(plan: Plan, url: str) -> dict[str, Any]:
 
 
 class Sampler:
-    """D's pinned share and usage, twice a second, on a thread, while a job runs."""
+    """The D's pinned share and usage (all of them together), twice a second, on a thread,
+    while a job runs."""
 
-    def __init__(self, d_url: str) -> None:
-        self.url = d_url + "/sim/state"
+    def __init__(self, *d_urls: str) -> None:
+        self.urls = [url + "/sim/state" for url in d_urls]
         self.samples: list[dict[str, float]] = []
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
@@ -88,17 +89,18 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
             try:
-                state = get_json(self.url, timeout=2)
+                states = [get_json(url, timeout=2) for url in self.urls]
             except (TimeoutError, urllib.error.URLError):
                 continue  # a D stalled on pins may not answer in time either
-            total = state["blocks"]["total"]
-            pinned = sum(len(p["block_ids"]) for p in state["pins"] if p["kind"] == "decoder")
+            total = sum(s["blocks"]["total"] for s in states)
+            pins = [p for s in states for p in s["pins"] if p["kind"] == "decoder"]
+            used = sum(s["blocks"]["usage"] * s["blocks"]["total"] for s in states)
             self.samples.append(
                 {
                     "t": time.perf_counter() - self._t0,
-                    "pinned": pinned / total,
-                    "usage": state["blocks"]["usage"],
-                    "pins": float(sum(p["kind"] == "decoder" for p in state["pins"])),
+                    "pinned": sum(len(p["block_ids"]) for p in pins) / total,
+                    "usage": used / total,
+                    "pins": float(len(pins)),
                 }
             )
 

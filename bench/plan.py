@@ -116,6 +116,9 @@ class Plan:
     pins_blocks: int
     pins_timeout_s: float  # a client gives up on a turn after this long
     pins_window_s: float  # the time series' step
+    # 8. peers: section 7's arrivals for peers_s seconds per arm and round
+    peers_s: float
+    peers_rounds: int
     gpu: GpuProfile = GpuProfile()
 
     @property
@@ -159,6 +162,8 @@ FULL = Plan(
     pins_blocks=8192,
     pins_timeout_s=30.0,
     pins_window_s=10.0,
+    peers_s=60.0,
+    peers_rounds=2,
 )
 
 QUICK = Plan(
@@ -197,4 +202,6 @@ QUICK = Plan(
     pins_blocks=2048,
     pins_timeout_s=5.0,
     pins_window_s=3.0,
+    peers_s=6.0,
+    peers_rounds=1,
 )

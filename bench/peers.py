@@ -1,0 +1,274 @@
+"""8. Side by side with the routers users would pick instead, on an arrival process.
+
+The arms, each configured at its best on the same simulators (2 P + 2 D, the H100/8B cost
+model, the engines' own 480 s pin TTL) and the same seeded arrivals as section 7:
+- kvbaton as shipped: reuse of D's KV, affinity, pin releases; the engines keep D's KV for P
+  (`bidirectional_kv_xfer`) and stream their handle;
+- kvbaton with `--no-reuse`: affinity only; D keeps nothing for P;
+- vLLM's Rust router `vllm-router` from PyPI, in its own venv (`.venv-peers`), P/D over NIXL,
+  with its default policy `cache_aware`, and with `consistent_hash`, which hashes the
+  `X-Session-ID` header every arm's client sends (kvbaton reads the same header). Neither
+  reads D's KV back, so their D keeps nothing for P (a D that did would fill with pins that
+  nobody releases: section 7's second arm).
+The arms cannot take turns on one set of engines (what the engines hold is what is measured):
+each runs on fresh engines, round after round, the order reversed every other round. Where
+PyPI is unreachable the vllm-router arms are skipped with one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from bench import pins
+from bench.plan import Plan
+from bench.stack import LoadGen, by_source, start_stack, tree_cpu_seconds
+from bench.stats import fmt, summary_ms
+from tests.support.procs import ROOT, free_port, log_file, stop, wait_http
+from tests.support.stack import Stack
+
+Tick = Callable[[str], None]
+
+VLLM_ROUTER = "vllm-router==0.1.17"
+PEERS_VENV = ROOT / ".venv-peers"
+TTFT_SLO_MS = 200.0  # goodput: turns whose first token came within this, per second
+P_ARGS = ["--num-blocks", "65536"]
+# D's KV: 8,192 blocks of 16 tokens each. An 8B model on one H100 holds ~30k such blocks; at
+# the 3 conversations/s here, 8,192 blocks per D is what ~30k blocks are at ~11 per second.
+D_ARGS = ["--num-blocks", "8192", "--max-model-len", "4096", "--stream-kv-params"]
+BIDIR_P = ["--bidirectional", "--kv-recompute-threshold", "0"]
+BIDIR_D = ["--bidirectional"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    how: str  # how it is configured, for the report
+    flags: tuple[str, ...]  # kvbaton's, or vllm-router's
+    peer: bool = False  # vllm-router
+    keeps_kv: bool = False  # the engines keep D's KV for P (bidirectional_kv_xfer)
+
+
+ARMS = (
+    Arm("kvbaton", "defaults: reuse, affinity, pin releases", ("--stream-kv-params",), False, True),
+    Arm("kvbaton, reuse off", "`--no-reuse`: affinity only", ("--no-reuse",)),
+    Arm("vllm-router cache_aware", "its default policy", ("--policy", "cache_aware"), True),
+    Arm(
+        "vllm-router consistent_hash",
+        "`--policy consistent_hash` on `X-Session-ID`",
+        ("--policy", "consistent_hash"),
+        True,
+    ),
+)
+
+
+def steps(plan: Plan) -> int:
+    return (2 if plan.quick else len(ARMS)) * plan.peers_rounds
+
+
+def vllm_router() -> str | None:
+    """vllm-router's executable, installed into .venv-peers on first use; None (and one line
+    saying why) where it cannot be installed."""
+    exe = PEERS_VENV / "bin" / "vllm-router"
+    if exe.exists():
+        return str(exe)
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "venv", str(PEERS_VENV)], check=True, capture_output=True
+        )
+        subprocess.run(
+            [str(PEERS_VENV / "bin" / "pip"), "install", "-q", VLLM_ROUTER],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+    except (subprocess.SubprocessError, OSError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        print(
+            f"peers: vllm-router arms skipped: `pip install {VLLM_ROUTER}` failed ({exc}; "
+            f"{detail.decode(errors='replace').strip()[-200:]})",
+            file=sys.stderr,
+        )
+        return None
+    return str(exe)
+
+
+@contextlib.contextmanager
+def peer_router(exe: str, st: Stack, flags: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    """vllm-router in P/D mode over the stack's engines; its URL and process."""
+    port = free_port()
+    argv = [exe, "--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+    for p in st.ps:
+        argv += ["--prefill", p.url]
+    for d in st.ds:
+        argv += ["--decode", d.url]
+    argv += [*flags, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--prometheus-port", str(free_port()), "--log-level", "warning"]
+    path = log_file("vllm-router")
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    st.commands["vllm-router"] = argv
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        stop(proc)
+
+
+def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
+    exe = vllm_router()
+    # --quick: kvbaton and vllm-router's default only
+    chosen = [ARMS[0], ARMS[2]] if plan.quick else list(ARMS)
+    arms = [a for a in chosen if exe is not None or not a.peer]
+    out: dict[str, Any] = {
+        "arms": {a.name: {"how": a.how, "rounds": []} for a in arms},
+        "skipped": [] if exe is not None else [a.name for a in chosen if a.peer],
+        "commands": {},
+        "slo_ms": TTFT_SLO_MS,
+    }
+    for rnd in range(plan.peers_rounds):
+        for arm in arms if rnd % 2 == 0 else list(reversed(arms)):
+            tick(f"peers: {arm.name}, round {rnd + 1}")
+            result, commands = one(plan, lg, arm, exe)
+            out["arms"][arm.name]["rounds"].append(result)
+            out["commands"][arm.name] = commands
+    for arm in out["arms"].values():
+        arm["summary"] = summarize(arm["rounds"], plan)
+    answers_compared(out["arms"])
+    return out
+
+
+def one(plan: Plan, lg: LoadGen, arm: Arm, exe: str | None) -> tuple[dict[str, Any], Any]:
+    p = [*P_ARGS, *plan.gpu.sim_args(), *(BIDIR_P if arm.keeps_kv else [])]
+    d = [*D_ARGS, *plan.gpu.sim_args(), *(BIDIR_D if arm.keeps_kv else [])]
+    with start_stack(
+        prefill_args=[p, p],
+        decode_args=[d, d],
+        router_args=[] if arm.peer else [list(arm.flags)],
+        with_redis=not arm.peer,
+        name="peers",
+    ) as st:
+        with contextlib.ExitStack() as exits:
+            if arm.peer:
+                assert exe is not None
+                url, proc = exits.enter_context(peer_router(exe, st, arm.flags))
+            else:
+                url, proc = st.url, st.routers[0].proc
+            spec = pins.job(plan, url)
+            spec.update(duration_s=plan.peers_s, seed=900)
+            spec["target"]["session_header"] = True
+            cpu0 = tree_cpu_seconds(proc.pid)
+            with pins.Sampler(*(x.url for x in st.ds)) as sampler:
+                res = lg.run(spec, timeout=plan.peers_s + spec["drain_s"] + 60.0)
+            cpu = tree_cpu_seconds(proc.pid) - cpu0
+        tokens: dict[str, dict[str, float]] = {"P": {}, "D": {}}
+        for role, sims in (("P", st.ps), ("D", st.ds)):
+            for sim in sims:
+                for source, n in by_source(sim.url).items():
+                    tokens[role][source] = tokens[role].get(source, 0.0) + n
+        return {
+            "turns": res["turns"],
+            "cpu_s": cpu,
+            "tokens": tokens,
+            "pinned_max": max((s["pinned"] for s in sampler.samples), default=0.0),
+        }, dict(st.commands)
+
+
+def summarize(rounds: list[dict[str, Any]], plan: Plan) -> dict[str, Any]:
+    turns = [t for r in rounds for t in r["turns"]]
+    ok = [t for t in turns if t["ok"]]
+    first = [t["ttft"] for t in ok if t["turn"] == 1]
+    later = [t["ttft"] for t in ok if t["turn"] > 1]
+    seconds = plan.peers_s * len(rounds)
+    # P's tokens loaded from elsewhere are D's KV it read; D's are P's prefill handed over.
+    pulled = sum(r["tokens"]["P"].get("external_kv_transfer", 0.0) for r in rounds)
+    return {
+        "turns": len(turns),
+        "failed": len(turns) - len(ok),
+        "ttft_first": summary_ms(first),
+        "ttft_later": summary_ms(later),
+        "goodput": sum(t["ttft"] * 1000 <= TTFT_SLO_MS for t in ok) / seconds,
+        "p_computed": sum(r["tokens"]["P"].get("local_compute", 0.0) for r in rounds),
+        "d_computed": sum(r["tokens"]["D"].get("local_compute", 0.0) for r in rounds),
+        "pulled_from_d": pulled,
+        "cpu_ms_per_turn": 1000 * sum(r["cpu_s"] for r in rounds) / max(1, len(turns)),
+        "pinned_max": max((r["pinned_max"] for r in rounds), default=0.0),
+        "reuse": _reuse(ok),
+    }
+
+
+def _reuse(turns: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in turns:
+        if t["turn"] > 1 and t["reuse"]:
+            word = t["reuse"].split(";")[0]
+            out[word] = out.get(word, 0) + 1
+    return out
+
+
+def answers_compared(arms: dict[str, Any]) -> None:
+    """Each arm's answers against kvbaton's, turn by turn (the same seeded conversations):
+    how many turns both answered, and how many of those differ."""
+
+    def answers(arm: dict[str, Any]) -> dict[tuple[int, int, int], str]:
+        return {
+            (i, t["conv"], t["turn"]): t["answer"]
+            for i, r in enumerate(arm["rounds"])
+            for t in r["turns"]
+            if t["ok"]
+        }
+
+    base = answers(arms[ARMS[0].name])
+    for arm in arms.values():
+        mine = answers(arm)
+        both = base.keys() & mine.keys()
+        arm["summary"]["compared"] = len(both)
+        arm["summary"]["differ"] = sum(base[k] != mine[k] for k in both)
+
+
+def section(res: dict[str, Any], plan: Plan) -> list[str]:
+    lines = [
+        "## 8. Side by side with other routers",
+        "",
+        f"Section 7's arrival process ({plan.pins_rate:g} conversations/s for {plan.peers_s:g} s "
+        f"per round, {plan.peers_rounds} round(s), the arms in reversed order every other round) "
+        "through 2 P and 2 D simulators (8,192 blocks each: an 8B model on one H100 holds ~30k "
+        "blocks of 16 tokens, so 8,192 at 3 conversations/s stands for ~30k at ~11/s) with the "
+        "H100/8B cost model and the engines' own 480 s pin TTL. Every client sends its "
+        "conversation's id as `X-Session-ID`. Goodput: turns whose first token came within "
+        f"{res['slo_ms']:g} ms, per second of arrivals. Tokens are the engines' "
+        "`vllm:prompt_tokens_by_source_total`; router CPU is the router's process tree.",
+        "",
+        "| arm | how | turns (failed) | TTFT turn 1 p50 / p90 / p99 ms | later turns p50 / p90 "
+        "/ p99 ms | goodput /s | P computed | D computed | P read from D | router CPU ms/turn "
+        "| answers differing from kvbaton's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, arm in res["arms"].items():
+        s = arm["summary"]
+        first, later = s["ttft_first"], s["ttft_later"]
+        lines.append(
+            f"| {name} | {arm['how']} | {s['turns']} ({s['failed']}) | "
+            f"{fmt(first['p50'], 0)} / {fmt(first['p90'], 0)} / {fmt(first['p99'], 0)} | "
+            f"{fmt(later['p50'], 0)} / {fmt(later['p90'], 0)} / {fmt(later['p99'], 0)} | "
+            f"{s['goodput']:.2f} | {s['p_computed']:,.0f} | {s['d_computed']:,.0f} | "
+            f"{s['pulled_from_d']:,.0f} | {s['cpu_ms_per_turn']:.2f} | "
+            f"{s['differ']} of {s['compared']} |"
+        )
+    for name in res["skipped"]:
+        lines += ["", f"{name}: skipped, `{VLLM_ROUTER}` could not be installed."]
+    kv = res["arms"].get(ARMS[0].name, {}).get("summary")
+    if kv:
+        reuse = ", ".join(f"{k} {v}" for k, v in sorted(kv["reuse"].items()))
+        lines += [
+            "",
+            f"kvbaton's later turns by `X-KV-Reuse`: {reuse}; the most of its D's blocks pinned "
+            f"at once: {fmt(kv['pinned_max'])}.",
+        ]
+    lines.append("")
+    return lines
