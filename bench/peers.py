@@ -6,10 +6,10 @@ model, the engines' own 480 s pin TTL) and the same seeded arrivals as section 7
   (`bidirectional_kv_xfer`) and stream their handle;
 - kvbaton with `--no-reuse`: affinity only; D keeps nothing for P;
 - vLLM's Rust router `vllm-router` from PyPI, in its own venv (`.venv-peers`), P/D over NIXL,
-  with its default policy `cache_aware`, and with `consistent_hash`, which hashes the
-  `X-Session-ID` header every arm's client sends (kvbaton reads the same header). Neither
-  reads D's KV back, so their D keeps nothing for P (a D that did would fill with pins that
-  nobody releases: section 7's second arm).
+  with its default policy `cache_aware`, with `kv_aware` fed every P's KV events (all it follows in P/D mode), and
+  with `consistent_hash`, which hashes the `X-Session-ID` header every arm's client sends
+  (kvbaton reads the same header). None of them reads D's KV back, so their D keeps nothing
+  for P (a D that did would fill with pins that nobody releases: section 7's second arm).
 The arms cannot take turns on one set of engines (what the engines hold is what is measured):
 each runs on fresh engines, round after round, the order reversed every other round. Where
 PyPI is unreachable the vllm-router arms are skipped with one line.
@@ -51,12 +51,20 @@ class Arm:
     flags: tuple[str, ...]  # kvbaton's, or vllm-router's
     peer: bool = False  # vllm-router
     keeps_kv: bool = False  # the engines keep D's KV for P (bidirectional_kv_xfer)
+    events: bool = False  # the engines publish KV events, the router subscribes
 
 
 ARMS = (
     Arm("kvbaton", "defaults: reuse, affinity, pin releases", ("--stream-kv-params",), False, True),
     Arm("kvbaton, reuse off", "`--no-reuse`: affinity only", ("--no-reuse",)),
     Arm("vllm-router cache_aware", "its default policy", ("--policy", "cache_aware"), True),
+    Arm(
+        "vllm-router kv_aware + KV events",
+        "`--policy kv_aware`, every P's KV events (`--pd-kv-events`)",
+        ("--policy", "kv_aware"),
+        True,
+        events=True,
+    ),
     Arm(
         "vllm-router consistent_hash",
         "`--policy consistent_hash` on `X-Session-ID`",
@@ -146,8 +154,11 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
 def one(plan: Plan, lg: LoadGen, arm: Arm, exe: str | None) -> tuple[dict[str, Any], Any]:
     p = [*P_ARGS, *plan.gpu.sim_args(), *(BIDIR_P if arm.keeps_kv else [])]
     d = [*D_ARGS, *plan.gpu.sim_args(), *(BIDIR_D if arm.keeps_kv else [])]
+    # In P/D mode vllm-router's kv_aware policy follows P's KV events only.
+    ports = [free_port() for _ in range(2)] if arm.events else []
+    events = [["--kv-events-port", str(port)] for port in ports] or [[], []]
     with start_stack(
-        prefill_args=[p, p],
+        prefill_args=[[*p, *events[0]], [*p, *events[1]]],
         decode_args=[d, d],
         router_args=[] if arm.peer else [list(arm.flags)],
         with_redis=not arm.peer,
@@ -156,7 +167,10 @@ def one(plan: Plan, lg: LoadGen, arm: Arm, exe: str | None) -> tuple[dict[str, A
         with contextlib.ExitStack() as exits:
             if arm.peer:
                 assert exe is not None
-                url, proc = exits.enter_context(peer_router(exe, st, arm.flags))
+                flags = list(arm.flags)
+                for sim, port in zip(st.ps, ports, strict=False):
+                    flags += ["--pd-kv-events", f"{sim.url}=tcp://127.0.0.1:{port}"]
+                url, proc = exits.enter_context(peer_router(exe, st, tuple(flags)))
             else:
                 url, proc = st.url, st.routers[0].proc
             spec = pins.job(plan, url)
