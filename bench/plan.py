@@ -116,9 +116,9 @@ class Plan:
     pins_blocks: int
     pins_timeout_s: float  # a client gives up on a turn after this long
     pins_window_s: float  # the time series' step
-    # 8. peers: section 7's arrivals for peers_s seconds per arm and round
+    # 8. peers: section 7's arrivals for peers_s seconds per arm and round (the variants
+    # for a share of it; bench/peers.py, SCENARIOS)
     peers_s: float
-    peers_rounds: int
     gpu: GpuProfile = GpuProfile()
 
     @property
@@ -163,7 +163,6 @@ FULL = Plan(
     pins_timeout_s=30.0,
     pins_window_s=10.0,
     peers_s=60.0,
-    peers_rounds=2,
 )
 
 QUICK = Plan(
@@ -203,5 +202,4 @@ QUICK = Plan(
     pins_timeout_s=5.0,
     pins_window_s=3.0,
     peers_s=6.0,
-    peers_rounds=1,
 )

@@ -121,7 +121,7 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
     )
     # Side by side with vllm-router (from PyPI): the same arrivals, the same answers.
     assert "## 8. Side by side with other routers" in report
-    peer_arms = raw["peers"]["arms"]
+    peer_arms = raw["peers"]["scenarios"]["arrivals"]["arms"]
     assert set(peer_arms) == {"kvbaton", "vllm-router cache_aware"}, raw["peers"]["skipped"]
     for name, arm in peer_arms.items():
         s = arm["summary"]
