@@ -45,10 +45,16 @@ if [ "$("$VENV/bin/podman-compose" --version 2>/dev/null | head -1)" != "podman-
 fi
 echo "test-compose: tools ready in $(since "$t") s ($(podman --version), podman-compose $PODMAN_COMPOSE_VERSION)"
 
+PYTEST_PID=
 teardown() {
   local rc=$?
   set +e
   trap - EXIT INT TERM
+  if [ -n "$PYTEST_PID" ]; then # stopped half way: pytest and the podman commands it runs
+    kill -TERM -- "-$PYTEST_PID" 2>/dev/null
+    sleep 1
+    kill -KILL -- "-$PYTEST_PID" 2>/dev/null
+  fi
   "$VENV/bin/podman-compose" -p "$PROJECT" -f deploy/docker-compose.yml \
     --profile push --profile store down -t 10 >>"$LOG" 2>&1
   # what compose down did not reach (a run killed half way, the tests' own containers)
@@ -58,7 +64,6 @@ teardown() {
   podman volume ls -q --filter "label=com.docker.compose.project=$PROJECT" | xargs -r podman volume rm -f >>"$LOG" 2>&1
   podman rmi -f "$IMAGE" >>"$LOG" 2>&1
   deploy/offline-images.sh --remove >>"$LOG" 2>&1
-  podman image prune -f >>"$LOG" 2>&1 # the Dockerfile's build stage
   left=$(podman ps -aq --filter "label=com.docker.compose.project=$PROJECT")
   [ -z "$left" ] || { echo "test-compose: containers left: $left" >&2; rc=1; }
   echo "test-compose: torn down; $(podman ps -aq | wc -l) containers, $(podman images -q | wc -l) images left in podman"
@@ -73,13 +78,19 @@ deploy/make-env.sh
 echo "test-compose: base images in $(since "$t") s"
 
 t=$(now)
-podman build -q -f deploy/Dockerfile -t "$IMAGE" . >>"$LOG" 2>&1 \
+# --layers=false: no intermediate image of the build stage is kept (nothing to clean up).
+podman build -q --layers=false -f deploy/Dockerfile -t "$IMAGE" . >>"$LOG" 2>&1 \
   || { tail -30 "$LOG" >&2; echo "test-compose: building deploy/Dockerfile failed" >&2; exit 1; }
 echo "test-compose: built $IMAGE from deploy/Dockerfile in $(since "$t") s ($(podman image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%d MB", $1/1e6}'))"
 
 t=$(now)
 rc=0
+# In the background and its own process group, so that a signal to this script runs the
+# teardown at once, after stopping pytest and whatever podman command it is running.
 KVBATON_TEST_COMPOSE=1 KVBATON_PODMAN_COMPOSE="$PWD/$VENV/bin/podman-compose" \
-  "$BIN/pytest" tests/compose -p no:cacheprovider --durations=5 "$@" || rc=$?
+  setsid "$BIN/pytest" tests/compose -p no:cacheprovider --durations=5 "$@" &
+PYTEST_PID=$!
+wait "$PYTEST_PID" || rc=$?
+PYTEST_PID=
 echo "test-compose: tests took $(since "$t") s"
 exit $rc
