@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ import yaml
 
 from tests.support.chat import Message, chat_turn, client, get_json, post, reference_answer
 from tests.support.metrics import scrape, total
-from tests.support.procs import free_port, wait_http, wait_until
+from tests.support.procs import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -147,17 +148,33 @@ class Stack:
         return total(text, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
+def serving(name: str, url: str, timeout: float = 60) -> None:
+    """The container answers url with 200; it must not exit meanwhile (its logs say why)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = state(name)
+        assert st["Status"] == "running", f"{name} exited ({st['ExitCode']}):\n{logs(name)}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if int(reply.status) == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url}: no 200 within {timeout} s\n{logs(name)}"
+        time.sleep(0.25)
+
+
 @pytest.fixture(scope="module")
 def reference() -> Iterator[str]:
     """A from-scratch engine: the image's simulator, no connector, on a free loopback port."""
     port, name = free_port(), f"{PROJECT}-reference"
     podman("rm", "-f", name, check=False)
-    podman(
-        "run", "-d", "--rm", "--no-healthcheck", "--name", name, "-p", f"127.0.0.1:{port}:8200",
-        IMAGE, "sim", "--role", "decode", "--host", "0.0.0.0", "--port", "8200",
-    )  # fmt: skip
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+        podman(
+            "run", "-d", "--no-healthcheck", "--name", name, "-p", f"127.0.0.1:{port}:8200",
+            IMAGE, "sim", "--role", "decode", "--host", "0.0.0.0", "--port", "8200",
+        )  # fmt: skip
+        serving(name, f"http://127.0.0.1:{port}/health")
         yield f"http://127.0.0.1:{port}"
     finally:
         podman("rm", "-f", name, check=False)
@@ -406,21 +423,18 @@ class TestDefaultStack:
         assert sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"]
         port, name = free_port(), f"{PROJECT}-k8s-router"
         network = f"{PROJECT}_default"
-        args = ["run", "-d", "--rm", "--no-healthcheck", "--name", name, "--network", network]
+        args = ["run", "-d", "--no-healthcheck", "--name", name, "--network", network]
         args += ["--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL"]
         args += ["--user", f"{pod['runAsUser']}:{pod['runAsGroup']}"]
         args += ["--security-opt", "no-new-privileges", "-p", f"127.0.0.1:{port}:8000"]
         for key, value in env.items():
             args += ["-e", f"{key}={value}"]
-        podman(*args, IMAGE, *spec["container"]["args"])
         try:
+            podman(*args, IMAGE, *spec["container"]["args"])
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 path = spec["container"][probe]["httpGet"]["path"]
-                wait_http(f"http://127.0.0.1:{port}{path}", timeout=30)
-            assert get_json(f"http://127.0.0.1:{port}/ready")["status"] == "ready"
-        except Exception:
-            print(logs(name))
-            raise
+                serving(name, f"http://127.0.0.1:{port}{path}", timeout=30)
+            assert get_json(f"http://127.0.0.1:{port}/ready")["status"] == "ready", logs(name)
         finally:
             podman("rm", "-f", "-t", "5", name, check=False)
 
