@@ -35,6 +35,7 @@ PROJECT = "kvbaton-test"
 IMAGE = COMPOSE["x-kvbaton-image"]["image"]
 ENABLED = os.environ.get("KVBATON_TEST_COMPOSE") == "1"
 PODMAN_COMPOSE = os.environ.get("KVBATON_PODMAN_COMPOSE", "podman-compose")
+INFLIGHT = "kvbaton_backend_inflight_requests"
 START_TIMEOUT = 90.0  # every container healthy; about 5 s when the image serves
 
 pytestmark = [
@@ -455,7 +456,10 @@ class TestDefaultStack:
 
         thread = threading.Thread(target=long_turn)
         thread.start()
-        time.sleep(0.7)
+        wait_until(
+            lambda: total(scrape(default_stack.url), INFLIGHT, role="decode") >= 1,
+            "the turn on D",
+        )
         started = time.monotonic()
         podman("stop", name)
         stopped = time.monotonic() - started
