@@ -5,10 +5,12 @@ and the Kubernetes overlays checked against the same image. `make test-compose` 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -35,7 +37,6 @@ PROJECT = "kvbaton-test"
 IMAGE = COMPOSE["x-kvbaton-image"]["image"]
 ENABLED = os.environ.get("KVBATON_TEST_COMPOSE") == "1"
 PODMAN_COMPOSE = os.environ.get("KVBATON_PODMAN_COMPOSE", "podman-compose")
-INFLIGHT = "kvbaton_backend_inflight_requests"
 START_TIMEOUT = 90.0  # every container healthy; about 5 s when the image serves
 
 pytestmark = [
@@ -138,15 +139,22 @@ class Stack:
     def redis_cli(self, *args: str) -> str:
         return podman("exec", self.names["redis"], "redis-cli", *args)
 
-    def pulled_by_p(self) -> float:
-        """Prompt tokens P's KV came from another engine for (its /metrics, read inside its
-        container: the engines publish no port)."""
+    def engine_metric(self, service: str, name: str, **labels: str) -> float:
+        """A sample of an engine's /metrics, read inside its container (the engines publish
+        no port)."""
+        command = COMPOSE["services"][service]["command"]
+        port = command[command.index("--port") + 1]
         get = (
             "import urllib.request as u;"
-            "print(u.urlopen('http://127.0.0.1:8100/metrics').read().decode())"
+            f"print(u.urlopen('http://127.0.0.1:{port}/metrics').read().decode())"
         )
-        text = podman("exec", self.names["prefill-sim"], "python", "-c", get)
-        return total(text, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        return total(podman("exec", self.names[service], "python", "-c", get), name, **labels)
+
+    def pulled_by_p(self) -> float:
+        """Prompt tokens whose KV P read from another engine."""
+        return self.engine_metric(
+            "prefill-sim", "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
 
 
 def serving(name: str, url: str, timeout: float = 60) -> None:
@@ -181,12 +189,26 @@ def reference() -> Iterator[str]:
         podman("rm", "-f", name, check=False)
 
 
+def assert_free(url: str) -> None:
+    """Nothing holds the router's host port: not a process, not a port forward left by an
+    earlier stack (connecting then fails with "no route to host", not "refused")."""
+    parts = urlsplit(url)
+    with socket.socket() as sock:
+        sock.settimeout(2)
+        code = sock.connect_ex((str(parts.hostname), int(str(parts.port))))
+    assert code == errno.ECONNREFUSED, f"{url} is taken: {os.strerror(code)}"
+
+
 def bring_up(profile: str | None, router: str) -> Iterator[Stack]:
     args = ["--profile", profile] if profile else []
+    assert_free(published(router))
     try:
         compose(*args, "up", "-d", router)
         names = wait_healthy(with_dependencies(router))
-        wait_until(lambda: get_json(published(router) + "/ready")["status"] == "ready", "ready")
+        # podman-compose with Podman 4 does not wait for the healthchecks before it starts
+        # the router: it may start before its engines and take them in a health round later.
+        serving(names[router], published(router) + "/ready", timeout=START_TIMEOUT)
+        wait_until(lambda: not get_json(published(router) + "/ready")["degraded"], "Redis")
         yield Stack(router, names)
     finally:
         compose(*args, "down", "-t", "10")
@@ -441,7 +463,7 @@ class TestDefaultStack:
 
     def test_podman_stop_drains_the_turn_in_flight(self, default_stack: Stack) -> None:
         """SIGTERM (podman stop, default 10 s grace): the router stops taking turns and
-        finishes the one in flight (1000 tokens at 2 ms each on D), then exits 0."""
+        finishes the one in flight (1500 tokens at 2 ms each on D), then exits 0."""
         name = default_stack.names["router"]
         result: dict[str, Any] = {}
 
@@ -450,22 +472,22 @@ class TestDefaultStack:
                 out = api.chat.completions.create(
                     model="sim-model",
                     messages=[{"role": "user", "content": "Tell me a long story."}],
-                    max_tokens=1000,
+                    max_tokens=1500,
                 )
             result["usage"] = out.usage
 
         thread = threading.Thread(target=long_turn)
         thread.start()
         wait_until(
-            lambda: total(scrape(default_stack.url), INFLIGHT, role="decode") >= 1,
-            "the turn on D",
+            lambda: default_stack.engine_metric("decode-sim", "vllm:num_requests_running") >= 1,
+            "the turn running on D",
         )
         started = time.monotonic()
         podman("stop", name)
         stopped = time.monotonic() - started
         thread.join(10)
         assert result.get("usage") is not None, logs(name)
-        assert result["usage"].completion_tokens == 1000
+        assert result["usage"].completion_tokens == 1500
         assert state(name)["ExitCode"] == 0, logs(name)
         assert "1 requests in flight" in logs(name), logs(name)
         assert stopped < 9, f"podman stop took {stopped:.1f} s: the router did not exit"

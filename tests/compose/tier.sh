@@ -45,6 +45,26 @@ if [ "$("$VENV/bin/podman-compose" --version 2>/dev/null | head -1)" != "podman-
 fi
 echo "test-compose: tools ready in $(since "$t") s ($(podman --version), podman-compose $PODMAN_COMPOSE_VERSION)"
 
+# The compose file fixes its network's subnet (the GPU profile's engines have fixed addresses):
+# a stack of another project still up would make ours fail half way.
+SUBNET=$("$BIN/python" -c "import yaml; print(yaml.safe_load(open('deploy/docker-compose.yml'))['networks']['default']['ipam']['config'][0]['subnet'])")
+for net in $(podman network ls -q); do
+  if [ "$net" != "${PROJECT}_default" ] \
+    && podman network inspect --format '{{range .Subnets}}{{.Subnet}} {{end}}' "$net" | grep -qw "$SUBNET"; then
+    echo "test-compose: the podman network $net already uses $SUBNET, the compose file's subnet: take its stack down first" >&2
+    exit 1
+  fi
+done
+# A network removed by a podman without this CONTAINERS_CONF leaves aardvark-dns answering
+# for its containers: the same service names would resolve to gone addresses.
+for f in /run/containers/networks/aardvark-dns/*; do
+  [ -f "$f" ] && [ "${f##*/}" != aardvark.pid ] || continue
+  if ! podman network exists "${f##*/}"; then
+    echo "test-compose: $f names a network podman does not have (removed without CONTAINERS_CONF?): delete the file" >&2
+    exit 1
+  fi
+done
+
 PYTEST_PID=
 teardown() {
   local rc=$?
