@@ -463,7 +463,7 @@ class TestDefaultStack:
 
     def test_podman_stop_drains_the_turn_in_flight(self, default_stack: Stack) -> None:
         """SIGTERM (podman stop, default 10 s grace): the router stops taking turns and
-        finishes the one in flight (1500 tokens at 2 ms each on D), then exits 0."""
+        finishes the one in flight (2000 tokens at 2 ms each on D), then exits 0."""
         name = default_stack.names["router"]
         result: dict[str, Any] = {}
 
@@ -472,7 +472,7 @@ class TestDefaultStack:
                 out = api.chat.completions.create(
                     model="sim-model",
                     messages=[{"role": "user", "content": "Tell me a long story."}],
-                    max_tokens=1500,
+                    max_tokens=2000,
                 )
             result["usage"] = out.usage
 
@@ -482,15 +482,13 @@ class TestDefaultStack:
             lambda: default_stack.engine_metric("decode-sim", "vllm:num_requests_running") >= 1,
             "the turn running on D",
         )
-        started = time.monotonic()
-        podman("stop", name)
-        stopped = time.monotonic() - started
+        podman("stop", name)  # returns once the container exited, or killed it after 10 s
         thread.join(10)
         assert result.get("usage") is not None, logs(name)
-        assert result["usage"].completion_tokens == 1500
+        assert result["usage"].completion_tokens == 2000
+        # 0: it exited by itself after the drain (a kill after the 10 s would be 137)
         assert state(name)["ExitCode"] == 0, logs(name)
         assert "1 requests in flight" in logs(name), logs(name)
-        assert stopped < 9, f"podman stop took {stopped:.1f} s: the router did not exit"
 
 
 # ---- the push and store profiles ----
