@@ -61,3 +61,15 @@ clean:
 .PHONY: test-vllm
 test-vllm: install
 	@bash tests/vllm/tier.sh
+
+# The container image and the compose stacks, built and run for real with podman, without a
+# registry (docs/containers.md): base images from Debian packages, deploy/Dockerfile as it is,
+# the default, push and store stacks used from the host; everything removed afterwards.
+.PHONY: test-compose compose-env
+test-compose: install
+	@VENV_BIN=$(BIN) bash tests/compose/tier.sh
+
+# deploy/.env for `docker compose` / `podman-compose` in deploy/: random session secret and
+# admin key (kept when the file has them).
+compose-env:
+	@bash deploy/make-env.sh

@@ -34,6 +34,7 @@ TIER_BY_PATH = {
     "sim/test_responses_pd.py": "e2e",
     "sim_events": "component",
     "sim_events/test_decode.py": "unit",
+    "compose": "e2e",  # containers; runs only under `make test-compose`
     "deploy": "e2e",
     "deploy/test_compose.py": "unit",
     "e2e": "e2e",

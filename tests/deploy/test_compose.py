@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,10 +51,27 @@ def named(wanted: str) -> list[str]:
     return [name for name, svc in SERVICES.items() if kind(svc) == wanted]
 
 
-def env_of(svc: dict[str, Any]) -> dict[str, str]:
+# What deploy/.env gives compose (deploy/make-env.sh writes random values of this shape).
+DOT_ENV = {"KVBATON_SESSION_SECRET": "s" * 64, "KVBATON_ADMIN_KEY": "a" * 64}
+# ${NAME}, ${NAME:-default}, ${NAME:?error}: the interpolation forms the file uses.
+VARIABLE = re.compile(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}")
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    def one(match: re.Match[str]) -> str:
+        name, op, arg = match.groups()
+        if env.get(name):
+            return env[name]
+        assert op != ":?", f"${{{name}}} is required: {arg}"
+        return arg if op == ":-" else ""
+
+    return VARIABLE.sub(one, value)
+
+
+def env_of(svc: dict[str, Any], dot_env: dict[str, str] = DOT_ENV) -> dict[str, str]:
     env = svc.get("environment") or {}
     assert isinstance(env, dict), "environment as a mapping"
-    return {key: str(value) for key, value in env.items()}
+    return {key: interpolate(str(value), dot_env) for key, value in env.items()}
 
 
 def router_settings(name: str) -> Settings:
@@ -196,12 +214,50 @@ def test_healthchecks_probe_health_on_the_listening_port() -> None:
         assert urls == [(str(listen_port(name)), "/health")], f"{name}: {test}"
 
 
-def test_published_router_ports_match_listen_ports() -> None:
+def test_published_router_ports_match_listen_ports_on_loopback() -> None:
+    published = []
     for name in named("router"):
         for mapping in SERVICES[name]["ports"]:
-            assert int(str(mapping).rsplit(":", 1)[1]) == listen_port(name)
-    published = [str(m).split(":")[0] for n in SERVICES for m in SERVICES[n].get("ports", [])]
+            address, host_port, port = str(mapping).split(":")
+            assert address == "127.0.0.1", f"{name}: the demo stack serves this host only"
+            assert int(port) == listen_port(name)
+            published.append(host_port)
+    others = [n for n in SERVICES if kind(SERVICES[n]) != "router" and "ports" in SERVICES[n]]
+    assert not others, f"only the routers publish ports: {others}"
     assert len(published) == len(set(published)), "two services publish the same host port"
+
+
+@pytest.mark.parametrize("name", named("router"))
+def test_routers_sign_sessions_with_the_secret_of_the_env_file(name: str) -> None:
+    """KVBATON_SESSION_SECRET comes from deploy/.env (or the shell) and is required: without it
+    compose refuses to start, rather than running unsigned sessions."""
+    raw = SERVICES[name]["environment"]
+    assert raw["KVBATON_SESSION_SECRET"].startswith("${KVBATON_SESSION_SECRET:?")
+    with pytest.raises(AssertionError, match="required"):
+        env_of(SERVICES[name], {})
+    settings = router_settings(name)
+    assert settings.session_secrets == (DOT_ENV["KVBATON_SESSION_SECRET"],)
+    assert settings.admin_key == DOT_ENV["KVBATON_ADMIN_KEY"]
+
+
+@pytest.mark.e2e
+def test_make_env_writes_random_secrets_once_and_is_git_ignored(tmp_path: Path) -> None:
+    path = tmp_path / ".env"
+
+    def written() -> dict[str, str]:
+        subprocess.run(["bash", str(DEPLOY / "make-env.sh"), str(path)], check=True, timeout=30)
+        return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+    first = written()
+    assert set(first) == set(DOT_ENV)
+    assert all(re.fullmatch(r"[0-9a-f]{64}", value) for value in first.values()), first
+    assert written() == first, "an existing file keeps its secrets"
+    path.write_text("KVBATON_ADMIN_KEY=mine\n")
+    again = written()
+    assert again["KVBATON_ADMIN_KEY"] == "mine"
+    assert again["KVBATON_SESSION_SECRET"] != first["KVBATON_SESSION_SECRET"], "random"
+    assert path.stat().st_mode & 0o077 == 0, "readable by its owner only"
+    assert "deploy/.env" in (ROOT / ".gitignore").read_text().split()
 
 
 @pytest.mark.parametrize("name", named("vllm"))
