@@ -178,7 +178,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "session_secret",
         "secret(s) signing each session's handle and digests (HMAC, comma-separated: the first "
-        "signs, each verifies, for rotation); the same on every replica (empty: unsigned)",
+        "signs, each verifies, for rotation), at least 16 characters each, the same on every "
+        "replica; required with --session-store redis unless --unsigned-sessions (the memory "
+        "store makes its own)",
+    ),
+    Flag(
+        "unsigned_sessions",
+        "store sessions unsigned (no --session-secret): anyone who can write to Redis can "
+        "then change a stored handle's block ids and make P read wrong KV",
+        bool,
     ),
     Flag(
         "admin_api_key",
