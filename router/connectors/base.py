@@ -38,6 +38,8 @@ class Capabilities:
 
 
 TurnT = TypeVar("TurnT", contravariant=True)
+# Where a handle sends P to read: (engine id, side-channel host, side-channel port).
+Origin = tuple[str, str, int]
 Changed = Callable[[], Awaitable[None]]
 
 
@@ -72,6 +74,10 @@ class Connector(Protocol[TurnT]):
 
     def engine_id(self, params: Mapping[str, Any]) -> str | None:
         """The engine id that made a handle (a new one means its engine restarted)."""
+        ...
+
+    def origin(self, params: Mapping[str, Any]) -> Origin | None:
+        """The engine and side channel a handle makes P connect to (None: it names none)."""
         ...
 
     def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
@@ -134,6 +140,13 @@ def engine_id(params: Mapping[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def origin(params: Mapping[str, Any]) -> Origin | None:
+    engine, host, port = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port"))
+    if not (isinstance(engine, str) and isinstance(host, str) and type(port) is int):
+        return None
+    return engine, host, port
+
+
 class Defaults:
     """What a connector without a D->P handle, registration or coordinates does; each
     connector overrides what its protocol has."""
@@ -150,6 +163,9 @@ class Defaults:
 
     def engine_id(self, params: Mapping[str, Any]) -> str | None:
         return engine_id(params)
+
+    def origin(self, params: Mapping[str, Any]) -> Origin | None:
+        return origin(params)
 
     def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
         return prefill_failed(status, body)

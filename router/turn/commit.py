@@ -123,6 +123,7 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     kept = params if end.keep_handle else None
     if kept is not None:
         turn.decode.ident.note_engine_id(svc.connector.engine_id(kept))
+        turn.decode.ident.note_origin(svc.connector.origin(kept))  # D's own answer
     prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
     state = sm.next_state(
         turn.claim.state,
