@@ -124,6 +124,11 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message says which setting and why."""
 
 
+class ClientGone(Exception):
+    """The request body ended before it was whole: the client hung up, or the server could not
+    parse its framing and has answered it already. No response can reach the client."""
+
+
 def error_body(
     message: str, type: str, code: str | int | None = None, param: str | None = None
 ) -> bytes:

@@ -17,6 +17,7 @@ from hypercorn.config import Config
 from router.config import Settings, WorkerSlot, load_settings, worker_slot
 from router.connectors.select import select
 from router.errors import ConfigError, StartupError
+from router.http import framing
 from router.http.app import create_app
 from router.http.workers import supervise
 from router.lifecycle.discovery import preflight
@@ -111,6 +112,7 @@ async def run(settings: Settings, slot: WorkerSlot | None = None) -> None:
     stop = asyncio.Event()
     parent = os.getppid()
     await preflight(settings)
+    framing.install()  # unparseable requests get an OpenAI-format 400
     app = create_app(settings)
     requests = Requests(app, report_ready(slot))
     config = hypercorn_config(settings, slot)
