@@ -91,6 +91,13 @@ class Connector(Protocol[TurnT]):
         reads nothing (None: this protocol pins nothing on D)."""
         ...
 
+    def release_prefilled(
+        self, prefilled: Mapping[str, Any], model: str
+    ) -> tuple[dict[str, Any], str] | None:
+        """A D request that frees what P pinned for a D that will never read it (None: P
+        pins nothing for D, or these are not P's params)."""
+        ...
+
     async def inspect(
         self, engines: EngineClient, inst: Instance, model: str, timeout: float
     ) -> None:
@@ -174,6 +181,11 @@ class Defaults:
         self, handle: Mapping[str, Any], model: str
     ) -> tuple[dict[str, Any], str] | None:
         return None  # D pins nothing for this protocol
+
+    def release_prefilled(
+        self, prefilled: Mapping[str, Any], model: str
+    ) -> tuple[dict[str, Any], str] | None:
+        return None
 
     async def inspect(
         self, engines: EngineClient, inst: Instance, model: str, timeout: float

@@ -40,6 +40,7 @@ def releaser(svc: Services) -> Releaser | None:
         lambda: svc.model or svc.settings.model,
         lambda reason, outcome: svc.metrics.releases.labels(reason, outcome).inc(),
         timeout=svc.settings.prefill_timeout,
+        prefilled_request=connector.release_prefilled,
     )
 
 

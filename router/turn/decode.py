@@ -62,6 +62,12 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
             raise EngineReply(resp.status, raw)
         outcome = LegOutcome.OK
         return resp
+    except (EngineReply, asyncio.CancelledError):
+        # D refused before reading P's blocks, or the client left first: P would keep them
+        # for its kv_lease_duration; a D request that reads nothing frees them now.
+        if svc.releaser is not None and turn.prefill is not None:
+            svc.releaser.submit_prefilled(params, turn.prefill.url)
+        raise
     finally:
         svc.metrics.upstream.labels("decode", d_inst.url, outcome).observe(
             time.monotonic() - started

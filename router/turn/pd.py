@@ -14,7 +14,7 @@ from starlette.responses import Response
 from router.engines.pool import Instance, Role
 from router.errors import Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
-from router.turn import decide, kv_aware, plan
+from router.turn import decide, fits, kv_aware, plan
 from router.turn.claim import verify
 from router.turn.decode import decode
 from router.turn.legs import pick_decode
@@ -37,6 +37,7 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
         p_inst = _reader(turn, source, p_inst)
     turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, turn.early)
     kv_aware.check_handle(turn, p_inst, source)
+    await fits.check(turn, p_inst.url)  # what D would refuse, before P pins blocks for it
     failed: list[str] = []
     local = await plan.decode_here(turn, source, p_inst)
     if local is not None:
