@@ -81,7 +81,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     connect_timeout: float = 2.0
     prefill_timeout: float = 120.0
     decode_first_byte_timeout: float = 120.0
-    decode_idle_timeout: float = 60.0
+    decode_idle_timeout: float = 15.0
     store_timeout: float = 0.25
     store_retry_after: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024

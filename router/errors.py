@@ -104,12 +104,14 @@ class UpstreamFailure(Exception):
     """An engine could not be reached, timed out, or broke the connection.
 
     `reached` is False only when the request cannot have reached the engine (the connection
-    was never made): only then may a single-use handle be sent elsewhere.
+    was never made): only then may a single-use handle be sent elsewhere. `stalled`: the
+    engine stopped sending in the middle of its answer (--decode-idle-timeout).
     """
 
-    def __init__(self, message: str, *, reached: bool = True) -> None:
+    def __init__(self, message: str, *, reached: bool = True, stalled: bool = False) -> None:
         super().__init__(message)
         self.reached = reached
+        self.stalled = stalled
 
 
 class StartupError(RuntimeError):

@@ -101,8 +101,7 @@ class Releaser:
         self.queue.put_nowait(Job(handle, decode, reason))
 
     def submit_prefilled(self, params: Mapping[str, Any] | None, prefill: str) -> None:
-        """Queue the release of P's params that no D will read (D refused the turn, or the
-        client left before D's leg was sent)."""
+        """Queue the release of P's params that no D will read (D refused the turn)."""
         if params is None or self.prefilled_request is None:
             return
         if self.queue.full():

@@ -44,7 +44,7 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
         try:
             return await decode(turn, local, None)
         except UpstreamFailure as exc:  # before its first byte: an ordinary P/D turn
-            svc.pool.record_failure(local, str(exc))
+            svc.pool.record_failure(local, str(exc), stalled=exc.stalled)
             failed.append(local.url)
             log.warning("decode plan on %s failed before the first byte: %s", local.url, exc)
             turn.miss(Reason.DECODE_LOCAL_FAILED)
@@ -61,7 +61,7 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
         except UpstreamFailure as exc:
             # D failed before its first byte: redo the whole turn with a new P leg, since
             # P's params are single use (never send them to a second D).
-            svc.pool.record_failure(d_inst, str(exc))
+            svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
             failed.append(d_inst.url)
             log.warning("decode on %s failed before the first byte: %s", d_inst.url, exc)
             if not decide.redo_decode(len(failed)):
