@@ -33,6 +33,9 @@ async def finish(turn: Turn, captured: Captured) -> None:
         await abort(turn, AbortReason.finish(captured.finish_reason), captured)
         return
     pins.release_unread(turn, "superseded")
+    if turn.svc.kv_events is not None:  # their streams should show this turn's blocks
+        ran = (turn.prefill, turn.decode)
+        turn.svc.kv_events.note_turn(*(i.url for i in ran if i is not None))
     result = await _commit(turn, captured)
     report(turn, result, captured)
 
