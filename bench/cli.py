@@ -1,6 +1,6 @@
 """`python -m bench [--quick] [--out DIR]`: run the benchmarks, write the report and plots.
 
-The full run writes docs/benchmarks.md and docs/bench-*.png; --quick (under 2 minutes)
+The full run writes docs/benchmarks.md and docs/bench-*.png; --quick (under 4 minutes)
 writes to a fresh temporary directory unless --out is given.
 """
 
@@ -25,22 +25,34 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench import events, hitpath, overhead, plots, profile, report, reuse, throughput
+from bench import (
+    events,
+    hitpath,
+    overhead,
+    peers,
+    pins,
+    plots,
+    profile,
+    report,
+    reuse,
+    throughput,
+)
 from bench.plan import FULL, QUICK, Plan
 from bench.stack import LoadGen
 from tests.support.procs import ROOT
 
-PARTS = ("overhead", "throughput", "reuse", "events", "profile")
+PARTS = ("overhead", "throughput", "reuse", "events", "profile", "pins", "peers")
 PNGS = {
     "overhead": "bench-overhead.png",
     "ttft": "bench-ttft.png",
     "throughput": "bench-throughput.png",
+    "pins": "bench-pins.png",
 }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="a small run (under 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="a small run (under 4 minutes)")
     p.add_argument("--out", type=Path, help="report directory (default: docs/, or a temp dir)")
     p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts")
     p.add_argument("--raw", type=Path, help="also write the raw results as JSON here")
@@ -65,6 +77,10 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
         n += events.steps(plan)
     if "profile" in parts and plan.profile_s > 0:
         n += len(profile.PROFILES) + 1  # and the hits
+    if "pins" in parts:
+        n += pins.steps(plan)
+    if "peers" in parts:
+        n += peers.steps(plan)
     return n
 
 
@@ -189,6 +205,10 @@ def run_parts(
             results["events"] = events.run(plan, lg, tick)
         if "profile" in parts and plan.profile_s > 0 and profile.available():
             results["profile"] = profile.run(plan, lg, tick)
+        if "pins" in parts:
+            results["pins"] = pins.run(plan, lg, tick)
+        if "peers" in parts:
+            results["peers"] = peers.run(plan, lg, tick)
     return results
 
 
@@ -204,6 +224,9 @@ def write(results: dict[str, Any], plan: Plan, out: Path) -> Path:
     if "throughput" in results:
         plots.throughput(results["throughput"], out / PNGS["throughput"])
         pngs["throughput"] = PNGS["throughput"]
+    if "pins" in results:
+        plots.pins(results["pins"], out / PNGS["pins"])
+        pngs["pins"] = PNGS["pins"]
     path = out / "benchmarks.md"
     path.write_text(report.render(results, plan, pngs))
     return path

@@ -26,7 +26,8 @@ Tick = Callable[[str], None]
 # keeps its pins long enough for a conversation's next turn.
 P_ARGS = ["--bidirectional", "--kv-recompute-threshold", "0", "--num-blocks", "65536"]
 D_ARGS = ["--bidirectional", "--stream-kv-params", "--num-blocks", "65536"]
-# The floor never reads D's pins: let them go within a cell, not after 480 s.
+# The floor never reads or releases D's pins (kvbaton releases the last turn's): let them go
+# within a cell, not after 480 s.
 D_ARGS += ["--decoder-kv-blocks-ttl", "60"]
 ROUTER_ARGS = ["--stream-kv-params"]
 # The same router on the standard library's event loop (kvbaton's default is uvloop): at 1

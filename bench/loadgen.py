@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import random
@@ -141,18 +142,25 @@ class Target:
 
 
 class RouterTarget(Target):
-    def __init__(self, urls: list[str]) -> None:
+    """A router; the conversation id goes in the body (`conversation_id`), or with
+    session_header in an `X-Session-ID` header (what vllm-router's session policies hash)."""
+
+    def __init__(self, urls: list[str], session_header: bool = False) -> None:
         self._urls = itertools.cycle(urls)
+        self._header = session_header
 
     async def send(
         self, s: aiohttp.ClientSession, body: dict[str, Any], conv: str | None, parse: bool
     ) -> Sample:
         sample = Sample()
         stream = bool(body.get("stream"))
-        if conv is not None:
+        headers = _JSON
+        if conv is not None and self._header:
+            headers = {**_JSON, "X-Session-ID": conv}
+        elif conv is not None:
             body = {**body, "conversation_id": conv}
         t0 = time.perf_counter()
-        async with s.post(next(self._urls) + CHAT, data=_encode(body), headers=_JSON) as resp:
+        async with s.post(next(self._urls) + CHAT, data=_encode(body), headers=headers) as resp:
             await read_reply(resp, sample, t0, stream, parse)
         sample.latency = time.perf_counter() - t0
         return sample
@@ -197,7 +205,7 @@ _JSON = {"Content-Type": "application/json"}
 def make_target(spec: dict[str, Any]) -> Target:
     t = spec["target"]
     if t["mode"] == "router":
-        return RouterTarget(t["urls"])
+        return RouterTarget(t["urls"], bool(t.get("session_header")))
     return DirectTarget(t["prefill"], t["decode"])
 
 
@@ -332,6 +340,39 @@ async def conversations(spec: dict[str, Any]) -> dict[str, Any]:
     return {"turns": turns, "wall_s": wall}
 
 
+async def arrivals(spec: dict[str, Any]) -> dict[str, Any]:
+    """Conversations arrive at `rate` per second (a Poisson process) for `duration_s`: a
+    `one_turn_share` of them have one turn, the others `turns` (lo, hi); a client thinks
+    `think_s` seconds (mean, exponential) between two turns of its conversation. Every turn
+    is timed and stamped with its start (seconds from the job's start)."""
+    target = make_target(spec)
+    rng = random.Random(spec.get("seed", 0))
+    rate, duration = float(spec["rate"]), float(spec["duration_s"])
+    deadline = time.monotonic() + duration + float(spec.get("drain_s", 30.0))
+    turns: list[dict[str, Any]] = []
+    running: set[asyncio.Task[None]] = set()
+    async with _session(spec, int(spec.get("max_inflight", 1024))) as s:
+        t0 = time.perf_counter()
+        at, c = rng.expovariate(rate), 0
+        while at < duration:
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            one = rng.random() < float(spec["one_turn_share"])
+            conv_spec = {**spec, "turns": 1 if one else rng.randint(*spec["turns"])}
+            conv_rng = random.Random(spec.get("seed", 0) * 7919 + c)
+            task = asyncio.create_task(
+                run_conversation(s, target, conv_spec, conv_rng, c, turns, deadline, True, t0)
+            )
+            running.add(task)
+            task.add_done_callback(running.discard)
+            at, c = at + rng.expovariate(rate), c + 1
+        if running:
+            await _bounded(asyncio.gather(*running), deadline)
+        wall = time.perf_counter() - t0
+    return {"turns": turns, "wall_s": wall, "conversations": c}
+
+
 async def run_conversation(
     s: aiohttp.ClientSession,
     target: Target,
@@ -341,13 +382,20 @@ async def run_conversation(
     turns: list[dict[str, Any]],
     deadline: float,
     use_ids: bool,
+    t0: float | None = None,
 ) -> None:
+    """One conversation's turns; with t0, each turn's record has its start from t0, and a
+    `think_s` (mean) pause comes before every turn after the first."""
     lo, hi = spec["system_words"]
     history: list[dict[str, Any]] = [{"role": "system", "content": words(rng, rng.randint(lo, hi))}]
     conv = f"bench-{spec.get('seed', 0)}-{c}-{uuid.uuid4().hex[:8]}" if use_ids else None
+    think = float(spec.get("think_s", 0.0))
     for t in range(1, int(spec["turns"]) + 1):
+        if t > 1 and think > 0:
+            await asyncio.sleep(min(rng.expovariate(1 / think), 4 * think))
         if time.monotonic() >= deadline:
             return
+        started = time.perf_counter() - t0 if t0 is not None else 0.0
         user = {"role": "user", "content": words(rng, rng.randint(*spec["user_words"]))}
         body: dict[str, Any] = {
             "model": spec.get("model", "sim-model"),
@@ -358,7 +406,12 @@ async def run_conversation(
         if body["stream"]:
             body["stream_options"] = {"include_usage": True}
         sample = await _guarded(target, s, body, conv, True)
-        turns.append(_turn_record(c, t, sample))
+        record = {**_turn_record(c, t, sample), "start": started}
+        if t0 is not None:  # the answer, to compare across arms
+            record["answer"] = hashlib.blake2b(
+                "".join(sample.text).encode(), digest_size=8
+            ).hexdigest()
+        turns.append(record)
         if not sample.ok:
             return  # the history would no longer match what D holds
         history += [user, {"role": "assistant", "content": "".join(sample.text)}]
@@ -407,6 +460,7 @@ KINDS: dict[str, Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]
     "closed": closed_loop,
     "open": open_loop,
     "conversations": conversations,
+    "arrivals": arrivals,
 }
 
 

@@ -109,6 +109,16 @@ class Plan:
     hit_min_convs: int
     hit_turns: int
     hit_rounds: int
+    # 7. D's memory: conversations arriving per second for pins_s seconds on a D of
+    # pins_blocks blocks (the engine's own 480 s pin TTL), releases on and off
+    pins_rate: float
+    pins_s: float
+    pins_blocks: int
+    pins_timeout_s: float  # a client gives up on a turn after this long
+    pins_window_s: float  # the time series' step
+    # 8. peers: section 7's arrivals for peers_s seconds per arm and round (the variants
+    # for a share of it; bench/peers.py, SCENARIOS)
+    peers_s: float
     gpu: GpuProfile = GpuProfile()
 
     @property
@@ -147,6 +157,12 @@ FULL = Plan(
     hit_min_convs=24,
     hit_turns=5,
     hit_rounds=2,
+    pins_rate=3.0,
+    pins_s=150.0,
+    pins_blocks=8192,
+    pins_timeout_s=30.0,
+    pins_window_s=10.0,
+    peers_s=60.0,
 )
 
 QUICK = Plan(
@@ -180,4 +196,10 @@ QUICK = Plan(
     hit_min_convs=4,
     hit_turns=3,
     hit_rounds=1,
+    pins_rate=3.0,
+    pins_s=10.0,
+    pins_blocks=2048,
+    pins_timeout_s=5.0,
+    pins_window_s=3.0,
+    peers_s=6.0,
 )

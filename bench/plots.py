@@ -110,3 +110,32 @@ def throughput(results: dict[str, Any], path: Path) -> None:
     fig.suptitle("router throughput: pinned to one core, and 1 vs 2 workers unpinned")
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def pins(results: dict[str, Any], path: Path) -> None:
+    """D's pinned share (every sample) and TTFT p99 per window, over time, per arm."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    colours = {"releases on": "tab:green", "releases off": "tab:red"}
+    step = results["window_s"]
+    for name, arm in results["arms"].items():
+        colour = colours.get(name)
+        series = arm["series"]
+        axes[0].plot(
+            [s["t"] for s in series], [s["pinned"] for s in series], color=colour, label=name
+        )
+        ws = [w for w in arm["windows"] if w["ttft"]["n"]]
+        xs = [w["t"] + step / 2 for w in ws]
+        axes[1].plot(xs, [w["ttft"]["p99"] for w in ws], "o-", color=colour, label=f"{name}, p99")
+        axes[1].plot(xs, [w["ttft"]["p50"] for w in ws], "s--", color=colour, label=f"{name}, p50")
+    axes[0].set_ylabel("share of D's blocks pinned for P")
+    axes[0].set_ylim(0, 1.02)
+    axes[1].set_ylabel("TTFT of the turns started (ms, log)")
+    axes[1].set_yscale("log")
+    axes[1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    for ax in axes:
+        ax.set_xlabel("seconds from the first arrival")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("D's memory under an arrival process, releases on and off")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

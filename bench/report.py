@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench import events, hitpath, redis_cost, reuse, throughput
+from bench import events, hitpath, peers, pins, redis_cost, reuse, throughput
 from bench import targets as bench_targets
 from bench.plan import SOURCES, Plan
 from bench.stats import fmt
@@ -20,6 +20,8 @@ SECTIONS = (
     "## 4. Redis cost per turn",
     "## 5. Profile",
     "## 6. KV events",
+    "## 7. D's memory",
+    "## 8. Side by side with other routers",
     "## Configuration",
 )
 
@@ -65,6 +67,10 @@ def render(results: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> str:
     lines += profile_section(results.get("profile"))
     if "events" in results:
         lines += events.section(results["events"])
+    if "pins" in results:
+        lines += pins.section(results["pins"], plan, pngs.get("pins"))
+    if "peers" in results:
+        lines += peers.section(results["peers"], plan)
     lines += config_section(results)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -930,7 +936,7 @@ def config_section(results: dict[str, Any]) -> list[str]:
         "run time; everything binds 127.0.0.1):",
         "",
     ]
-    for part in ("overhead", "reuse"):
+    for part in ("overhead", "reuse", "pins", "peers"):
         for name, commands in results.get(part, {}).get("commands", {}).items():
             lines += [f"**{part} / {name}**", "", "```"]
             lines += [f"{label}: {' '.join(argv)}" for label, argv in commands.items()]

@@ -37,9 +37,9 @@ ARMS = {
     "q": "kvbaton, JSON turns, pull only (--decode-local-max-tokens 0)",
 }
 # The small cache measures what eviction costs reuse; how a session is found does not change
-# that, so arm (h) runs with the ample cache only (and --quick stays under 2 minutes).
+# that, so arm (h) runs with the ample cache only (and --quick stays under 4 minutes).
 ONLY_AMPLE = ("h", "p", "n", "q")
-# Non-streaming turns, the plans compared: a full run only (--quick stays under 2 minutes).
+# Non-streaming turns, the plans compared: a full run only (--quick stays under 4 minutes).
 FULL_ONLY = ("n", "q")
 JSON_ARMS = ("n", "q")
 CACHES = ("ample", "small")

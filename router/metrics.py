@@ -80,6 +80,16 @@ class _StateCollector(Collector):
             "Handles the router holds on a D (each pins its blocks there until read or released)",
             labels=["instance"],
         )
+        blocks = GaugeMetricFamily(
+            "kvbaton_decode_pinned_blocks",
+            "Blocks the handles the router holds on a D pin there (as D returned each handle)",
+            labels=["instance"],
+        )
+        tokens = GaugeMetricFamily(
+            "kvbaton_decode_pinned_tokens",
+            "Tokens of the handles the router holds on a D (their remote_num_tokens)",
+            labels=["instance"],
+        )
         for inst in instances:
             healthy.add_metric([inst.role, inst.url], 1.0 if inst.usable else 0.0)
             restarts.add_metric([inst.role, inst.url], float(inst.ident.restarts))
@@ -87,7 +97,9 @@ class _StateCollector(Collector):
                 usage.add_metric([inst.url], inst.kv_usage)
             if inst.role == "decode" and inst.pins >= 0:
                 pins.add_metric([inst.url], float(inst.pins))
-        yield from (healthy, restarts, usage, pins)
+                blocks.add_metric([inst.url], float(inst.pinned_blocks))
+                tokens.add_metric([inst.url], float(inst.pinned_tokens))
+        yield from (healthy, restarts, usage, pins, blocks, tokens)
         if self._shared:
             return
         inflight = GaugeMetricFamily(*INFLIGHT, labels=INSTANCE)

@@ -56,3 +56,9 @@ def pins_key(decode: str) -> str:
         # A brace inside would move the hash tag (and no URL needs one).
         raise ValueError("decode must be a non-empty URL without braces")
     return f"{PINS_PREFIX}{{{decode}}}"
+
+
+def pin_sizes_key(decode: str) -> str:
+    """`kvbaton:pins:{<decode base URL>}:sizes`: a HASH beside D's pin index, each indexed
+    conversation's "<blocks> <tokens>" (the same hash tag: one slot with the index)."""
+    return pins_key(decode) + ":sizes"

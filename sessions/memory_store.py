@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from sessions.keys import pins_key
-from sessions.model import SessionState
+from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
 from sessions.store import StoreError
 from sessions.vocabulary import Reason
 
@@ -44,8 +44,10 @@ class MemorySessionStore:
         self._entries: OrderedDict[str, tuple[SessionState, float]] = OrderedDict()
         # History keys: value and deadline, evicted like the sessions they name.
         self._history: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        # Pin indexes: decode URL -> ({conversation key: since}, deadline of the index).
+        # Pin indexes: decode URL -> ({conversation key: since}, deadline of the index), and
+        # what each conversation's handle pins (decode URL -> {conversation key: size}).
         self._pins: dict[str, tuple[dict[str, float], float]] = {}
+        self._pin_sizes: dict[str, dict[str, PinSize]] = {}
         self._closed = False
 
     def __len__(self) -> int:
@@ -125,10 +127,13 @@ class MemorySessionStore:
         entry = self._pins.get(decode)
         if entry is not None and self._clock() >= entry[1]:
             del self._pins[decode]
+            self._pin_sizes.pop(decode, None)
             return None
         return None if entry is None else entry[0]
 
-    async def note_pin(self, decode: str, key: str, at: float, ttl_s: float) -> None:
+    async def note_pin(
+        self, decode: str, key: str, at: float, ttl_s: float, size: PinSize = UNKNOWN_SIZE
+    ) -> None:
         index = self._pin_index(decode)
         deadline = self._clock() + max(ttl_s, 0.001)
         if index is None:
@@ -136,16 +141,22 @@ class MemorySessionStore:
         else:
             deadline = max(deadline, self._pins[decode][1])  # the expiry only grows
         index[key] = at
+        sizes = self._pin_sizes.setdefault(decode, {})
+        sizes[key] = size
         self._pins[decode] = (index, deadline)
         if len(index) > self._max_entries:  # the oldest pin goes, as a state would
-            del index[min(index, key=index.__getitem__)]
+            oldest = min(index, key=index.__getitem__)
+            del index[oldest]
+            sizes.pop(oldest, None)
 
     async def forget_pin(self, decode: str, key: str) -> None:
         index = self._pin_index(decode)
         if index is not None:
             index.pop(key, None)
+            self._pin_sizes.get(decode, {}).pop(key, None)
             if not index:  # as Redis deletes an empty ZSET (its expiry with it)
                 del self._pins[decode]
+                self._pin_sizes.pop(decode, None)
 
     async def pins_due(self, decode: str, before: float, limit: int) -> list[tuple[str, float]]:
         index = self._pin_index(decode)
@@ -154,9 +165,12 @@ class MemorySessionStore:
         due = heapq.nsmallest(limit, ((at, k) for k, at in index.items() if at <= before))
         return [(k, at) for at, k in due]
 
-    async def count_pins(self, decode: str) -> int:
+    async def pin_totals(self, decode: str) -> PinTotals:
         index = self._pin_index(decode)
-        return 0 if index is None else len(index)
+        if index is None:
+            return PinTotals()
+        sizes = self._pin_sizes.get(decode, {}).values()
+        return PinTotals(len(index), sum(s.blocks for s in sizes), sum(s.tokens for s in sizes))
 
     async def find_history(self, keys: Sequence[str]) -> list[str | None]:
         self._check_open()
@@ -197,3 +211,4 @@ class MemorySessionStore:
         self._entries.clear()
         self._history.clear()
         self._pins.clear()
+        self._pin_sizes.clear()

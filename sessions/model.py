@@ -22,6 +22,24 @@ from sessions.digests import text_digest as text_digest
 from sessions.vocabulary import Reason
 
 
+class PinSize(msgspec.Struct, frozen=True):
+    """What one handle pins on its D: blocks and tokens (0 and 0 when unknown)."""
+
+    blocks: int = 0
+    tokens: int = 0
+
+
+UNKNOWN_SIZE = PinSize()
+
+
+class PinTotals(msgspec.Struct, frozen=True):
+    """A D's pin index summed: the handles it lists, and their blocks and tokens."""
+
+    handles: int = 0
+    blocks: int = 0
+    tokens: int = 0
+
+
 class SessionState(msgspec.Struct, frozen=True, kw_only=True):
     """What the router remembers about one conversation between turns."""
 

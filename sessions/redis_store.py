@@ -20,8 +20,16 @@ from redis.exceptions import RedisError, ResponseError
 
 from sessions import connect, scripts
 from sessions.connect import RedisClient
-from sessions.keys import pins_key
-from sessions.model import SessionState, StateDecodeError, from_fields, to_fields
+from sessions.keys import pin_sizes_key, pins_key
+from sessions.model import (
+    UNKNOWN_SIZE,
+    PinSize,
+    PinTotals,
+    SessionState,
+    StateDecodeError,
+    from_fields,
+    to_fields,
+)
 from sessions.store import CorruptState, StoreError
 from sessions.vocabulary import Reason
 
@@ -82,6 +90,8 @@ class RedisSessionStore:
         self._take_handle = client.register_script(scripts.TAKE_HANDLE)
         self._end = client.register_script(scripts.END)
         self._note_pin = client.register_script(scripts.NOTE_PIN)
+        self._forget_pin = client.register_script(scripts.FORGET_PIN)
+        self._pin_totals = client.register_script(scripts.PIN_TOTALS)
 
     async def _set_up_cluster(self) -> None:
         async with self._set_up_lock:
@@ -185,15 +195,15 @@ class RedisSessionStore:
             "history index", cast(Awaitable[Any], self._client.set(key, value, px=ttl_ms))
         )
 
-    async def note_pin(self, decode: str, key: str, at: float, ttl_s: float) -> None:
+    async def note_pin(
+        self, decode: str, key: str, at: float, ttl_s: float, size: PinSize = UNKNOWN_SIZE
+    ) -> None:
         ttl_ms = max(1, math.ceil(ttl_s * 1000))
-        args: list[str | int] = [repr(float(at)), key, ttl_ms]
-        await self._run("note pin", self._note_pin(keys=[pins_key(decode)], args=args))
+        args: list[str | int] = [repr(float(at)), key, ttl_ms, f"{size.blocks} {size.tokens}"]
+        await self._run("note pin", self._note_pin(keys=_pin_keys(decode), args=args))
 
     async def forget_pin(self, decode: str, key: str) -> None:
-        await self._run(
-            "forget pin", cast(Awaitable[Any], self._client.zrem(pins_key(decode), key))
-        )
+        await self._run("forget pin", self._forget_pin(keys=_pin_keys(decode), args=[key]))
 
     async def pins_due(self, decode: str, before: float, limit: int) -> list[tuple[str, float]]:
         name = pins_key(decode)
@@ -210,8 +220,11 @@ class RedisSessionStore:
 
         return await self._run("pins due", due())
 
-    async def count_pins(self, decode: str) -> int:
-        return int(await self._run("count pins", self._client.zcard(pins_key(decode))))
+    async def pin_totals(self, decode: str) -> PinTotals:
+        handles, blocks, tokens = await self._run(
+            "pin totals", self._pin_totals(keys=_pin_keys(decode), args=[])
+        )
+        return PinTotals(int(handles), int(blocks), int(tokens))
 
     async def get(self, key: str) -> SessionState | None:
         async def get() -> SessionState | None:
@@ -231,3 +244,7 @@ class RedisSessionStore:
         """Close the connection pool, unless the client was passed in (its owner closes it)."""
         if self._owns_client:
             await connect.close(self._client)
+
+
+def _pin_keys(decode: str) -> list[str]:
+    return [pins_key(decode), pin_sizes_key(decode)]

@@ -73,11 +73,31 @@ redis.call('DEL', KEYS[1])
 return fields
 """
 
-# One pin index (a ZSET): ARGV score, member, TTL in ms. The key's expiry only grows (a key
-# without one gets it), so an index nobody notes into any more disappears.
+# One pin index (a ZSET, KEYS[1]) and its sizes (a HASH, KEYS[2]): ARGV score, member, TTL in
+# ms, "<blocks> <tokens>". Each key's expiry only grows (a key without one gets it), so an
+# index nobody notes into any more disappears.
 NOTE_PIN = """
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
 local ttl = tonumber(ARGV[3])
-if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+for _, key in ipairs(KEYS) do
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+end
 return 1
+"""
+
+# A conversation out of D's pin index and its sizes.
+FORGET_PIN = """
+redis.call('HDEL', KEYS[2], ARGV[1])
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+# D's pin index summed: {handles, blocks, tokens} (a size that does not parse counts 0).
+PIN_TOTALS = """
+local blocks, tokens = 0, 0
+for _, size in ipairs(redis.call('HVALS', KEYS[2])) do
+  local b, t = string.match(size, '^(%d+) (%d+)$')
+  if b then blocks = blocks + tonumber(b); tokens = tokens + tonumber(t) end
+end
+return {redis.call('ZCARD', KEYS[1]), blocks, tokens}
 """

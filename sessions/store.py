@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from sessions.model import SessionState
+from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
 
 
 class StoreError(Exception):
@@ -84,10 +84,13 @@ class SessionStore(Protocol):
         """
         ...
 
-    async def note_pin(self, decode: str, key: str, at: float, ttl_s: float) -> None:
+    async def note_pin(
+        self, decode: str, key: str, at: float, ttl_s: float, size: PinSize = UNKNOWN_SIZE
+    ) -> None:
         """Record in `sessions.keys.pins_key(decode)` that conversation key holds a live handle
-        on D since wall-clock time `at` (a newer note replaces the time). The index's own
-        expiry grows to at least ttl_s, so an index nobody notes into disappears."""
+        on D since wall-clock time `at`, pinning `size` there (a newer note replaces both).
+        The index's own expiry grows to at least ttl_s, so an index nobody notes into
+        disappears."""
         ...
 
     async def forget_pin(self, decode: str, key: str) -> None:
@@ -100,8 +103,8 @@ class SessionStore(Protocol):
         before=math.inf lists the oldest whatever their age (D short of memory); limit < 1: []."""
         ...
 
-    async def count_pins(self, decode: str) -> int:
-        """How many conversations D's pin index holds."""
+    async def pin_totals(self, decode: str) -> PinTotals:
+        """How many conversations D's pin index holds, and the blocks and tokens noted."""
         ...
 
     async def ping(self) -> None:

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from router.connectors.names import ConnectorName
 from router.engines.client import EngineClient
 from router.engines.pool import Instance, Role
+from sessions.model import UNKNOWN_SIZE, PinSize
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ class Connector(Protocol[TurnT]):
     ) -> tuple[dict[str, Any], str] | None:
         """A D request that frees what P pinned for a D that will never read it (None: P
         pins nothing for D, or these are not P's params)."""
+        ...
+
+    def pinned(self, handle: Mapping[str, Any]) -> PinSize:
+        """What a handle D returned pins there: its blocks and tokens (0 and 0: nothing)."""
         ...
 
     async def inspect(
@@ -186,6 +191,9 @@ class Defaults:
         self, prefilled: Mapping[str, Any], model: str
     ) -> tuple[dict[str, Any], str] | None:
         return None
+
+    def pinned(self, handle: Mapping[str, Any]) -> PinSize:
+        return UNKNOWN_SIZE
 
     async def inspect(
         self, engines: EngineClient, inst: Instance, model: str, timeout: float

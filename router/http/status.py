@@ -51,10 +51,12 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
         "streams_params": inst.ident.streams_params,
         "source": source,
         # A D's KV usage (0-1, -1 unknown), whether it is over the pin high-water mark, and
-        # the handles on it in the pin index (-1: not swept yet).
+        # the handles on it in the pin index with their blocks and tokens (-1: not swept yet).
         "kv_usage": inst.kv_usage,
         "pin_pressure": inst.pressured,
         "pinned_handles": inst.pins,
+        "pinned_blocks": inst.pinned_blocks,
+        "pinned_tokens": inst.pinned_tokens,
     }
 
 

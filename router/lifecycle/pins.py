@@ -116,7 +116,8 @@ def pressure_batch(inst: Instance) -> int:
 
 
 async def _count(svc: Services, inst: Instance) -> None:
-    inst.pins = await svc.guard.call(lambda: svc.store.count_pins(inst.url))
+    totals = await svc.guard.call(lambda: svc.store.pin_totals(inst.url))
+    inst.pins, inst.pinned_blocks, inst.pinned_tokens = totals.handles, totals.blocks, totals.tokens
 
 
 async def _release_due(

@@ -12,7 +12,7 @@ from router.services import Services
 from router.turn import decide
 from router.turn.aim import aims_at_its_d
 from router.turn.state import Turn
-from sessions.model import SessionState
+from sessions.model import PinSize, SessionState
 from sessions.store import StoreError
 
 log = logging.getLogger("kvbaton.pins")
@@ -45,13 +45,15 @@ def note_committed(turn: Turn, state: SessionState) -> None:
     svc, key = turn.svc, turn.claim.key
     if svc.releaser is None or key is None or state.kv_transfer_params is None:
         return
-    svc.spawn(_note(turn, state.decode, key, state.updated_at))
+    size = svc.connector.pinned(state.kv_transfer_params)
+    svc.spawn(_note(turn, state.decode, key, state.updated_at, size))
 
 
-async def _note(turn: Turn, decode: str, key: str, at: float) -> None:
+async def _note(turn: Turn, decode: str, key: str, at: float, size: PinSize) -> None:
     svc = turn.svc
+    ttl = svc.settings.session_ttl
     try:
-        await svc.guard.call(lambda: svc.store.note_pin(decode, key, at, svc.settings.session_ttl))
+        await svc.guard.call(lambda: svc.store.note_pin(decode, key, at, ttl, size))
     except StoreError as exc:
         # The handle is then freed by D's own TTL, or released when a later turn takes it.
         log.warning("pin index write failed: %s", exc)

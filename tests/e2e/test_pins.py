@@ -205,3 +205,28 @@ def test_without_releases_the_same_small_d_fills_and_turns_wait(redis_url_sessio
         assert "timed out" in reuse
         assert get_json(st.d.url + "/sim/state")["blocks"]["free"] < 20
         assert get_json(st.url + "/status")["pins"] == {"release": False}
+
+
+def test_what_the_router_holds_on_d_is_what_d_pins(redis_url_session: str) -> None:
+    """The pin index's sums (/status and the metrics) are the blocks D pins for the handles
+    the router holds, and their tokens: each handle's remote_num_tokens (its prompt and answer
+    but the last sampled token, which has no KV yet)."""
+    with pd_stack(redis_url_session, "pin-sizes", "--release-after", "300") as st:
+        api = client(st.url + "/v1")
+        tokens = 0
+        for i in range(3):
+            words = " ".join(f"size{i}-{j}" for j in range(20 * (i + 1)))
+            turn = chat_turn(api, question(words), cid=f"sizes-{i}")
+            usage = turn.body["usage"]
+            tokens += usage["prompt_tokens"] + usage["completion_tokens"] - 1
+        state = get_json(st.d.url + "/sim/state")
+        blocks = sum(len(p["block_ids"]) for p in state["pins"] if p["kind"] == "decoder")
+
+        def swept() -> dict[str, Any]:
+            return get_json(st.url + "/status")["instances"]["decode"][0]
+
+        wait_until(lambda: swept()["pinned_handles"] == 3, "the sweep counted 3 handles", 10)
+        d = swept()
+        assert (d["pinned_blocks"], d["pinned_tokens"]) == (blocks, tokens) and blocks > 3
+        assert metric(st.url, "kvbaton_decode_pinned_blocks", instance=st.d.url) == blocks
+        assert metric(st.url, "kvbaton_decode_pinned_tokens", instance=st.d.url) == tokens

@@ -53,7 +53,7 @@ async def test_size_is_bounded_oldest_commit_first(clock: FakeClock) -> None:
         ("note_pin", ("http://d:1", "k", 1.0, 1.0)),
         ("forget_pin", ("http://d:1", "k")),
         ("pins_due", ("http://d:1", math.inf, 1)),
-        ("count_pins", ("http://d:1",)),
+        ("pin_totals", ("http://d:1",)),
     ],
 )
 async def test_closed_store_raises_store_error(method: str, args: tuple[Any, ...]) -> None:

@@ -14,8 +14,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from sessions.guard import StoreGuard
-from sessions.keys import conversation_key, pins_key
-from sessions.model import SessionState, to_fields
+from sessions.keys import conversation_key, pin_sizes_key, pins_key
+from sessions.model import PinSize, SessionState, to_fields
 from sessions.redis_store import RedisSessionStore
 from sessions.store import CorruptState, StoreError
 from tests.support.procs import free_port
@@ -96,7 +96,7 @@ def store_calls(store: RedisSessionStore) -> list[Callable[[], Awaitable[Any]]]:
         lambda: store.note_pin("http://d1:8000", KEY, 1.0, 450.0),
         lambda: store.forget_pin("http://d1:8000", KEY),
         lambda: store.pins_due("http://d1:8000", math.inf, 10),
-        lambda: store.count_pins("http://d1:8000"),
+        lambda: store.pin_totals("http://d1:8000"),
     ]
 
 
@@ -210,15 +210,20 @@ async def test_the_pin_index_is_readable_with_redis_cli(
     store: RedisSessionStore, raw: aioredis.Redis
 ) -> None:
     decode = "http://10.0.0.21:8200"
-    await store.note_pin(decode, KEY, 1_732_934_400.125, 480.0)
+    await store.note_pin(decode, KEY, 1_732_934_400.125, 480.0, PinSize(33, 521))
     await store.note_pin(decode, "kvbaton:conv:{t:b}", 1_732_934_399.5, 60.0)
-    assert await raw.keys("kvbaton:pins:*") == ["kvbaton:pins:{http://10.0.0.21:8200}"]
+    assert sorted(await raw.keys("kvbaton:pins:*")) == [
+        "kvbaton:pins:{http://10.0.0.21:8200}",
+        "kvbaton:pins:{http://10.0.0.21:8200}:sizes",
+    ]
     assert await raw.type(pins_key(decode)) == "zset"
     assert await raw.zrange(pins_key(decode), 0, -1, withscores=True) == [
         ("kvbaton:conv:{t:b}", 1_732_934_399.5),
         (KEY, 1_732_934_400.125),
     ]
-    assert 470 < await raw.ttl(pins_key(decode)) <= 480
+    assert await raw.hgetall(pin_sizes_key(decode)) == {KEY: "33 521", "kvbaton:conv:{t:b}": "0 0"}
+    for key in (pins_key(decode), pin_sizes_key(decode)):
+        assert 470 < await raw.ttl(key) <= 480
 
 
 async def test_a_pin_index_without_expiry_gets_one(

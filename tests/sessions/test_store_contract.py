@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from sessions.keys import conversation_key, history_key, pins_key
 from sessions.memory_store import MemorySessionStore
-from sessions.model import SessionState, handle_unusable_reason
+from sessions.model import PinSize, PinTotals, SessionState, handle_unusable_reason
 from sessions.redis_store import RedisSessionStore
 from sessions.store import SessionStore
 from sessions.vocabulary import Reason
@@ -51,9 +51,9 @@ async def harness(
 
         async def memory_pin_ttl(decode: str, ttl_s: float) -> None:
             clock.advance(ttl_s - 0.01)
-            assert await memory.count_pins(decode) > 0
+            assert (await memory.pin_totals(decode)).handles > 0
             clock.advance(0.01)
-            assert await memory.count_pins(decode) == 0
+            assert (await memory.pin_totals(decode)).handles == 0
 
         yield Harness(memory, memory_ttl, memory_pin_ttl)
         await memory.close()
@@ -345,12 +345,12 @@ async def test_end_and_claim_race(harness: Harness, params: dict[str, Any]) -> N
 
 async def test_pins_are_listed_oldest_first(harness: Harness) -> None:
     store = harness.store
-    assert await store.count_pins(D1) == 0
+    assert (await store.pin_totals(D1)).handles == 0
     assert await store.pins_due(D1, math.inf, 10) == []
     for name, at in [("c", 30.0), ("a", 10.0), ("b", 20.0), ("z", 20.0), ("y", 20.0)]:
         await store.note_pin(D1, conversation_key("t", name), at, TTL)
     a, b, c, y, z = (conversation_key("t", n) for n in "abcyz")
-    assert await store.count_pins(D1) == 5
+    assert (await store.pin_totals(D1)).handles == 5
     assert await store.pins_due(D1, 20.0, 10) == [(a, 10.0), (b, 20.0), (y, 20.0), (z, 20.0)]
     assert await store.pins_due(D1, 19.999, 10) == [(a, 10.0)]
     assert (await store.pins_due(D1, 30.0, 10))[-1] == (c, 30.0)
@@ -359,7 +359,7 @@ async def test_pins_are_listed_oldest_first(harness: Harness) -> None:
     assert await store.pins_due(D1, math.inf, 0) == []
     assert await store.pins_due(D1, math.inf, -1) == []
     assert await store.pins_due(D2, math.inf, 10) == []  # another D's index
-    assert await store.count_pins(D2) == 0
+    assert (await store.pin_totals(D2)).handles == 0
 
 
 async def test_a_newer_note_replaces_and_forget_removes(harness: Harness) -> None:
@@ -368,7 +368,7 @@ async def test_a_newer_note_replaces_and_forget_removes(harness: Harness) -> Non
     await store.note_pin(D1, OTHER, 1_700_000_001.5, TTL)
     await store.note_pin(D2, KEY, 1_700_000_002.0, TTL)
     await store.note_pin(D1, KEY, 1_700_000_009.75, TTL)  # its next handle
-    assert await store.count_pins(D1) == 2
+    assert (await store.pin_totals(D1)).handles == 2
     assert await store.pins_due(D1, math.inf, 10) == [
         (OTHER, 1_700_000_001.5),
         (KEY, 1_700_000_009.75),
@@ -379,9 +379,28 @@ async def test_a_newer_note_replaces_and_forget_removes(harness: Harness) -> Non
     assert await store.pins_due(D1, math.inf, 10) == [(OTHER, 1_700_000_001.5)]
     assert await store.pins_due(D2, math.inf, 10) == [(KEY, 1_700_000_002.0)]
     await store.forget_pin(D1, OTHER)
-    assert await store.count_pins(D1) == 0
+    assert (await store.pin_totals(D1)).handles == 0
     await store.note_pin(D1, KEY, 5.0, TTL)  # an emptied index starts over
     assert await store.pins_due(D1, math.inf, 10) == [(KEY, 5.0)]
+
+
+async def test_the_pin_index_sums_what_its_handles_pin(harness: Harness) -> None:
+    store = harness.store
+    assert await store.pin_totals(D1) == PinTotals(0, 0, 0)
+    await store.note_pin(D1, KEY, 1.0, TTL, PinSize(blocks=33, tokens=521))
+    await store.note_pin(D1, OTHER, 2.0, TTL, PinSize(blocks=5, tokens=70))
+    await store.note_pin(D2, KEY, 3.0, TTL, PinSize(blocks=1000, tokens=16000))
+    assert await store.pin_totals(D1) == PinTotals(2, 38, 591)
+    await store.note_pin(D1, KEY, 4.0, TTL, PinSize(blocks=40, tokens=630))  # its next handle
+    assert await store.pin_totals(D1) == PinTotals(2, 45, 700)
+    await store.forget_pin(D1, OTHER)
+    assert await store.pin_totals(D1) == PinTotals(1, 40, 630)
+    await store.note_pin(D1, OTHER, 5.0, TTL)  # a handle of unknown size counts none
+    assert await store.pin_totals(D1) == PinTotals(2, 40, 630)
+    await store.forget_pin(D1, KEY)
+    await store.forget_pin(D1, OTHER)
+    assert await store.pin_totals(D1) == PinTotals(0, 0, 0)
+    assert await store.pin_totals(D2) == PinTotals(1, 1000, 16000)
 
 
 async def test_the_pin_index_expiry_only_grows(harness: Harness) -> None:

@@ -15,6 +15,7 @@ from router.connectors.names import ConnectorName
 from router.connectors.nixl import params
 from router.turn import pd
 from router.turn.state import Turn
+from sessions.model import PinSize
 
 
 class NixlPull(Defaults):
@@ -50,6 +51,9 @@ class NixlPull(Defaults):
     ) -> tuple[dict[str, Any], str] | None:
         body = params.release_prefilled_body(prefilled, model)
         return (body, "/v1/completions") if body is not None else None
+
+    def pinned(self, handle: Mapping[str, Any]) -> PinSize:
+        return params.pinned(handle)
 
 
 def make(settings: Settings) -> NixlPull:

@@ -9,6 +9,8 @@ from typing import Any, TypeGuard
 
 import msgspec
 
+from sessions.model import PinSize
+
 # What vLLM's toy_proxy_server.py sends P on a miss: "keep the blocks for a remote decoder".
 NULL_HANDOFF: Mapping[str, Any] = MappingProxyType(
     {
@@ -124,6 +126,17 @@ def _block_ids_ok(groups: object) -> bool:
     except msgspec.ValidationError:
         return False
     return any(groups)
+
+
+def pinned(handle: Mapping[str, Any]) -> PinSize:
+    """What D pins for a handle it returned: every block of every group, and its
+    remote_num_tokens (0 for what a handle does not say)."""
+    groups = handle.get("remote_block_ids")
+    blocks = 0
+    if isinstance(groups, list):
+        blocks = sum(len(g) for g in groups if isinstance(g, list))
+    tokens = handle.get("remote_num_tokens")
+    return PinSize(blocks, tokens if _is_int(tokens) and tokens > 0 else 0)
 
 
 def is_handle(params: object) -> bool:
