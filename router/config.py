@@ -75,12 +75,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     tenant_header: str = ""
     admin_key: str = ""
     session_secret: str = ""
+    unsigned_sessions: bool = False
     admin_api_key: str = ""
     model: str = ""
     connect_timeout: float = 2.0
     prefill_timeout: float = 120.0
     decode_first_byte_timeout: float = 120.0
-    decode_idle_timeout: float = 60.0
+    decode_idle_timeout: float = 15.0
     store_timeout: float = 0.25
     store_retry_after: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024
@@ -270,6 +271,8 @@ def _check(settings: Settings) -> None:
         raise ConfigError("--decode-local-max-inflight must be >= 1")
     if any(len(s) < 16 for s in settings.session_secrets):
         raise ConfigError("--session-secret: each secret needs at least 16 characters")
+    if settings.session_secrets and settings.unsigned_sessions:
+        raise ConfigError("--session-secret and --unsigned-sessions: choose one")
     _check_kv_events(settings)
     _check_coordinates(settings)
     _check_moriio(settings)

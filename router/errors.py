@@ -104,12 +104,14 @@ class UpstreamFailure(Exception):
     """An engine could not be reached, timed out, or broke the connection.
 
     `reached` is False only when the request cannot have reached the engine (the connection
-    was never made): only then may a single-use handle be sent elsewhere.
+    was never made): only then may a single-use handle be sent elsewhere. `stalled`: the
+    engine stopped sending in the middle of its answer (--decode-idle-timeout).
     """
 
-    def __init__(self, message: str, *, reached: bool = True) -> None:
+    def __init__(self, message: str, *, reached: bool = True, stalled: bool = False) -> None:
         super().__init__(message)
         self.reached = reached
+        self.stalled = stalled
 
 
 class StartupError(RuntimeError):
@@ -122,6 +124,11 @@ class DemoError(RuntimeError):
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message says which setting and why."""
+
+
+class ClientGone(Exception):
+    """The request body ended before it was whole: the client hung up, or the server could not
+    parse its framing and has answered it already. No response can reach the client."""
 
 
 def error_body(

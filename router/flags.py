@@ -178,7 +178,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "session_secret",
         "secret(s) signing each session's handle and digests (HMAC, comma-separated: the first "
-        "signs, each verifies, for rotation); the same on every replica (empty: unsigned)",
+        "signs, each verifies, for rotation), at least 16 characters each, the same on every "
+        "replica; required with --session-store redis unless --unsigned-sessions (the memory "
+        "store makes its own)",
+    ),
+    Flag(
+        "unsigned_sessions",
+        "store sessions unsigned (no --session-secret): anyone who can write to Redis can "
+        "then change a stored handle's block ids and make P read wrong KV",
+        bool,
     ),
     Flag(
         "admin_api_key",
@@ -190,7 +198,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("connect_timeout", "seconds to connect to an engine", float),
     Flag("prefill_timeout", "seconds for a whole prefill request", float),
     Flag("decode_first_byte_timeout", "seconds until the decode engine's response starts", float),
-    Flag("decode_idle_timeout", "seconds a decode stream may stay silent", float),
+    Flag(
+        "decode_idle_timeout",
+        "seconds an engine may stay silent in the middle of its answer (a stream between two "
+        "chunks); past it the turn fails and the engine is ejected at once as stalled, so new "
+        "turns avoid it until its /health answers again",
+        float,
+    ),
     Flag("store_timeout", "seconds per session-store call before it counts as down", float),
     Flag("store_retry_after", "seconds to route without the store after it failed", float),
     Flag(

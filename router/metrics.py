@@ -147,6 +147,12 @@ class _KvEventsCollector(Collector):
                 "Batches applied from the engine's replay socket",
                 labels=lab,
             ),
+            "silent": GaugeMetricFamily(
+                "kvbaton_kv_events_warning",
+                "1 while the engine's KV events look wrong: nothing published while turns ran "
+                "on it, or no replay answered (/status says which)",
+                labels=lab,
+            ),
             "rebuilds": CounterMetricFamily(
                 "kvbaton_kv_index_rebuilds",
                 "Index cleared: events lost for good (gap replay could not fill) or a restart",
@@ -163,6 +169,7 @@ class _KvEventsCollector(Collector):
             fams["gaps"].add_metric([url], float(c.gaps))
             fams["replays"].add_metric([url], float(c.replays))
             fams["rebuilds"].add_metric([url], float(c.rebuilds))
+            fams["silent"].add_metric([url], 1.0 if sub.warning else 0.0)
         yield from fams.values()
 
 

@@ -19,8 +19,14 @@ from vllm_sim.server import Sim, build_app
 async def serve(settings: SimSettings) -> None:
     sim = Sim(settings)
     # A short shutdown timeout: open streams are cut rather than holding SIGTERM for a minute.
+    # handler_cancellation: a client that hangs up aborts its request, as vLLM's API server
+    # does (its with_cancellation / disconnect checks), instead of running it to the end.
     runner = web.AppRunner(
-        build_app(sim), access_log=None, handle_signals=False, shutdown_timeout=0.5
+        build_app(sim),
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=0.5,
+        handler_cancellation=True,
     )
     await runner.setup()
     try:

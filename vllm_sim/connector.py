@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,7 @@ class Connector:
         self.counters = counters
         self.channel = channel
         self.now = now
+        self._abandoned: set[asyncio.Task[None]] = set()  # notifications of aborted requests
         self.store: KVStore | None = None
         if settings.kv_connector == "store":
             self.store = KVStore(settings.kv_store, settings.model, self.block_size, counters)
@@ -67,6 +69,24 @@ class Connector:
                 raise
         pushed = push_params.classify(params) if self.push is not None else None
         return pushed or transfer.classify(params, self.settings.bidirectional)
+
+    def abandon(self, req: GenRequest) -> None:
+        """A request aborted before its KV load began: when it was to pull P's blocks, notify
+        P so that it frees them now (vLLM's request_finished sends an empty receive for a
+        request whose do_remote_prefill is still set), not after its kv_lease_duration."""
+        try:
+            leg = self.classify(req)
+        except KVLoadError:
+            return
+        if leg.kind != "pull_prompt" or leg.source is None:
+            return
+        src = leg.source
+        task = asyncio.get_running_loop().create_task(
+            self.channel.notify(src.host, src.port, src.engine_id, src.request_id)
+        )
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged nowhere
 
     # -- loading a request's KV -----------------------------------------------------------
 

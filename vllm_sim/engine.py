@@ -6,6 +6,7 @@ One asyncio loop owns all state; the side channel reads it through the KVSource 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -130,7 +131,22 @@ class Engine:
     # -- the request ----------------------------------------------------------------------
 
     async def generate(self, req: GenRequest, result: RunResult) -> AsyncGenerator[Step, None]:
-        """Run one request; yields one Step per generated token. Close it with aclosing()."""
+        """Run one request; yields one Step per generated token. Close it with aclosing().
+        Aborted (its client left) before it began loading P's blocks, it tells P to free them,
+        as vLLM's request_finished does for a request that still has do_remote_prefill."""
+        began = [False]
+        try:
+            async with contextlib.aclosing(self._generate(req, result, began)) as steps:
+                async for step in steps:
+                    yield step
+        except asyncio.CancelledError:
+            if not began[0]:
+                self.kv.abandon(req)
+            raise
+
+    async def _generate(
+        self, req: GenRequest, result: RunResult, began: list[bool]
+    ) -> AsyncGenerator[Step, None]:
         self.waiting += 1
         try:
             await self._slots.acquire()
@@ -141,6 +157,7 @@ class Engine:
         try:
             seq = await self._admit(req)
             leg = self.kv.classify(req)
+            began[0] = True
             await self._prefill(req, seq, leg, result)
             if leg.kind == "push_producer" and self.push is not None:
                 await self.push.produce(

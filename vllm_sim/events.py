@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import queue
 import socket
@@ -258,17 +257,21 @@ def _bound_port(sock: zmq.Socket[bytes]) -> int:
 
 
 def _serve_replays(router: zmq.Socket[bytes], buffer: collections.deque[tuple[int, bytes]]) -> None:
-    """Answer every pending replay request: batches with seq >= start, then the end marker."""
+    """Answer every pending replay request as vLLM's ZmqEventPublisher._service_replay does:
+    a request is (identity, delimiter, start seq) exactly, else it is dropped unanswered with
+    a warning; the answer is one message per buffered batch with seq >= start, then the end
+    marker, each as (identity, b"", seq, payload)."""
     while True:
         try:
             frames = router.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return
-        # A REQ client adds an empty delimiter frame after its identity; a DEALER may not.
-        envelope, request = frames[:-1], frames[-1]
-        start = int.from_bytes(request, "big") if len(request) == 8 else None
-        if start is not None and buffer:
-            skip = max(0, start - buffer[0][0])
-            for seq, payload in itertools.islice(buffer, skip, None):
-                router.send_multipart((*envelope, seq.to_bytes(8, "big"), payload))
-        router.send_multipart((*envelope, END_OF_REPLAY, b""))
+        if len(frames) != 3:
+            logger.warning("Invalid replay request: %s", frames)
+            continue
+        client_id, _, start_bytes = frames
+        start = int.from_bytes(start_bytes, "big")
+        for seq, payload in buffer:
+            if seq >= start:
+                router.send_multipart((client_id, b"", seq.to_bytes(8, "big"), payload))
+        router.send_multipart((client_id, b"", END_OF_REPLAY, b""))

@@ -39,6 +39,8 @@ class Capabilities:
 
 
 TurnT = TypeVar("TurnT", contravariant=True)
+# Where a handle sends P to read: (engine id, side-channel host, side-channel port).
+Origin = tuple[str, str, int]
 Changed = Callable[[], Awaitable[None]]
 
 
@@ -75,6 +77,10 @@ class Connector(Protocol[TurnT]):
         """The engine id that made a handle (a new one means its engine restarted)."""
         ...
 
+    def origin(self, params: Mapping[str, Any]) -> Origin | None:
+        """The engine and side channel a handle makes P connect to (None: it names none)."""
+        ...
+
     def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
         """Whether P's answer says it failed (and so refused a handle it was given)."""
         ...
@@ -84,6 +90,13 @@ class Connector(Protocol[TurnT]):
     ) -> tuple[dict[str, Any], str] | None:
         """P's body and path for a request that makes D free a handle's pinned blocks and
         reads nothing (None: this protocol pins nothing on D)."""
+        ...
+
+    def release_prefilled(
+        self, prefilled: Mapping[str, Any], model: str
+    ) -> tuple[dict[str, Any], str] | None:
+        """A D request that frees what P pinned for a D that will never read it (None: P
+        pins nothing for D, or these are not P's params)."""
         ...
 
     def pinned(self, handle: Mapping[str, Any]) -> PinSize:
@@ -139,6 +152,13 @@ def engine_id(params: Mapping[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def origin(params: Mapping[str, Any]) -> Origin | None:
+    engine, host, port = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port"))
+    if not (isinstance(engine, str) and isinstance(host, str) and type(port) is int):
+        return None
+    return engine, host, port
+
+
 class Defaults:
     """What a connector without a D->P handle, registration or coordinates does; each
     connector overrides what its protocol has."""
@@ -156,6 +176,9 @@ class Defaults:
     def engine_id(self, params: Mapping[str, Any]) -> str | None:
         return engine_id(params)
 
+    def origin(self, params: Mapping[str, Any]) -> Origin | None:
+        return origin(params)
+
     def prefill_failed(self, status: int, body: Mapping[str, Any] | None) -> bool:
         return prefill_failed(status, body)
 
@@ -163,6 +186,11 @@ class Defaults:
         self, handle: Mapping[str, Any], model: str
     ) -> tuple[dict[str, Any], str] | None:
         return None  # D pins nothing for this protocol
+
+    def release_prefilled(
+        self, prefilled: Mapping[str, Any], model: str
+    ) -> tuple[dict[str, Any], str] | None:
+        return None
 
     def pinned(self, handle: Mapping[str, Any]) -> PinSize:
         return UNKNOWN_SIZE

@@ -123,7 +123,8 @@ class _AiohttpStream:
                     chunk = await content.readany()
                 except asyncio.CancelledError:
                     if dog.fired():
-                        raise UpstreamFailure(describe(TimeoutError())) from None
+                        why = f"timed out: silent for {idle_timeout:g} s mid-answer (stalled)"
+                        raise UpstreamFailure(why, stalled=True) from None
                     raise
                 dog.waiting_since = None
                 if not chunk:

@@ -16,6 +16,7 @@ log = logging.getLogger("kvbaton.backends")
 REFUSALS_TO_PAUSE = 3
 PAUSE_FIRST_S = 30.0  # then doubled each time the handle tried after a pause is refused too
 PAUSE_MAX_S = 600.0
+MAX_ORIGINS = 64  # side channels kept per D (its data-parallel ranks, a few restarts)
 
 # prometheus_client's process collector, which vLLM's API server exports (measured on 0.32).
 _STARTED = re.compile(rb"^process_start_time_seconds (\S+)$", re.MULTILINE)
@@ -97,6 +98,17 @@ class EngineIdentity:
     # restart (the new process may be another vLLM).
     streams_params: bool = False
     refused_by: dict[str, Refusals] = field(default_factory=dict)  # a D's, by P URL
+    # (engine id, side-channel host, port) as this D announced them in its handles (one per
+    # data-parallel rank): a stored handle may send P only there (turn/aim.py). Insertion
+    # ordered, the oldest dropped past MAX_ORIGINS; a restart forgets them.
+    origins: dict[tuple[str, str, int], None] = field(default_factory=dict)
+
+    def note_origin(self, origin: tuple[str, str, int] | None) -> None:
+        if origin is None or origin in self.origins:
+            return
+        if len(self.origins) >= MAX_ORIGINS:
+            del self.origins[next(iter(self.origins))]
+        self.origins[origin] = None
 
     @property
     def handle_started(self) -> float:
@@ -113,6 +125,7 @@ class EngineIdentity:
         if self.started:
             self.restarts += 1
             self.refused_by.clear()  # a new process: P may read from it again
+            self.origins.clear()  # its side channel may have moved
             self.streams_params = False  # learned again from its streams
             if not self.started_stale:  # else the engine id is already the new process's
                 self.engine_id = ""  # learned again from its next handle
@@ -137,6 +150,7 @@ class EngineIdentity:
         if self.engine_id:
             self.started_stale = True
             self.refused_by.clear()
+            self.origins.clear()
             self.streams_params = False
             log.warning(
                 "%s has a new engine id (%s, was %s): it restarted; handles made before are "

@@ -26,6 +26,10 @@ from router.engines.kv_index import EngineIndex
 log = logging.getLogger("kvbaton.kv_events")
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+# Out of sync (a replay that did not answer, a rebuild): the replay is asked again this often.
+REPLAY_RETRY_S = 10.0
+# Turns run on an engine whose stream has delivered nothing before the router warns.
+SILENT_AFTER_TURNS = 5
 
 # Field order of the positional (pre-#42892) events after the tag; later fields may be absent.
 # The simulator's decoder has the same table (vllm_sim/events_decode.py): written twice because
@@ -116,6 +120,13 @@ class Subscriber:
         self._publisher = b""
         self._last_payload = b""  # the last batch applied, to recognise its publisher again
         self._live_last: int | None = None  # the last seq the SUB socket delivered
+        # The index follows the engine's whole stream: a replay answered (what the engine
+        # still buffers is its own account), or the engine's first batch seen live. Until
+        # then, and after a rebuild, the index claims nothing (index.stale).
+        self._synced = False
+        self._retry_at = 0.0
+        self.turns = 0  # turns that ran on this engine (note_turn)
+        self.warning = ""  # why the index may not follow the engine (for /status, the log)
 
     async def run(self) -> None:
         while True:
@@ -174,19 +185,25 @@ class Subscriber:
             return
         if batches and batches[0] == (last, self._last_payload):
             self._apply_all(batches[1:])
+            self.index.stale = not self._synced
             return
         self._rebuild("the engine restarted, or its replay buffer no longer holds our place")
         self._expected, self._live_last = None, None
         await self._catch_up(0)
 
     async def _catch_up(self, start: int) -> None:
-        """Apply what the replay buffer holds from `start` (nothing without a replay socket)."""
+        """Apply what the replay buffer holds from `start` (nothing without a replay socket);
+        an answer puts the index in sync, none leaves it out until a later try answers."""
+        self._retry_at = self._clock() + REPLAY_RETRY_S
         batches = await self._replay(start) if self.source.replay else []
         if batches is None:
+            self.index.stale = True
             return
-        if self._expected is None and (not batches or batches[0][0] == 0):
-            self.index.stale = False  # from the engine's first batch (or before any): complete
         self._apply_all(batches)
+        self._synced = True
+        self.index.stale = False
+        if self.warning.startswith("no replay"):
+            self.warning = ""
 
     def _apply_all(self, batches: list[tuple[int, bytes]]) -> None:
         for seq, payload in batches:
@@ -213,6 +230,10 @@ class Subscriber:
             self._expected = None
             if seq > 0:
                 await self._catch_up(0)
+        if self._expected is None and seq == 0:
+            self._synced = True  # the engine's first batch: nothing came before it
+        elif not self._synced and self.source.replay and self._clock() >= self._retry_at:
+            await self._catch_up(0)
         if self._expected is not None and seq > self._expected:
             self.counts.gaps += 1
             log.warning(
@@ -242,12 +263,29 @@ class Subscriber:
             self.counts.lag = max(0.0, now - ts) if ts else 0.0
         self._expected, self._last_payload = seq + 1, payload
         self.counts.last_seq = seq
-        self.index.stale = False
+        self.index.stale = not self._synced
+        if self.warning.startswith("no batch"):
+            log.info("KV events of %s: the engine publishes again", self.source.url)
+            self.warning = ""
 
     def _rebuild(self, why: str) -> None:
         log.warning("KV events of %s: index rebuilt: %s", self.source.url, why)
         self.counts.rebuilds += 1
         self.index.clear(self._clock())
+        self._synced = False  # until a replay answers again
+
+    def note_turn(self) -> None:
+        """A turn ran on this engine: one that publishes must have sent something by now."""
+        self.turns += 1
+        if self.counts.batches or self.warning or self.turns < SILENT_AFTER_TURNS:
+            return
+        self.warning = (
+            f"no batch received from {self.source.endpoint} while {self.turns} turns ran on "
+            "this engine: the likely cause is an endpoint without a wildcard in the engine's "
+            "--kv-events-config (tcp://HOST:PORT makes vLLM connect instead of bind; use "
+            "tcp://*:PORT), else a wrong port, a firewall, or enable_kv_cache_events off"
+        )
+        log.warning("KV events of %s: %s", self.source.url, self.warning)
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Every buffered batch from `start` (DEALER, as a REQ envelope: vLLM answers one
@@ -260,7 +298,12 @@ class Subscriber:
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 if not await dealer.poll(self._replay_timeout * 1000):
-                    log.warning("KV events of %s: replay timed out", self.source.url)
+                    self.warning = (
+                        f"no replay answered at {self.source.replay} within "
+                        f"{self._replay_timeout:g} s: the index claims nothing until one does "
+                        "(set the engine's replay_endpoint, e.g. tcp://*:PORT+1)"
+                    )
+                    log.warning("KV events of %s: %s", self.source.url, self.warning)
                     return None
                 frames = await dealer.recv_multipart()
                 seq_bytes, payload = frames[-2], frames[-1]

@@ -125,6 +125,13 @@ class KvEvents:
             sub.index.stale = True  # until the restarted engine's stream is seen
         return sub.index
 
+    def note_turn(self, *urls: str) -> None:
+        """A turn ran on these engines (the silence check of each one's stream)."""
+        for url in urls:
+            sub = self.subscribers.get(url)
+            if sub is not None:
+                sub.note_turn()
+
     def view(self) -> dict[str, Any]:
         """For /status: per engine, the endpoints, the index and the stream's counters."""
         if not self.enabled:
@@ -136,6 +143,9 @@ class KvEvents:
                 "endpoint": sub.source.endpoint,
                 "replay": sub.source.replay,
                 "in_sync": not idx.stale,
+                # Why the index may not follow the engine ("" when nothing is wrong): it
+                # published nothing while turns ran on it, or its replay did not answer.
+                "warning": sub.warning,
                 "blocks": idx.blocks,
                 "block_size": idx.block_size,
                 "batches": c.batches,

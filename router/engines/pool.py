@@ -133,8 +133,12 @@ class Pool:
     def record_success(self, inst: Instance) -> None:
         inst.failures = 0
 
-    def record_failure(self, inst: Instance, reason: str) -> None:
+    def record_failure(self, inst: Instance, reason: str, *, stalled: bool = False) -> None:
+        """One more failure; `unhealthy_after` in a row eject the instance, and so does one
+        stall at once (an engine that stops sending mid-answer holds every turn on it)."""
         inst.failures += 1
+        if stalled:
+            inst.failures = max(inst.failures, self.unhealthy_after)
         inst.last_error = reason
         if inst.healthy and inst.failures >= self.unhealthy_after:
             inst.healthy = False

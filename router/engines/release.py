@@ -1,6 +1,7 @@
 """Releasing D's pinned blocks: a handle nobody will read goes to a P in a request that reads
 nothing, so P notifies D and D frees the blocks (vLLM's read-nothing path) long before
-`decoder_kv_blocks_ttl`. Queued, rate limited, never in a turn's way."""
+`decoder_kv_blocks_ttl`; and P's params no D will read go to a D the same way, so P frees
+its leased blocks at once. Queued, rate limited, never in a turn's way."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from router.engines.client import EngineClient
-from router.engines.pool import Pool
+from router.engines.pool import Pool, Role
 from router.errors import RouterError, UpstreamFailure
 
 log = logging.getLogger("kvbaton.pins")
@@ -63,8 +66,9 @@ class Gaps:
 @dataclass(frozen=True)
 class Job:
     handle: Mapping[str, Any]
-    decode: str  # the D that pins it (its base URL)
-    reason: str  # why nobody will read it: superseded, ended, idle, pressure
+    decode: str  # the D that pins it (its base URL); for P's params, the P that leases them
+    reason: str  # why nobody will read it: superseded, ended, idle, pressure, unread
+    via: Role = "prefill"  # who reads nothing of it: a P for D's handles, a D for P's params
 
 
 @dataclass
@@ -77,6 +81,8 @@ class Releaser:
     model: Callable[[], str]
     counted: Counted
     timeout: float = 10.0
+    # The D request that frees P's leased blocks (None: the connector leases nothing for D).
+    prefilled_request: ReleaseRequest | None = None
     queue: asyncio.Queue[Job] = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED))
     released: int = 0
     failed: int = 0
@@ -93,6 +99,14 @@ class Releaser:
                 self.queue.task_done()
                 self._count(old.reason, "dropped")
         self.queue.put_nowait(Job(handle, decode, reason))
+
+    def submit_prefilled(self, params: Mapping[str, Any] | None, prefill: str) -> None:
+        """Queue the release of P's params that no D will read (D refused the turn)."""
+        if params is None or self.prefilled_request is None:
+            return
+        if self.queue.full():
+            return  # P's lease (kv_lease_duration) frees them
+        self.queue.put_nowait(Job(params, prefill, "unread", via="decode"))
 
     def start(self) -> None:
         self._workers = [asyncio.create_task(self._work()) for _ in range(MAX_INFLIGHT)]
@@ -122,13 +136,15 @@ class Releaser:
             self._count(job.reason, outcome)
 
     async def release(self, job: Job) -> str:
-        """One read-nothing request to the least loaded usable P: "released" or "failed"."""
-        made = self.request(job.handle, self.model())
+        """One read-nothing request to the least loaded usable P (a D for P's params):
+        "released" or "failed"."""
+        request = self.request if job.via == "prefill" else self.prefilled_request
+        made = request(job.handle, self.model()) if request is not None else None
         if made is None:
             return "dropped"
         body, path = made
         try:
-            inst = self.pool.pick("prefill")
+            inst = self.pool.pick(job.via)
         except RouterError as exc:
             log.warning("no P to release a handle on %s: %s", job.decode, exc)
             return "failed"
@@ -153,6 +169,8 @@ class Releaser:
             )
             return "failed"
         log.debug("released a handle on %s via %s (%s)", job.decode, inst.url, job.reason)
+        if job.via == "decode":  # a bidirectional D pinned its one block of that request
+            self.submit(_handle_of(raw), inst.url, "superseded")
         return "released"
 
     def _count(self, reason: str, outcome: str) -> None:
@@ -171,3 +189,12 @@ class Releaser:
             "failed": self.failed,
             "dropped": self.dropped,
         }
+
+
+def _handle_of(raw: bytes) -> Mapping[str, Any] | None:
+    """D's own handle in its answer, if any."""
+    try:
+        params = msgspec.json.decode(raw).get("kv_transfer_params")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return params if isinstance(params, dict) else None

@@ -22,11 +22,18 @@ from router.engines.client import Upstream
 from router.engines.dns import DnsExpander, Resolver, SystemResolver
 from router.engines.kv_watch import KvEvents, parse_sources
 from router.engines.pool import Pool
-from router.errors import RouterError, Unavailable, UpstreamFailure, error_body, error_bytes
+from router.errors import (
+    ClientGone,
+    RouterError,
+    Unavailable,
+    UpstreamFailure,
+    error_body,
+    error_bytes,
+)
 from router.http import conversations
 from router.http.admin import Operations, admin_app
 from router.http.body import read_body
-from router.http.disconnect import until_disconnect
+from router.http.disconnect import CLIENT_CLOSED, until_disconnect
 from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
 from router.lifecycle import pins, registry
@@ -69,7 +76,9 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> Response:
         svc = services(request)
         # One id for the whole request: P, D, the turn's log line and the response, errors too.
-        request_id = request.state.request_id = new_request_id()
+        # (already set when the request's framing failed: router/http/framing.py answered)
+        request_id = getattr(request.state, "request_id", "") or new_request_id()
+        request.state.request_id = request_id
         try:
             if svc.stopping:
                 raise Unavailable("the router is shutting down")
@@ -89,6 +98,10 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
         except RouterError as exc:
             svc.metrics.requests.labels(route, str(exc.status)).inc()
             return error_response(exc, request_id)
+        except ClientGone as exc:  # nobody to answer: one line, no traceback
+            log.info("request %s: body not read: %s", request_id, exc)
+            svc.metrics.requests.labels(route, str(CLIENT_CLOSED)).inc()
+            return Response(status_code=CLIENT_CLOSED)
         svc.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from router.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from router.errors import BadRequest, ClientGone, PayloadTooLarge, RequestTimeout
+from router.http.framing import BODY_ERROR
 
 
 def _declared_length(request: Request) -> int | None:
@@ -21,7 +22,8 @@ def _declared_length(request: Request) -> int | None:
 
 
 async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
-    """The whole body, or a RouterError before more than `max_bytes` of it is buffered."""
+    """The whole body, or a RouterError before more than `max_bytes` of it is buffered;
+    ClientGone when the body stops short (a hang-up, or framing the server could not parse)."""
     declared = _declared_length(request)
     if declared is not None and declared > max_bytes:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {max_bytes}")
@@ -36,4 +38,7 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
                 chunks.append(chunk)
     except TimeoutError:
         raise RequestTimeout(f"the request body was not received within {timeout:g} s") from None
+    except ClientDisconnect:
+        why = getattr(request.state, BODY_ERROR, "")
+        raise ClientGone(why or "the client hung up before its body was whole") from None
     return b"".join(chunks)

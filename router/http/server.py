@@ -17,10 +17,12 @@ from hypercorn.config import Config
 from router.config import Settings, WorkerSlot, load_settings, worker_slot
 from router.connectors.select import select
 from router.errors import ConfigError, StartupError
+from router.http import framing
 from router.http.app import create_app
 from router.http.workers import supervise
 from router.lifecycle.discovery import preflight
 from router.logs import setup_logging
+from router.signing import signed
 from router.tracing import setup_tracing
 
 log = logging.getLogger("kvbaton.server")
@@ -110,6 +112,7 @@ async def run(settings: Settings, slot: WorkerSlot | None = None) -> None:
     stop = asyncio.Event()
     parent = os.getppid()
     await preflight(settings)
+    framing.install()  # unparseable requests get an OpenAI-format 400
     app = create_app(settings)
     requests = Requests(app, report_ready(slot))
     config = hypercorn_config(settings, slot)
@@ -177,7 +180,7 @@ def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | N
 
 def serve_main(argv: Sequence[str]) -> int:
     try:
-        settings = load_settings(argv)
+        settings = signed(load_settings(argv))
         select(settings)  # a connector refuses settings it cannot work with, before any bind
     except ConfigError as exc:
         print(f"kvbaton serve: {exc}", file=sys.stderr)
@@ -188,6 +191,12 @@ def serve_main(argv: Sequence[str]) -> int:
         print(f"kvbaton serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format, slot.index if slot else None)
+    if not settings.session_secrets and slot is None:  # one line, not one per worker
+        log.warning(
+            "sessions are unsigned (--unsigned-sessions): anyone who can write to the session "
+            "store can change a stored handle and make P read wrong KV; set "
+            "KVBATON_SESSION_SECRET to sign them"
+        )
     if settings.workers > 1 and slot is None:
         return supervise(settings, argv)
     try:

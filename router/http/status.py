@@ -125,6 +125,8 @@ async def status(request: Request) -> Response:
         "model": svc.model,
         "block_size": svc.block_size,
         "reuse": svc.settings.reuse,
+        # Sessions carry an HMAC (--session-secret; the memory store makes its own).
+        "signed": bool(svc.settings.session_secrets),
         # P legs by token ids (--prefill-token-ids), and why this process stopped them if it did.
         "prefill_token_ids": {"on": svc.ids_leg_on(), "off_reason": svc.ids_leg_off},
         "stopping": svc.stopping,

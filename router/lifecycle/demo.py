@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import io
+import secrets
 import shutil
 import signal
 import socket
@@ -179,7 +180,10 @@ async def start_router(
     stack: Stack, port: int, store: list[str], p: str, d: str, connector: str
 ) -> str:
     flags = f"--host {HOST} --port {port} --prefill {p} --decode {d}".split()
-    flags += ["--kv-connector", connector]
+    # Sessions signed with a secret made for this run, on no command line (mkdtemp: 0700).
+    config = stack.logs / "router.toml"
+    config.write_text(f'session_secret = "{secrets.token_urlsafe(32)}"\n')
+    flags += ["--kv-connector", connector, "--config", str(config)]
     argv = [sys.executable, "-m", "router", "serve", *flags, *store]
     url = f"http://{HOST}:{port}"
     await wait_ready(stack, "router", stack.start("router", argv), url + "/health")
@@ -190,6 +194,9 @@ async def start_router(
             print(f"  router is not ready ({resp.status}): {text}")
         elif '"degraded":true' in text:  # e.g. Redis unreachable: it serves, without reuse
             print(f"  router is ready, degraded: {text}")
+        async with http.get(url + "/status") as resp:
+            signed = (await resp.json(content_type=None)).get("signed")
+    print(f"  sessions   {'signed (a secret made for this run)' if signed else 'UNSIGNED'}")
     return url
 
 

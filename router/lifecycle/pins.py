@@ -16,6 +16,7 @@ from router.engines.pool import Instance
 from router.engines.release import Releaser
 from router.lifecycle.health import read_started
 from router.services import Services
+from router.turn.aim import aims_at_its_d
 from sessions.model import SessionState
 from sessions.store import StoreError
 
@@ -39,6 +40,7 @@ def releaser(svc: Services) -> Releaser | None:
         lambda: svc.model or svc.settings.model,
         lambda reason, outcome: svc.metrics.releases.labels(reason, outcome).inc(),
         timeout=svc.settings.prefill_timeout,
+        prefilled_request=connector.release_prefilled,
     )
 
 
@@ -127,6 +129,8 @@ async def _release_due(
         state = await _take(svc, inst, key, before)
         if state is None or state.kv_transfer_params is None or svc.releaser is None:
             continue  # read, replaced or in flight since: nothing of it is pinned for nobody
+        if not aims_at_its_d(svc, key, state):
+            continue  # it could send P anywhere: D's own TTL frees it
         svc.releaser.submit(state.kv_transfer_params, state.decode, reason)
         taken += 1
     if due:

@@ -16,6 +16,7 @@ from router.errors import UpstreamFailure
 from router.services import Services
 from router.tracing import span
 from router.turn import decide, history
+from router.turn.aim import aims_at_its_d
 from router.turn.incoming import Incoming, canonical_items
 from router.turn.outcomes import Found, Reason, Reuse
 from router.turn.rewrite import ids_leg_allowed
@@ -139,8 +140,13 @@ async def _claim_key(
     if state is not None and state.kv_transfer_params is not None:
         reuse = _checked(svc, key, state, reuse)
     taken = None
-    if state is not None and (not expect or state.prefix_digest == expect):
-        taken = state.kv_transfer_params if decide.releasable(reuse.reason) else None
+    if (
+        state is not None
+        and (not expect or state.prefix_digest == expect)
+        and decide.releasable(reuse.reason)
+        and aims_at_its_d(svc, key, state)
+    ):
+        taken = state.kv_transfer_params
     if not reuse.is_hit:
         return Claim(key, state, reuse, claimed=state is not None, taken=taken)
     assert state is not None and state.kv_transfer_params is not None
@@ -157,6 +163,8 @@ def _checked(svc: Services, key: str, state: SessionState, reuse: Reuse) -> Reus
         reason = Reason.HANDLE_UNAUTHENTICATED
     elif reuse.is_hit:
         reason = decide.handle_check(svc.connector, state)
+        if reason is None and not aims_at_its_d(svc, key, state):
+            reason = Reason.HANDLE_INVALID  # another address than its D announced
     if reason is None:
         return reuse
     log.warning("conversation %s: its handle is not used (%s)", conversation_hash(key), reason)

@@ -33,6 +33,9 @@ async def finish(turn: Turn, captured: Captured) -> None:
         await abort(turn, AbortReason.finish(captured.finish_reason), captured)
         return
     pins.release_unread(turn, "superseded")
+    if turn.svc.kv_events is not None:  # their streams should show this turn's blocks
+        ran = (turn.prefill, turn.decode)
+        turn.svc.kv_events.note_turn(*(i.url for i in ran if i is not None))
     result = await _commit(turn, captured)
     report(turn, result, captured)
 
@@ -123,6 +126,7 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     kept = params if end.keep_handle else None
     if kept is not None:
         turn.decode.ident.note_engine_id(svc.connector.engine_id(kept))
+        turn.decode.ident.note_origin(svc.connector.origin(kept))  # D's own answer
     prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
     state = sm.next_state(
         turn.claim.state,

@@ -62,6 +62,13 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
             raise EngineReply(resp.status, raw)
         outcome = LegOutcome.OK
         return resp
+    except EngineReply:
+        # D refused before reading P's blocks: P would keep them for its kv_lease_duration; a
+        # D request that reads them frees them now. (A request D got and the client cancels
+        # is D's to give back: vLLM notifies P of a request aborted before its load.)
+        if svc.releaser is not None and turn.prefill is not None:
+            svc.releaser.submit_prefilled(params, turn.prefill.url)
+        raise
     finally:
         svc.metrics.upstream.labels("decode", d_inst.url, outcome).observe(
             time.monotonic() - started
@@ -96,8 +103,10 @@ async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
     try:
         with svc.pool.busy(d_inst):
             chunks = [c async for c in resp.chunks(svc.settings.decode_idle_timeout)]
-    finally:
-        resp.release()
+    except BaseException:
+        resp.close()  # the client left or D broke: D cancels the request
+        raise
+    resp.release()
     client_bytes, captured = capture_body(b"".join(chunks), strip_token_ids=strip)
     turn.mark_first_byte()
     await finish(turn, captured)
@@ -129,7 +138,7 @@ async def _relay(
     except UpstreamFailure as exc:
         # After the first byte the status is sent: end with one SSE error event, no commit.
         log.warning("decode stream from %s broke: %s", d_inst.url, exc)
-        turn.svc.pool.record_failure(d_inst, str(exc))
+        turn.svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
         ended = True
         await abort(turn, AbortReason.DECODE_BROKE)
         yield sse_error_event(f"the decode engine failed mid-stream: {exc}")

@@ -38,6 +38,7 @@ class Incoming:
     tenant: str
     wants_token_ids: bool
     forward_headers: Mapping[str, str] = field(default_factory=dict)
+    size: int = 0  # the body's bytes, as the client sent them (router/turn/fits.py)
 
     @property
     def messages(self) -> list[Any]:
@@ -249,6 +250,7 @@ def read_incoming(
         tenant=tenant,
         wants_token_ids=client_wants_token_ids(body),
         forward_headers=_forwarded(headers),
+        size=len(raw),
     )
 
 

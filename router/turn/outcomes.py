@@ -97,7 +97,10 @@ MEANINGS: dict[Reason, str] = {
     "its handle or digests were changed outside the router (or its secret was dropped)",
     Reason.HANDLE_INVALID: "the stored handle fails the router's checks (not a handle, "
     "`remote_num_tokens` other than the stored token count, too few or too many blocks, "
-    "another engine id than the one stored)",
+    "another engine id than the one stored, or an engine id, side-channel host and port that "
+    "the recorded D did not announce: in its own answers to this process or in a state signed "
+    "with our secret), so it could aim P at another address: it is sent to no P, not even for "
+    "a release",
     Reason.STORE_MISSED: "`--kv-connector store`: P reported no cached prompt tokens for a "
     "continuing conversation (the store lost or never got its blocks, or the engines run "
     "without `--enable-prompt-tokens-details`): P computed the whole history",

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from router.engines.pool import Instance, Role
 from router.errors import Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
-from router.turn import decide, kv_aware, plan
+from router.turn import decide, fits, kv_aware, plan
 from router.turn.claim import verify
 from router.turn.decode import decode
 from router.turn.legs import pick_decode
@@ -37,13 +37,14 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
         p_inst = _reader(turn, source, p_inst)
     turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, turn.early)
     kv_aware.check_handle(turn, p_inst, source)
+    await fits.check(turn, p_inst.url)  # what D would refuse, before P pins blocks for it
     failed: list[str] = []
     local = await plan.decode_here(turn, source, p_inst)
     if local is not None:
         try:
             return await decode(turn, local, None)
         except UpstreamFailure as exc:  # before its first byte: an ordinary P/D turn
-            svc.pool.record_failure(local, str(exc))
+            svc.pool.record_failure(local, str(exc), stalled=exc.stalled)
             failed.append(local.url)
             log.warning("decode plan on %s failed before the first byte: %s", local.url, exc)
             turn.miss(Reason.DECODE_LOCAL_FAILED)
@@ -60,7 +61,7 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
         except UpstreamFailure as exc:
             # D failed before its first byte: redo the whole turn with a new P leg, since
             # P's params are single use (never send them to a second D).
-            svc.pool.record_failure(d_inst, str(exc))
+            svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
             failed.append(d_inst.url)
             log.warning("decode on %s failed before the first byte: %s", d_inst.url, exc)
             if not decide.redo_decode(len(failed)):

@@ -10,6 +10,7 @@ import logging
 
 from router.services import Services
 from router.turn import decide
+from router.turn.aim import aims_at_its_d
 from router.turn.state import Turn
 from sessions.model import PinSize, SessionState
 from sessions.store import StoreError
@@ -65,7 +66,7 @@ async def end(svc: Services, key: str) -> SessionState | None:
     state = await svc.guard.call(lambda: svc.store.end(key))
     if state is None:
         return None
-    if svc.releaser is not None and state.kv_transfer_params is not None and not state.inflight:
+    if svc.releaser is not None and not state.inflight and aims_at_its_d(svc, key, state):
         svc.releaser.submit(state.kv_transfer_params, state.decode, "ended")
     if state.decode:
         decode = state.decode

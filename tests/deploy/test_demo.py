@@ -58,6 +58,7 @@ def test_demo_runs_four_turns_with_reuse_from_turn_two(capsys: pytest.CaptureFix
     assert demo_main(["--no-serve", "--port", str(port)]) == 0
     out = capsys.readouterr().out
     assert "private redis-server" in out
+    assert "sessions   signed" in out, out
     reuse = reuse_by_turn(out)
     assert list(reuse) == [1, 2, 3, 4], out
     assert reuse[1] == "miss;reason=no-session", out

@@ -21,6 +21,8 @@ import pytest
 import yaml
 
 from router.config import ENV_PREFIX, FLAGS, load_settings
+from router.errors import ConfigError
+from router.signing import signed
 from tests.deploy.test_compose import BIDIR_NIXL, VLLM_FLAGS
 from vllm_sim.config import parse_settings
 
@@ -244,3 +246,23 @@ def test_vllm_engines_run_bidirectional_nixl_with_a_pod_ip_side_channel(
         assert (ref["name"], ref["key"]) == ("kvbaton-vllm", "kv-transfer-config")
         assert args[args.index("--kv-transfer-config") + 1] == "$(KV_TRANSFER_CONFIG)"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_signs_sessions_with_a_secret_the_operator_creates(
+    rendered: dict[str, list[Doc]], overlay: str
+) -> None:
+    docs = rendered[overlay]
+    deploy = find(docs, "Deployment", "kvbaton-router")
+    (c,) = deploy["spec"]["template"]["spec"]["containers"]
+    (entry,) = [e for e in c["env"] if e["name"] == "KVBATON_SESSION_SECRET"]
+    ref = entry["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("kvbaton-session", "secret")
+    assert not ref.get("optional"), "a missing Secret must keep the router from starting"
+    assert not [d for d in docs if d["kind"] == "Secret"], "the secret is never in the manifests"
+    assert "create secret generic kvbaton-session" in (K8S / "README.md").read_text()
+    plain = {k: v for k, v in router_env(docs).items() if not v.startswith("<")}
+    with pytest.raises(ConfigError, match="KVBATON_SESSION_SECRET"):
+        signed(load_settings([], env=plain))  # without the Secret's value: refuses to start
+    secret = {**plain, "KVBATON_SESSION_SECRET": "s" * 43}
+    assert signed(load_settings([], env=secret)).session_secrets == ("s" * 43,)

@@ -23,7 +23,7 @@ import pytest
 from tests.support.chat import client, get_json, post, reference_answer
 from tests.support.metrics import metric
 from tests.support.procs import SimProc, free_port, log_file, sim, wait_until
-from tests.support.router import RouterProc, http_process
+from tests.support.router import SESSION_SECRET, RouterProc, http_process
 
 SYSTEM = "You are a terse assistant about rivers and bridges."
 TTL = 2.0
@@ -68,7 +68,8 @@ def mori_stack(redis_url: str, mode: str) -> Iterator[Mori]:
     def argv(port: int) -> list[str]:
         return [
             "router", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--redis-url", redis_url, "--kv-connector", "moriio", "--model", "sim-model",
+            "--redis-url", redis_url, "--session-secret", SESSION_SECRET,
+            "--kv-connector", "moriio", "--model", "sim-model",
             "--moriio-register", f"tcp://127.0.0.1:{reg}",
             "--moriio-register-ttl", str(TTL), "--health-interval", "1",
         ]  # fmt: skip

@@ -27,7 +27,7 @@ from tests.support import metrics
 from tests.support.chat import chat_turn
 from tests.support.metrics import metric
 from tests.support.procs import ROOT, free_port, redis_server, sim, stop, wait_until
-from tests.support.router import RouterProc, router
+from tests.support.router import SESSION_SECRET, RouterProc, router
 
 REQUESTS = "kvbaton_requests_total"
 
@@ -227,7 +227,7 @@ def test_a_worker_that_fails_at_start_stops_the_server() -> None:
     with sim("prefill", name="workers-bad-p") as p, sim("decode", name="workers-bad-d") as d:
         argv = ["router", "serve", "--port", str(free_port()), "--workers", "2"]
         argv += ["--prefill", p.url, "--decode", d.url, "--model", "not-the-engines-model"]
-        argv += ["--redis-url", "redis://127.0.0.1:1/0"]
+        argv += ["--redis-url", "redis://127.0.0.1:1/0", "--session-secret", SESSION_SECRET]
         done = subprocess.run(
             [sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60
         )

@@ -73,6 +73,7 @@ def test_a_tampered_session_is_a_miss_and_poisons_nobody(main: Stack, edit: str)
 
 def test_without_a_secret_the_handle_checks_still_refuse_a_malformed_handle(main: Stack) -> None:
     flags = [f for f in ROUTER_FLAGS if f not in ("--session-secret", SESSION_SECRET)]
+    flags.append("--unsigned-sessions")
     ps, ds = [p.url for p in main.ps], [d.url for d in main.ds]
     with router(ps, ds, *flags, redis_url=main.redis_url, name="rel-unsigned") as r:
         conv = Conversation(r.url, main.ref, new_cid("unsigned"))

@@ -190,12 +190,25 @@ def test_replay_returns_exactly_the_dropped_batches(ctx: Sockets, pub: KVEventPu
     live = [sub.recv_multipart() for _ in range(6)]
     kept = [f for f in live if int.from_bytes(f[1], "big") < first + 4]  # drop the last 3
     missing = int.from_bytes(kept[-1][1], "big") + 1
-    replies = replay(ctx, pub, missing, delim=False)  # DEALER without the REQ delimiter
+    replies = replay(ctx, pub, missing, delim=True)
     assert replies[:-1] == [[f[1], f[2]] for f in live[3:]]
     assert seqs(replies) == [first + 4, first + 5, first + 6, -1]
 
 
-def test_replay_past_the_end_or_malformed_gets_only_the_end_marker(
+def test_a_replay_request_without_the_delimiter_is_not_answered(
+    ctx: Sockets, pub: KVEventPublisher
+) -> None:
+    """vLLM's _service_replay unpacks (identity, delimiter, start): a DEALER that sends the
+    start alone gets no answer (vLLM logs "Invalid replay request"), so the simulator neither."""
+    pub.publish([AllBlocksCleared()])
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{pub.replay_port}")
+    dealer.send_multipart([(0).to_bytes(8, "big")])
+    assert not dealer.poll(500)
+    assert replay(ctx, pub, 0, delim=True)[-1] == [END_OF_REPLAY, b""]  # still serving
+
+
+def test_replay_past_the_end_or_a_short_start_gets_only_the_end_marker(
     ctx: Sockets, pub: KVEventPublisher
 ) -> None:
     pub.publish([AllBlocksCleared()])

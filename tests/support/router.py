@@ -12,6 +12,11 @@ from pathlib import Path
 
 from tests.support.procs import free_port, log_file, spawn, stop, wait_http
 
+# The secret every test router on Redis signs its sessions with, unless its flags name one or
+# say --unsigned-sessions (a router on a shared store refuses to start without either).
+SESSION_SECRET = "kvbaton-tests-session-secret"
+SIGNING_FLAGS = ("--session-secret", "--unsigned-sessions")
+
 
 @dataclass
 class RouterProc:
@@ -32,10 +37,13 @@ def serve_argv(
     port: int,
     redis_url: str | None = None,
 ) -> list[str]:
-    """`python -m` arguments of `kvbaton serve` on 127.0.0.1:port (no --redis-url: memory)."""
+    """`python -m` arguments of `kvbaton serve` on 127.0.0.1:port (no --redis-url: memory);
+    on Redis, signed with SESSION_SECRET unless `args` say otherwise."""
     argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--prefill", *prefill, "--decode", *decode]
     argv += ["--session-store", "memory"] if redis_url is None else ["--redis-url", redis_url]
+    if redis_url is not None and not any(a in SIGNING_FLAGS for a in args):
+        argv += ["--session-secret", SESSION_SECRET]
     return [*argv, *args]
 
 

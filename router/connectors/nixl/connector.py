@@ -46,6 +46,12 @@ class NixlPull(Defaults):
         body = params.release_body(handle, model)
         return (body, "/v1/completions") if body is not None else None
 
+    def release_prefilled(
+        self, prefilled: Mapping[str, Any], model: str
+    ) -> tuple[dict[str, Any], str] | None:
+        body = params.release_prefilled_body(prefilled, model)
+        return (body, "/v1/completions") if body is not None else None
+
     def pinned(self, handle: Mapping[str, Any]) -> PinSize:
         return params.pinned(handle)
 

@@ -69,6 +69,22 @@ def release_body(handle: Mapping[str, Any], model: str) -> dict[str, Any] | None
     }
 
 
+def release_prefilled_body(params: Mapping[str, Any], model: str) -> dict[str, Any] | None:
+    """A one-token D request that carries P's params, for a prefill no D will read (D refused
+    the turn): D reads one token's block and notifies P, which
+    frees every block of that request at once instead of after kv_lease_duration (30 s).
+    None: not P's params."""
+    if not is_handle(params) or params.get("do_remote_prefill") is not True:
+        return None
+    return {
+        "model": model,
+        "prompt": [0],
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": _copy(params),
+    }
+
+
 def truncate(params: Mapping[str, Any], num_tokens: int, block_size: int) -> dict[str, Any]:
     """The handle reduced to its first `num_tokens` tokens (a block-aligned prefix).
 

@@ -1,0 +1,78 @@
+"""Whether the prompt plus the tokens asked for fit D's context (max_model_len), checked
+before P prefills: D refuses what does not fit only after P has pinned the prompt's blocks
+for it (issue 32). Known cheaply or not at all: the count a verified hit has, a byte bound
+for the rest, and P's /tokenize only for requests whose bound comes near the limit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.errors import BadRequest
+from router.turn.claim import prompt_token_ids
+from router.turn.incoming import Incoming
+from router.turn.state import Turn
+
+# vLLM's order: a chat request's max_completion_tokens, when set, wins over max_tokens.
+_LIMITS = {"chat": ("max_completion_tokens", "max_tokens"), "completions": ("max_tokens",)}
+# Tokens a chat template adds beyond the body's own bytes (role markers, a BOS token). The
+# body's JSON syntax around each message is already more bytes than its markers take tokens.
+TEMPLATE_MARGIN = 64
+
+
+def asked(inc: Incoming) -> tuple[str, int] | None:
+    """The output limit the engine applies (its field, its value); None: none set."""
+    found = [(k, inc.body[k]) for k in _LIMITS.get(inc.api, ()) if inc.body.get(k) is not None]
+    return found[0] if found else None
+
+
+def bounded(inc: Incoming) -> bool:
+    """Whether the body's size bounds its prompt's tokens (each token of text is at least one
+    byte): text only; an image's placeholder tokens are many more than its URL's bytes."""
+    if inc.api == "completions":
+        return True
+    return all(_text_only(m.get("content")) for m in inc.messages if isinstance(m, dict))
+
+
+def _text_only(content: Any) -> bool:
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" for p in content
+    )
+
+
+def may_not_fit(inc: Incoming, want: int, max_model_len: int) -> bool:
+    """Whether the byte bound leaves any doubt (or there is no bound at all)."""
+    return not bounded(inc) or inc.size + TEMPLATE_MARGIN + want > max_model_len
+
+
+def refusal(key: str, want: int, prompt: int, max_model_len: int) -> BadRequest:
+    # vLLM's own words for the same refusal (its max_tokens check against the prompt).
+    return BadRequest(
+        f"'{key}' is too large: {want}. This model's maximum context length is "
+        f"{max_model_len} tokens and your request has {prompt} input tokens "
+        f"({want} > {max_model_len} - {prompt}).",
+        param=key,
+        code="context_length_exceeded",
+    )
+
+
+async def check(turn: Turn, prefill_url: str) -> None:
+    """BadRequest when the prompt plus the output limit cannot fit D's context, before P."""
+    svc, inc = turn.svc, turn.inc
+    limit, found = svc.max_model_len, asked(inc)
+    if not limit or found is None:
+        return
+    key, want = found
+    tokens = turn.claim.tokens
+    if tokens is None:
+        if inc.api == "completions" and not isinstance(inc.prompt, str):
+            tokens = list(inc.prompt)
+        elif not bounded(inc) or not may_not_fit(inc, want, limit):
+            return  # fits for sure, or cannot be known cheaply: D says
+        else:
+            tokens = await prompt_token_ids(svc, inc, prefill_url, turn.request_id)
+            if tokens is None:
+                return
+    if len(tokens) + want > limit:
+        raise refusal(key, want, len(tokens), limit)
