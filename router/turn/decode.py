@@ -46,7 +46,9 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
     started = time.monotonic()
     outcome = LegOutcome.ERROR
     try:
-        with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream):
+        # In flight on D from the request on: a JSON answer comes whole, so for it the
+        # open is the whole decode.
+        with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream), svc.pool.busy(d_inst):
             resp = await svc.engines.open_stream(
                 url,
                 body,

@@ -1,15 +1,20 @@
-"""Metrics scraped and parsed after a conversation; one log line per turn without content."""
+"""Metrics scraped and parsed after a conversation; one log line per turn without content;
+the in-flight gauge through a whole D leg."""
 
 from __future__ import annotations
 
 import time
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, pd_stack
 from tests.support.chat import chat_turn, client
+from tests.support.metrics import metric
+from tests.support.procs import wait_until
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -80,3 +85,25 @@ def test_one_log_line_per_turn_without_content(stack: Stack) -> None:
     last = lines[-1]
     for field in ("conv=", "p=http://", "d=http://", "reuse=", "ttft_ms=", "prompt_tokens="):
         assert field in last
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_turn_counts_in_flight_on_d_until_its_answer_is_done(
+    redis_url_session: str, stream: bool
+) -> None:
+    """kvbaton_backend_inflight_requests (and placement's load) count a turn on D for its
+    whole D leg: a JSON answer comes whole, so all of it is the request's open."""
+    slow = ("--decode-ms-per-token", "40")
+    with pd_stack(redis_url_session, f"inflight-{stream}", decode=slow) as st:
+        api = client(st.url + "/v1")
+
+        def on_d() -> float:
+            return metric(st.url, "kvbaton_backend_inflight_requests", role="decode")
+
+        question = [{"role": "user", "content": "a long answer, please"}]
+        with ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(chat_turn, api, question, stream=stream, cid=None, max_tokens=60)
+            wait_until(lambda: on_d() == 1, "the turn in flight on D", 10)
+            assert not turn.done()  # 60 tokens at 40 ms: D is still answering
+            turn.result(timeout=30)
+        assert on_d() == 0
