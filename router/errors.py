@@ -94,10 +94,11 @@ class Unavailable(RouterError):
 class EngineReply(RouterError):
     """An engine's own 4xx answer (the client's request was invalid), relayed as it is."""
 
-    def __init__(self, status: int, body: bytes) -> None:
+    def __init__(self, status: int, body: bytes, retry_after: int | None = None) -> None:
         super().__init__(f"engine answered {status}")
         self.status = status
         self.body = body
+        self.retry_after = retry_after  # seconds, as the Retry-After header (a paused fleet)
 
 
 class UpstreamFailure(Exception):

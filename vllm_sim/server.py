@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import api, dp, metrics, push, shapes
+from vllm_sim import api, dp, metrics, pause_api, push, shapes
 from vllm_sim.blocks import CacheEvent, Cleared, Removed, Stored
 from vllm_sim.clock import SimClock
 from vllm_sim.config import SimSettings
@@ -156,51 +156,6 @@ class Sim:
 
     async def version(self, _: web.Request) -> web.Response:
         return json_response({"version": self.settings.version.version})
-
-    # -- vLLM 0.33's pause and sleep (vllm_sim/pause.py) -----------------------------------
-
-    async def pause(self, request: web.Request) -> web.Response:
-        mode = request.query.get("mode", "abort")
-        if mode not in ("abort", "wait", "keep"):
-            raise ApiError(f"mode must be abort, wait or keep, not {mode!r}", param="mode")
-        self.ranks.pause.pause(mode)
-        return json_response({"status": "paused"})
-
-    async def resume(self, _: web.Request) -> web.Response:
-        self.ranks.pause.resume()
-        return json_response({"status": "resumed"})
-
-    async def is_paused(self, _: web.Request) -> web.Response:
-        return json_response({"is_paused": self.ranks.pause.paused})
-
-    async def sleep(self, request: web.Request) -> web.Response:
-        """Level 1+ discards the KV cache. In-flight requests finish first (vLLM's mode
-        "wait"; the simulator does not abort them)."""
-        try:
-            level = int(request.query.get("level", "1"))
-        except ValueError:
-            level = -1
-        if not 0 <= level <= 2:
-            raise ApiError("level must be 0, 1 or 2", param="level")
-        self.ranks.pause.sleep(level)
-        for engine in self.ranks.engines:
-            while engine.running:
-                engine.idle.clear()
-                await engine.idle.wait()
-        if level >= 1:
-            for engine in self.ranks.engines:
-                engine.sleep()
-        return json_response({"status": "sleeping", "level": level})
-
-    async def wake_up(self, _: web.Request) -> web.Response:
-        if self.ranks.pause.sleep_level >= 1:
-            for engine in self.ranks.engines:
-                engine.wake_up()
-        self.ranks.pause.wake_up()
-        return json_response({"status": "awake", "tags": None})
-
-    async def is_sleeping(self, _: web.Request) -> web.Response:
-        return json_response({"is_sleeping": self.ranks.pause.sleeping})
 
     async def reset_prefix_cache(self, _: web.Request) -> web.Response:
         for engine in self.ranks.engines:
@@ -357,12 +312,7 @@ def build_app(sim: Sim) -> web.Application:
     r.add_post("/reset_prefix_cache", sim.reset_prefix_cache)
     r.add_get("/version", sim.version)
     if sim.settings.version.pause_rejects:  # vLLM 0.33 (with VLLM_SERVER_DEV_MODE=1)
-        r.add_post("/pause", sim.pause)
-        r.add_post("/resume", sim.resume)
-        r.add_get("/is_paused", sim.is_paused)
-        r.add_post("/sleep", sim.sleep)
-        r.add_post("/wake_up", sim.wake_up)
-        r.add_get("/is_sleeping", sim.is_sleeping)
+        pause_api.add_routes(app, sim.ranks)
     r.add_post("/sim/faults", sim.set_faults)
     r.add_get("/sim/faults", sim.get_faults)
     r.add_delete("/sim/faults", sim.clear_faults)

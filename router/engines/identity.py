@@ -8,6 +8,8 @@ import logging
 import re
 from dataclasses import dataclass, field
 
+from router.engines.versions import EngineVersion
+
 log = logging.getLogger("kvbaton.backends")
 
 # A P that refused this many of one D's handles in a row gets none of that D's handles for a
@@ -96,7 +98,58 @@ class EngineIdentity:
     # is asked for token ids on streams and its streamed handles are kept. Not kept across a
     # restart (the new process may be another vLLM).
     streams_params: bool = False
+    # Its vLLM version from GET /version, read at discovery and again after a restart (the
+    # new process may be another vLLM): what it streams, its connector version, its pauses.
+    version: EngineVersion = field(default_factory=EngineVersion)
+    # The highest remote_registration_generation in its handles (vLLM 0.33): D registered its
+    # KV again (it slept) when it rises, and handles of an older one name blocks of the old.
+    registration: int = 0
     refused_by: dict[str, Refusals] = field(default_factory=dict)  # a D's, by P URL
+
+    @property
+    def streams_handles(self) -> bool:
+        """Whether a streamed answer of this D brings its handle: its version says so (0.33),
+        or it was seen doing it (a 0.32 with PR #40186)."""
+        return self.streams_params or self.version.streams_handles
+
+    def note_version(self, version: str) -> None:
+        """Record the version /version answered ("" : it did not answer)."""
+        if version == self.version.version:
+            return
+        if self.version.version and version:
+            log.warning("%s now runs vLLM %s (was %s)", self.label, version, self.version.version)
+        elif version:
+            log.info(
+                "%s runs vLLM %s (connector group %s)",
+                self.label,
+                version,
+                EngineVersion(version).group or "unknown",
+            )
+        self.version = EngineVersion(version)
+
+    def note_registration(self, generation: int) -> None:
+        """The registration generation in one of this D's new handles."""
+        if generation > self.registration:
+            if self.registration:
+                log.warning(
+                    "%s registered its KV cache again (generation %d, was %d): its older "
+                    "handles are not read",
+                    self.label,
+                    generation,
+                    self.registration,
+                )
+            self.registration = generation
+
+    def registration_changed(self, generation: int) -> bool:
+        """Whether a handle of that generation names blocks of an earlier registration."""
+        return generation < self.registration
+
+    def _forget_process(self) -> None:
+        """A new process: what was learned from the old one is learned again."""
+        self.refused_by.clear()
+        self.streams_params = False
+        self.version = EngineVersion()  # read again by the health loop
+        self.registration = 0
 
     @property
     def handle_started(self) -> float:
@@ -112,8 +165,7 @@ class EngineIdentity:
             return
         if self.started:
             self.restarts += 1
-            self.refused_by.clear()  # a new process: P may read from it again
-            self.streams_params = False  # learned again from its streams
+            self._forget_process()  # P may read from it again; its version is read again
             if not self.started_stale:  # else the engine id is already the new process's
                 self.engine_id = ""  # learned again from its next handle
             log.warning(
@@ -136,8 +188,7 @@ class EngineIdentity:
             return
         if self.engine_id:
             self.started_stale = True
-            self.refused_by.clear()
-            self.streams_params = False
+            self._forget_process()
             log.warning(
                 "%s has a new engine id (%s, was %s): it restarted; handles made before are "
                 "not used",

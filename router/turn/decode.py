@@ -77,7 +77,7 @@ async def _read_error(resp: EngineStream) -> str:
 
 async def decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> Response:
     turn.decode = d_inst
-    turn.want_token_ids = asks.token_ids(turn.svc.settings, turn.inc, d_inst.ident.streams_params)
+    turn.want_token_ids = asks.token_ids(turn.svc.settings, turn.inc, d_inst.ident.streams_handles)
     return await respond(turn, d_inst, await open_decode(turn, d_inst, params))
 
 

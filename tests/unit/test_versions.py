@@ -1,0 +1,139 @@
+"""Engine versions as the router reads them: capabilities, connector groups, pairing, the
+paused 503 (pure tables), and P placement within connector groups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.engines.pool import Pool
+from router.engines.versions import EngineVersion, engine_paused, parse, registration_generation
+from router.errors import Unavailable
+from router.turn import decide
+from router.turn.decide import Attempt, Next
+
+PAUSED = {
+    "error": {
+        "message": "Generation is paused. Please retry after it resumes.",
+        "type": "ServiceUnavailableError",
+        "param": None,
+        "code": 503,
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("version", "streams", "connector", "group"),
+    [
+        ("0.32.0", False, 14, "nixl-v14"),
+        ("0.33.0", True, 15, "nixl-v15"),
+        ("0.33.1.dev4+g1234", True, 15, "nixl-v15"),
+        ("0.34.0", True, None, "vllm-0.34"),
+        ("0.21.0", False, None, "vllm-0.21"),
+        ("", False, None, ""),
+        ("nonsense", False, None, ""),
+    ],
+)
+def test_what_a_version_says(
+    version: str, streams: bool, connector: int | None, group: str
+) -> None:
+    v = EngineVersion(version)
+    assert v.streams_handles is streams and v.pause_rejects is streams
+    assert v.connector_version == connector and v.group == group
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "pairs"),
+    [("0.32.0", "0.32.1", True), ("0.32.0", "0.33.0", False), ("", "0.33.0", True)],
+)
+def test_pairing(a: str, b: str, pairs: bool) -> None:
+    assert EngineVersion(a).pairs_with(EngineVersion(b)) is pairs
+
+
+@pytest.mark.parametrize(
+    ("body", "version"),
+    [({"version": "0.33.0"}, "0.33.0"), ({"version": 33}, ""), ([], ""), (None, "")],
+)
+def test_parse(body: Any, version: str) -> None:
+    assert parse(body) == version
+
+
+@pytest.mark.parametrize(
+    ("params", "generation"),
+    [
+        ({"remote_registration_generation": 2}, 2),
+        ({}, 0),
+        (None, 0),
+        ({"remote_registration_generation": True}, 0),
+    ],
+)
+def test_registration_generation(params: Any, generation: int) -> None:
+    assert registration_generation(params) == generation
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "paused"),
+    [
+        (503, PAUSED, True),
+        (503, {"error": {"message": "x", "type": "T", "code": "engine_paused"}}, True),
+        (503, {"error": "down"}, False),
+        (500, PAUSED, False),
+        (503, None, False),
+    ],
+)
+def test_engine_paused(status: int, body: Any, paused: bool) -> None:
+    assert engine_paused(status, body) is paused
+
+
+def test_a_paused_p_is_busy_and_its_handle_unspent() -> None:
+    step = decide.after_prefill(
+        Attempt(503, False, True, with_handle=True, with_ids=False, paused=True)
+    )
+    assert step.next is Next.ANOTHER_P and not step.handle_used and not step.failed
+    # Any other 503 with a handle: the handle may have been read.
+    step = decide.after_prefill(Attempt(503, False, True, with_handle=True, with_ids=False))
+    assert step.handle_used
+
+
+def _pool(p: list[str], d: list[str]) -> Pool:
+    pool = Pool(
+        tuple(f"http://p{i}" for i in range(len(p))), tuple(f"http://d{i}" for i in range(len(d)))
+    )
+    for inst, version in zip(pool.instances(), [*p, *d], strict=True):
+        inst.ident.note_version(version)
+    return pool
+
+
+def test_placement_within_connector_groups() -> None:
+    pool = _pool(["0.32.0", "0.33.0"], ["0.33.0"])
+    # Only the 0.33 P has a D to pair with.
+    assert {pool.pick("prefill").url for _ in range(4)} == {"http://p1"}
+    p32 = pool.find("prefill", "http://p0")
+    assert p32 is not None
+    with pytest.raises(Unavailable, match="nixl-v14"):
+        pool.pick("decode", peer=p32)
+    p33 = pool.find("prefill", "http://p1")
+    assert p33 is not None and pool.pick("decode", peer=p33).url == "http://d0"
+    assert pool.groups() == {
+        "nixl-v14": {"prefill": ["http://p0"], "decode": []},
+        "nixl-v15": {"prefill": ["http://p1"], "decode": ["http://d0"]},
+    }
+    # A D whose version is not known yet pairs with every P.
+    unknown = _pool(["0.32.0", "0.33.0"], [""])
+    assert {unknown.pick("prefill").url for _ in range(4)} == {"http://p0", "http://p1"}
+
+
+def test_a_restart_forgets_the_version_and_the_registration() -> None:
+    pool = _pool([], ["0.33.0"])
+    ident = pool.instances("decode")[0].ident
+    ident.note_started(100.0)
+    ident.note_registration(1)
+    ident.note_registration(2)
+    assert (
+        ident.streams_handles
+        and ident.registration_changed(1)
+        and not ident.registration_changed(2)
+    )
+    ident.note_started(200.0)  # a new process: another vLLM, perhaps
+    assert ident.version.version == "" and not ident.streams_handles and ident.registration == 0
