@@ -105,12 +105,14 @@ class UpstreamFailure(Exception):
     """An engine could not be reached, timed out, or broke the connection.
 
     `reached` is False only when the request cannot have reached the engine (the connection
-    was never made): only then may a single-use handle be sent elsewhere.
+    was never made): only then may a single-use handle be sent elsewhere. `busy`: the engine
+    refused the request while paused (vLLM 0.33's 503): not counted against its health.
     """
 
-    def __init__(self, message: str, *, reached: bool = True) -> None:
+    def __init__(self, message: str, *, reached: bool = True, busy: bool = False) -> None:
         super().__init__(message)
         self.reached = reached
+        self.busy = busy
 
 
 class StartupError(RuntimeError):

@@ -107,8 +107,8 @@ MEANINGS: dict[Reason, str] = {
     "continuing conversation (the store lost or never got its blocks, or the engines run "
     "without `--enable-prompt-tokens-details`): P computed the whole history",
     Reason.REUSE_DISABLED: "`--no-reuse`: affinity only",
-    Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id` or "
-    "`X-Session-ID`",
+    Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id`, "
+    "`X-Session-ID` or `vllm_xargs.session_id`",
     Reason.PUSH_AFFINITY: "`--kv-connector nixl-push`: vLLM has no D->P reuse for push "
     "(vllm#46473), so nothing is read from D; the conversation keeps its P and D (affinity), "
     "whose prefix caches may still hold its earlier turns",

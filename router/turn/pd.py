@@ -59,8 +59,10 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
             return await decode(turn, d_inst, prefilled.params)
         except UpstreamFailure as exc:
             # D failed before its first byte: redo the whole turn with a new P leg, since
-            # P's params are single use (never send them to a second D).
-            svc.pool.record_failure(d_inst, str(exc))
+            # P's params are single use (never send them to a second D). A paused D (vLLM
+            # 0.33's 503) is busy, not broken: not counted against it.
+            if not exc.busy:
+                svc.pool.record_failure(d_inst, str(exc))
             failed.append(d_inst.url)
             log.warning("decode on %s failed before the first byte: %s", d_inst.url, exc)
             if not decide.redo_decode(len(failed)):

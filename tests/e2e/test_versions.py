@@ -189,3 +189,23 @@ def test_a_mixed_fleet_pairs_within_connector_groups(mixed: Stack) -> None:
     assert all(
         p["failures"] == 0 for p in get_json(st.router.url + "/status")["instances"]["prefill"]
     )
+
+
+def test_a_paused_d_is_not_counted_as_failing(fresh: Stack) -> None:
+    """D answers 503 while paused: the turn is redone (P's params were single use) and fails
+    when D is alone, but D is not ejected or counted as failing; resumed, it serves again."""
+    st = fresh
+    api = client(st.router.base_url)
+    messages: list[Message] = [{"role": "user", "content": "Are the engines awake?"}]
+    assert post(st.d.url + "/pause", {}).status == 200
+    try:
+        for _ in range(4):  # more than --unhealthy-after
+            with pytest.raises(openai.APIStatusError) as caught:
+                chat_turn(api, messages, cid=None)
+            assert caught.value.status_code >= 500
+    finally:
+        assert post(st.d.url + "/resume", {}).status == 200
+    (d,) = get_json(st.router.url + "/status")["instances"]["decode"]
+    assert d["healthy"] is True and d["failures"] == 0
+    answer, _, _ = chat_turn(api, messages, cid=None)
+    assert answer == reference_chat(st, messages, 24)
