@@ -163,3 +163,27 @@ async def test_sleep_discards_the_kv_and_raises_the_registration_generation(
     pb = await prefill(p, msgs4, new)
     status, db4 = await decode(d, msgs4, pb["kv_transfer_params"], 20)
     assert status == 200 and answer(db4) == await scratch(r, msgs4, 20)
+
+
+@pytest.mark.parametrize("engine", ["D", "D32"])
+async def test_render_gives_the_prompt_the_engine_computes(
+    fleet: dict[str, SimProc], engine: str
+) -> None:
+    """vLLM's render routes (both versions): the token ids are the generation routes' prompt."""
+    url = fleet[engine].url
+    msgs = [{"role": "user", "content": "render me"}]
+    status, rendered = await post(url + "/v1/chat/completions/render", {"messages": msgs})
+    assert status == 200 and rendered["request_id"].startswith("chatcmpl-")
+    _, body = await chat(url, msgs, max_tokens=2, return_token_ids=True)
+    assert rendered["token_ids"] == body["prompt_token_ids"]
+    status, listed = await post(
+        url + "/v1/completions/render", {"prompt": "waves", "max_tokens": 3}
+    )
+    assert status == 200 and len(listed) == 1 and listed[0]["sampling_params"]["max_tokens"] == 3
+    items = [{"role": "user", "content": "render a response"}]
+    status, rendered = await post(url + "/v1/responses/render", {"input": items})
+    assert status == 200
+    _, resp = await post(url + "/v1/responses", {"input": items, "max_output_tokens": 2})
+    assert len(rendered["token_ids"]) == resp["usage"]["input_tokens"]
+    status, error = await post(url + "/v1/chat/completions/render", {"messages": "nope"})
+    assert status == 400 and error["error"]["type"] == "BadRequestError"
