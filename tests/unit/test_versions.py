@@ -3,13 +3,16 @@ paused 503 (pure tables), and P placement within connector groups."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 import pytest
 
+from router.engines.client import EngineClient
 from router.engines.pool import Pool
 from router.engines.versions import EngineVersion, engine_paused, parse, registration_generation
 from router.errors import Unavailable
+from router.lifecycle.health import check
 from router.turn import decide
 from router.turn.decide import Attempt, Next
 
@@ -137,3 +140,38 @@ def test_a_restart_forgets_the_version_and_the_registration() -> None:
     )
     ident.note_started(200.0)  # a new process: another vLLM, perhaps
     assert ident.version.version == "" and not ident.streams_handles and ident.registration == 0
+
+
+class VersionAnswers:
+    """/version by base URL, and a /metrics whose start time the test sets."""
+
+    def __init__(self, versions: dict[str, str]) -> None:
+        self.versions = versions
+        self.started = 100.0
+        self.gets: list[str] = []
+
+    async def get(self, url: str, *, timeout: float) -> tuple[int, bytes]:
+        self.gets.append(url)
+        base, _, path = url.rpartition("/")
+        if path == "version":
+            return 200, msgspec.json.encode({"version": self.versions[base]})
+        return 200, f"process_start_time_seconds {self.started}\n".encode()
+
+
+async def test_the_health_loop_reads_versions_at_start_after_a_restart_and_for_p_always() -> None:
+    pool = Pool(("http://p0",), ("http://d0",))
+    p, d = pool.instances()
+    engines = VersionAnswers({"http://p0": "0.32.0", "http://d0": "0.33.0"})
+    client = cast(EngineClient, engines)
+    for _ in range(2):
+        await check(client, p, 1.0)
+        await check(client, d, 1.0)
+    assert (p.ident.version.version, d.ident.version.version) == ("0.32.0", "0.33.0")
+    assert engines.gets.count("http://p0/version") == 2  # a P's restart shows nowhere else
+    assert engines.gets.count("http://d0/version") == 1  # known: not read again
+    engines.versions = {"http://p0": "0.33.0", "http://d0": "0.32.0"}  # both upgraded...
+    engines.started = 200.0  # ...and D restarted
+    await check(client, p, 1.0)
+    await check(client, d, 1.0)
+    assert (p.ident.version.version, d.ident.version.version) == ("0.33.0", "0.32.0")
+    assert d.ident.restarts == 1 and engines.gets.count("http://d0/version") == 2
