@@ -105,4 +105,5 @@ class Ranks:
             waiting=sum(g.waiting for g in gauges),
             pinned_requests=sum(g.pinned_requests for g in gauges),
             pinned_blocks=sum(g.pinned_blocks for g in gauges),
+            sleep_level=self.pause.sleep_level if self.pause.sleeping else 0,
         )

@@ -29,6 +29,12 @@ _REQUESTS = re.compile(
 _DP_SUFFIX = re.compile(r"_dp\d+$")
 # vLLM's KV-cache usage, 0-1, one gauge per engine (and data-parallel rank) (measured on 0.32).
 _KV_USAGE = re.compile(rb"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+# vLLM's sleep gauge: `awake` 0 while asleep, `weights_offloaded` / `discard_all` 1 at sleep
+# level 1 / 2, both of which discard the KV cache (read from the 0.33.0 wheel).
+_SLEEP = re.compile(
+    rb'^vllm:engine_sleep_state\{[^}]*sleep_state="(weights_offloaded|discard_all)"[^}]*\} (\S+)$',
+    re.MULTILINE,
+)
 
 
 def process_started(metrics: bytes) -> float:
@@ -59,6 +65,17 @@ def engine_requests(metrics: bytes) -> int:
 def kv_usage(metrics: bytes) -> float | None:
     """The engine's KV-cache usage (0-1; the highest of its ranks), None if absent."""
     return max(_samples(_KV_USAGE, metrics), default=None)
+
+
+def kv_discarded(metrics: bytes) -> bool:
+    """Whether the engine is asleep at a level that discards its KV cache (level 1 or 2)."""
+    for match in _SLEEP.finditer(metrics):
+        try:
+            if float(match.group(2)) >= 1.0:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def engine_family(engine_id: str) -> str:
@@ -104,6 +121,12 @@ class EngineIdentity:
     # The highest remote_registration_generation in its handles (vLLM 0.33): D registered its
     # KV again (it slept) when it rises, and handles of an older one name blocks of the old.
     registration: int = 0
+    # The router's clock when it last saw this D asleep with its KV cache discarded (its
+    # /metrics' vllm:engine_sleep_state, every --health-interval; 0: never): handles made
+    # before name blocks of a registration that is gone, even before a newer generation
+    # shows in a handle.
+    slept_at: float = 0.0
+    asleep: bool = False
     refused_by: dict[str, Refusals] = field(default_factory=dict)  # a D's, by P URL
 
     @property
@@ -140,9 +163,23 @@ class EngineIdentity:
                 )
             self.registration = generation
 
-    def registration_changed(self, generation: int) -> bool:
-        """Whether a handle of that generation names blocks of an earlier registration."""
-        return generation < self.registration
+    def registration_changed(self, generation: int, made_at: float = 0.0) -> bool:
+        """Whether a handle of that generation (0: it names none, as 0.32's), made at that time
+        (router clock), names blocks of an earlier registration: D's handles have shown a
+        newer generation since, or D was seen asleep with its KV discarded after it."""
+        newer = 0 < generation < self.registration
+        return newer or 0 < made_at <= self.slept_at
+
+    def note_sleep(self, kv_discarded: bool, now: float) -> None:
+        """The health loop's read of D's sleep gauge (vllm:engine_sleep_state)."""
+        if kv_discarded:
+            if not self.asleep:
+                log.warning(
+                    "%s is asleep with its KV cache discarded: handles made before are not read",
+                    self.label,
+                )
+            self.slept_at = now
+        self.asleep = kv_discarded
 
     def _forget_process(self) -> None:
         """A new process: what was learned from the old one is learned again."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 
 from router.engines.client import EngineClient
-from router.engines.identity import engine_requests, kv_usage, process_started
+from router.engines.identity import engine_requests, kv_discarded, kv_usage, process_started
 from router.engines.pool import Instance, Pool
 from router.engines.versions import parse
 from router.errors import UpstreamFailure
@@ -34,6 +35,7 @@ async def read_started(engines: EngineClient, inst: Instance, timeout: float) ->
         inst.ident.note_started(process_started(metrics))
         inst.engine_requests = engine_requests(metrics)
         inst.note_kv_usage(kv_usage(metrics))
+        inst.ident.note_sleep(kv_discarded(metrics), time.time())  # the sessions' clock
     inst.ident.note_reachable(True)
 
 

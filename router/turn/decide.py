@@ -56,9 +56,9 @@ def decode_blocker(inst: Instance | None, state: SessionState) -> Reason | None:
         return Reason.DECODE_UNREACHABLE
     # vLLM 0.33: D re-registered its KV (a sleep) since; the handle's block ids are the old
     # registration's, and a P that handshakes afresh would read whatever they hold now.
-    # (A handle without one, 0.32's or a malformed one, is left to handle_check.)
+    # A handle without one (0.32's, or a malformed one: handle_check's) is judged by time.
     generation = registration_generation(state.kv_transfer_params)
-    if generation and inst.ident.registration_changed(generation):
+    if inst.ident.registration_changed(generation, state.updated_at):
         return Reason.REGISTRATION_CHANGED
     return None
 

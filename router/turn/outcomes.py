@@ -88,9 +88,10 @@ MEANINGS: dict[Reason, str] = {
     "engine id in its handles, vLLM's `_dp<rank>` suffix aside)",
     Reason.DECODE_UNREACHABLE: "the last read of the D's `/metrics` could not connect (it may "
     "be restarting)",
-    Reason.REGISTRATION_CHANGED: "the D registered its KV cache again since the handle was made "
-    "(vLLM 0.33: a newer `remote_registration_generation` in its later handles, after a sleep): "
-    "the handle names blocks of the old registration, so it is not read",
+    Reason.REGISTRATION_CHANGED: "the D discarded and registered its KV cache again since the "
+    "handle was made (a sleep: its `vllm:engine_sleep_state` seen by the health loop, or, vLLM "
+    "0.33, a newer `remote_registration_generation` in its later handles): the handle names "
+    "blocks of the old registration, so it is not read",
     Reason.CONNECTOR_MISMATCH: "no usable P runs a NIXL connector version the handle's D can "
     "handshake with (a fleet in the middle of a vLLM upgrade: 0.32 is version 14, 0.33 is 15)",
     Reason.STORE_UNAVAILABLE: "Redis failed or is being skipped by the circuit breaker",

@@ -4,6 +4,7 @@ P/D pairs formed within a connector group."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -209,3 +210,31 @@ def test_a_paused_d_is_not_counted_as_failing(fresh: Stack) -> None:
     assert d["healthy"] is True and d["failures"] == 0
     answer, _, _ = chat_turn(api, messages, cid=None)
     assert answer == reference_chat(st, messages, 24)
+
+
+@pytest.fixture(scope="module")
+def watched(redis_url_session: str) -> Iterator[Stack]:
+    """0.33 engines, a router that reads D's /metrics every 0.2 s."""
+    with pd_stack(redis_url_session, "v033-sleep", *NO_PLAN, "--health-interval", "0.2") as st:
+        yield st
+
+
+def test_a_sleep_seen_on_d_s_metrics_retires_its_older_handles_at_once(watched: Stack) -> None:
+    """The health loop sees D asleep with its KV discarded (vllm:engine_sleep_state): the
+    conversation's own next turn, the first after the wake-up, does not read its old handle
+    (a P that never handshook D would read the discarded blocks: a wrong answer)."""
+    st = watched
+    api = client(st.router.base_url)
+    cid = f"sleep-{uuid.uuid4().hex[:8]}"
+    messages: list[Message] = [{"role": "user", "content": "Describe the tide coming in."}]
+    answer, _, _ = chat_turn(api, messages, cid=cid)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Then?"}]
+    assert post(st.d.url + "/sleep?level=1", {}).status == 200
+    time.sleep(1.0)  # five health reads
+    assert post(st.d.url + "/wake_up", {}).status == 200
+    answer, reuse, _ = chat_turn(api, messages, cid=cid)
+    assert reuse == "miss;reason=registration-changed"
+    assert answer == reference_chat(st, messages, 24)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And?"}]
+    answer, reuse, _ = chat_turn(api, messages, cid=cid)
+    assert reuse == "hit" and answer == reference_chat(st, messages, 24)

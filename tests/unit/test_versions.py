@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from router.engines.client import EngineClient
+from router.engines.identity import kv_discarded
 from router.engines.pool import Pool
 from router.engines.versions import EngineVersion, engine_paused, parse, registration_generation
 from router.errors import Unavailable
@@ -175,3 +176,31 @@ async def test_the_health_loop_reads_versions_at_start_after_a_restart_and_for_p
     await check(client, d, 1.0)
     assert (p.ident.version.version, d.ident.version.version) == ("0.33.0", "0.32.0")
     assert d.ident.restarts == 1 and engines.gets.count("http://d0/version") == 2
+
+
+SLEEP_STATE = (
+    'vllm:engine_sleep_state{{engine="0",model_name="m",sleep_state="awake"}} {}\n'
+    'vllm:engine_sleep_state{{engine="0",model_name="m",sleep_state="weights_offloaded"}} {}\n'
+    'vllm:engine_sleep_state{{engine="0",model_name="m",sleep_state="discard_all"}} {}\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("awake", "offloaded", "discarded", "gone"),
+    [(1, 0, 0, False), (0, 1, 0, True), (0, 0, 1, True), (0, 0, 0, False), ("x", "x", "x", False)],
+)
+def test_the_sleep_gauge(awake: Any, offloaded: Any, discarded: Any, gone: bool) -> None:
+    text = SLEEP_STATE.format(awake, offloaded, discarded).encode()
+    assert kv_discarded(text) is gone
+
+
+def test_handles_made_before_a_sleep_are_of_an_earlier_registration() -> None:
+    ident = _pool([], ["0.33.0"]).instances("decode")[0].ident
+    ident.note_registration(1)
+    assert not ident.registration_changed(1, made_at=50.0)
+    ident.note_sleep(True, 100.0)
+    ident.note_sleep(True, 101.0)  # still asleep: the latest time it was seen so
+    ident.note_sleep(False, 102.0)
+    assert ident.registration_changed(1, made_at=50.0) and ident.registration_changed(0, 101.0)
+    assert not ident.registration_changed(1, made_at=103.0)
+    assert not ident.registration_changed(0, made_at=0.0)  # no time, no generation: not judged
