@@ -35,6 +35,10 @@ Tick = Callable[[str], None]
 P_ARGS = ["--num-blocks", "65536"]
 D_ARGS = ["--bidirectional", "--decoder-kv-blocks-ttl", "2", "--sweep-interval", "0.5"]
 D_ARGS += ["--num-blocks", "65536"]
+# The "stock" figures are vLLM 0.32's shapes (no handle in a stream); "vllm 0.33" is the
+# simulator's default: a null kv_transfer_params in every content chunk, the handle on the
+# finish chunk, token ids asked for and cut from every chunk (the router learns the version).
+V032 = ["--vllm-version", "0.32"]
 # D paces its tokens like a GPU would (one SSE chunk per read at the router).
 PACED = ["--decode-ms-per-token", "5"]
 # Long streams (a model long enough for them): the router's CPU per chunk at 1,000 and at
@@ -111,7 +115,10 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"cells": [], "chunk_cpu": {}, "monitor": {}, "commands": {}}
     routers = [[], ["--no-reuse"]] if no_reuse else [[]]
     with start_stack(
-        prefill_args=[P_ARGS], decode_args=[D_ARGS], router_args=routers, name="overhead"
+        prefill_args=[[*P_ARGS, *V032]],
+        decode_args=[[*D_ARGS, *V032]],
+        router_args=routers,
+        name="overhead",
     ) as st:
         assert st.redis_url is not None
         stats = RedisStats(st.redis_url)
@@ -134,13 +141,15 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
             stats.close()
         out["commands"]["stock"] = st.commands
     variants: tuple[tuple[str, list[str], list[str]], ...] = (
-        ("stream-kv-params", ["--stream-kv-params"], ["--stream-kv-params"]),
-        ("stock, paced", PACED, []),
-        ("stream-kv-params, paced", [*PACED, "--stream-kv-params"], ["--stream-kv-params"]),
+        ("stream-kv-params", [*V032, "--stream-kv-params"], ["--stream-kv-params"]),
+        ("stock, paced", [*V032, *PACED], []),
+        ("stream-kv-params, paced", [*V032, *PACED, "--stream-kv-params"], ["--stream-kv-params"]),
+        ("vllm 0.33, paced", PACED, []),
     )
     for name, d_extra, r_args in variants:
+        version = V032 if V032[0] in d_extra else []  # P speaks D's connector version
         with start_stack(
-            prefill_args=[P_ARGS],
+            prefill_args=[[*P_ARGS, *version]],
             decode_args=[[*D_ARGS, *d_extra]],
             router_args=[r_args],
             name="overhead-chunks",
@@ -167,8 +176,8 @@ def long_streams(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out and what remains is the cost of a chunk that far into a stream."""
     pace = plan.long_ms_per_token
     with start_stack(
-        prefill_args=[[*P_ARGS, *LONG_MODEL]],
-        decode_args=[[*D_ARGS, *LONG_MODEL, "--decode-ms-per-token", str(pace)]],
+        prefill_args=[[*P_ARGS, *V032, *LONG_MODEL]],
+        decode_args=[[*D_ARGS, *V032, *LONG_MODEL, "--decode-ms-per-token", str(pace)]],
         router_args=[[]],
         name="overhead-long",
     ) as st:

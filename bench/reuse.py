@@ -57,7 +57,14 @@ def arms_for(plan: Plan, cache: str, no_reuse: bool) -> list[str]:
 
 
 def sim_args(plan: Plan, arm: str, cache: str) -> tuple[list[list[str]], list[list[str]]]:
-    base = [*plan.gpu.sim_args(), "--max-model-len", str(plan.max_model_len)]
+    # vLLM 0.32's shapes: the arms below are defined by what a 0.32 stream lacks.
+    base = [
+        *plan.gpu.sim_args(),
+        "--max-model-len",
+        str(plan.max_model_len),
+        "--vllm-version",
+        "0.32",
+    ]
     p_blocks = plan.ample_blocks if cache == "ample" else plan.small_prefill_blocks
     p = [*base, "--num-blocks", str(p_blocks)]
     d = [*base, "--num-blocks", str(plan.ample_blocks)]

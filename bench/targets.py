@@ -117,7 +117,7 @@ def chunk_rows(ov: dict[str, Any]) -> list[Row]:
         return []
     ref = f"floor, same paced chunks: {fmt(through, 1)} us"
     out: list[Row] = []
-    for name in ("stock, paced", "stream-kv-params, paced"):
+    for name in ("stock, paced", "stream-kv-params, paced", "vllm 0.33, paced"):
         us = ov.get("chunk_cpu", {}).get(name, {}).get("us_per_chunk")
         if us is None:
             continue

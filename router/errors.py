@@ -94,10 +94,11 @@ class Unavailable(RouterError):
 class EngineReply(RouterError):
     """An engine's own 4xx answer (the client's request was invalid), relayed as it is."""
 
-    def __init__(self, status: int, body: bytes) -> None:
+    def __init__(self, status: int, body: bytes, retry_after: int | None = None) -> None:
         super().__init__(f"engine answered {status}")
         self.status = status
         self.body = body
+        self.retry_after = retry_after  # seconds, as the Retry-After header (a paused fleet)
 
 
 class UpstreamFailure(Exception):
@@ -105,13 +106,17 @@ class UpstreamFailure(Exception):
 
     `reached` is False only when the request cannot have reached the engine (the connection
     was never made): only then may a single-use handle be sent elsewhere. `stalled`: the
-    engine stopped sending in the middle of its answer (--decode-idle-timeout).
+    engine stopped sending in the middle of its answer (--decode-idle-timeout). `busy`: the
+    engine refused the request while paused (vLLM 0.33's 503): not counted against its health.
     """
 
-    def __init__(self, message: str, *, reached: bool = True, stalled: bool = False) -> None:
+    def __init__(
+        self, message: str, *, reached: bool = True, stalled: bool = False, busy: bool = False
+    ) -> None:
         super().__init__(message)
         self.reached = reached
         self.stalled = stalled
+        self.busy = busy
 
 
 class StartupError(RuntimeError):

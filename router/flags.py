@@ -99,7 +99,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("min_reuse_tokens", "smallest verified prefix worth a D->P pull (0: one block)", int),
     Flag(
         "stream_kv_params",
-        "the decode engines stream kv_transfer_params in the final SSE chunk (vLLM PR #40186)",
+        "the decode engines stream kv_transfer_params in the final SSE chunk (vLLM PR #40186), "
+        "from the first turn; not needed for vLLM 0.33, whose `/version` says so",
         bool,
     ),
     Flag(

@@ -35,6 +35,8 @@ class Reason(StrEnum):
     DECODE_UNHEALTHY = "decode-unhealthy"
     DECODE_RESTARTED = "decode-restarted"
     DECODE_UNREACHABLE = "decode-unreachable"
+    REGISTRATION_CHANGED = "registration-changed"  # vLLM 0.33: D registered its KV again
+    CONNECTOR_MISMATCH = "connector-mismatch"  # no usable P speaks the D's connector version
     STORE_UNAVAILABLE = "store-unavailable"
     CORRUPT_STATE = "corrupt-state"
     STORED_REASON_UNKNOWN = "stored-reason-unknown"  # see `stored`

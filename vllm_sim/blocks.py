@@ -175,6 +175,13 @@ class BlockPool:
         self._cached.clear()
         self._events.append(Cleared())
 
+    def wipe(self) -> None:
+        """The KV memory released and allocated again (a sleep): every content lost, every
+        hash forgotten; references stay."""
+        for block in self.blocks:
+            block.kv = [0] * self.block_size
+        self.reset_prefix_cache()
+
     def drain_events(self) -> list[CacheEvent]:
         events, self._events = self._events, []
         return events

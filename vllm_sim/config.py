@@ -10,10 +10,12 @@ from collections.abc import Sequence
 import msgspec
 
 from vllm_sim.resp import parse_url
+from vllm_sim.versions import NEWEST, VERSIONS, VllmVersion
 
 
 class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     role: str = "prefill"
+    vllm_version: str = NEWEST  # the vLLM release whose wire shapes it reproduces (versions.py)
     host: str = "127.0.0.1"
     port: int = 8000
     kv_port: int = 0  # 0: a free port, chosen when the side channel starts
@@ -58,6 +60,10 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     kv_store: str = ""  # the store's redis:// URL
     kv_store_save_decode: bool = False
 
+    @property
+    def version(self) -> VllmVersion:
+        return VERSIONS[self.vllm_version]
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -65,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a = p.add_argument
     a("--role", choices=["prefill", "decode"], default="prefill")
+    a(
+        "--vllm-version",
+        choices=sorted(VERSIONS),
+        default=NEWEST,
+        help="the vLLM release whose wire shapes to reproduce (default: the newest): 0.33 "
+        "streams the handle (null in every content chunk), adds remote_registration_generation, "
+        "NIXL connector version 15 (0.32: 14; they refuse to handshake), /pause and /sleep",
+    )
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000, help="HTTP port (0: a free one)")
     a("--kv-port", type=int, default=0, help="side-channel port (default: a free one)")
@@ -103,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="push mode: seconds D waits for P to write the blocks it registered",
     )
-    a("--stream-kv-params", action="store_true", help="vLLM PR #40186: params in final chunk")
+    a(
+        "--stream-kv-params",
+        action="store_true",
+        help="vLLM PR #40186 on 0.32: params in the final chunk (0.33 always streams them)",
+    )
     a("--reasoning-tokens", type=int, default=0, help="first N output tokens are reasoning")
     a("--prefill-ms-per-token", type=float, default=0.0)
     a("--transfer-ms-per-block", type=float, default=0.0)
@@ -135,6 +153,7 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         threshold = 64 if ns.bidirectional else 0
     settings = SimSettings(
         role=ns.role,
+        vllm_version=ns.vllm_version,
         host=host,
         port=ns.port,
         kv_port=ns.kv_port,

@@ -40,6 +40,9 @@ class Connector:
         self.channel = channel
         self.now = now
         self._abandoned: set[asyncio.Task[None]] = set()  # notifications of aborted requests
+        # vLLM 0.33's remote_registration_generation: 1 after the first registration, one
+        # more after each re-registration (a wake-up after a sleep).
+        self.generation = 1
         self.store: KVStore | None = None
         if settings.kv_connector == "store":
             self.store = KVStore(settings.kv_store, settings.model, self.block_size, counters)
@@ -99,7 +102,7 @@ class Connector:
             # Nothing to read: only tell the producer to free its blocks (vLLM sends the
             # notification through an empty read).
             try:
-                await ch.notify(src.host, src.port, src.engine_id, src.request_id)
+                await ch.notify(src.host, src.port, src.engine_id, src.request_id, src.generation)
             except TransferError as exc:
                 logger.warning("KV free notification failed: %s", exc)
                 self.counters.nixl_failed_notifications += 1
@@ -116,7 +119,13 @@ class Connector:
             except ValueError as exc:
                 raise TransferError(str(exc)) from exc
             blocks = await ch.read(
-                src.host, src.port, src.engine_id, self.block_size, remote, src.request_id
+                src.host,
+                src.port,
+                src.engine_id,
+                self.block_size,
+                remote,
+                src.request_id,
+                src.generation,
             )
         except TransferError as exc:
             return self._load_failed(exc, "KV load")
@@ -229,4 +238,6 @@ class Connector:
         )
         if self.push is not None:
             params["transfer_mode"] = "push"
+        elif self.settings.version.registration_generation:
+            params["remote_registration_generation"] = self.generation
         return params

@@ -6,6 +6,7 @@ VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index). A request goes to the rank i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Sequence
 
@@ -16,6 +17,7 @@ from vllm_sim.config import SimSettings
 from vllm_sim.engine import Engine
 from vllm_sim.errors import ApiError
 from vllm_sim.metrics import Counters, Gauges
+from vllm_sim.pause import Pause
 from vllm_sim.request import GenRequest, RunResult, Step
 
 HEADER = "X-data-parallel-rank"
@@ -52,6 +54,7 @@ class Ranks:
         self.engines = list(engines)
         self.settings = engines[0].settings
         self.tok = engines[0].tok
+        self.pause = Pause()  # /pause and /sleep hold every rank (vllm_sim/pause.py)
         self._next = 0
 
     @property
@@ -65,7 +68,17 @@ class Ranks:
         return self.engines[rank]
 
     def generate(self, req: GenRequest, result: RunResult) -> AsyncGenerator[Step, None]:
-        return self.pick(req.dp_rank).generate(req, result)
+        """The request's steps; EnginePaused on the first one while paused (abort or wait)."""
+        if self.pause.open:
+            return self.pick(req.dp_rank).generate(req, result)
+        return self._held(req, result)
+
+    async def _held(self, req: GenRequest, result: RunResult) -> AsyncGenerator[Step, None]:
+        await self.pause.admit()
+        steps = self.pick(req.dp_rank).generate(req, result)
+        async with contextlib.aclosing(steps):
+            async for step in steps:
+                yield step
 
     def counters(self) -> Counters:
         """Every rank's counters summed (vLLM's /metrics has one series per engine; the
@@ -92,4 +105,5 @@ class Ranks:
             waiting=sum(g.waiting for g in gauges),
             pinned_requests=sum(g.pinned_requests for g in gauges),
             pinned_blocks=sum(g.pinned_blocks for g in gauges),
+            sleep_level=self.pause.sleep_level if self.pause.sleeping else 0,
         )

@@ -41,6 +41,8 @@ class Engine:
         self.settings = settings
         self.engine_id = settings.engine_id
         self.agent = uuid.uuid4().hex  # this process's NIXL agent name
+        self.connector_version = settings.version.connector_version
+        self.registered = True  # False while asleep (the KV cache is discarded)
         self.block_size = settings.block_size
         self.kv_port = kv_port
         self.tok = Tokenizer()
@@ -64,7 +66,10 @@ class Engine:
             self.pool,
             self.pins,
             self.counters,
-            channel or KVChannelClient(settings.handshake_timeout),
+            channel
+            or KVChannelClient(
+                settings.handshake_timeout, connector_version=self.connector_version
+            ),
             self.now,
         )
         self.channel, self.store, self.push = self.kv.channel, self.kv.store, self.kv.push
@@ -72,6 +77,7 @@ class Engine:
         self._freed = asyncio.Event()
         self.running = 0
         self.waiting = 0
+        self.idle = asyncio.Event()  # set when the last running request ends (a sleep waits)
 
     # -- KVSource (the side channel serves these) ----------------------------------------
 
@@ -113,6 +119,20 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
         self._publish()
+
+    def sleep(self) -> None:
+        """Sleep level 1+: the KV cache is discarded (its memory released; block contents are
+        gone) and deregistered from NIXL. Pins stay listed, as vLLM's scheduler keeps them."""
+        self.registered = False
+        self.pool.wipe()
+        self._publish()
+
+    def wake_up(self) -> None:
+        """The KV cache is allocated and registered again: a new NIXL registration, so the
+        handshake payload changed and the registration generation rises (vLLM 0.33)."""
+        self.registered = True
+        self.agent = uuid.uuid4().hex
+        self.kv.generation += 1
 
     def gauges(self) -> Gauges:
         return Gauges(
@@ -171,6 +191,8 @@ class Engine:
                 self._freed.set()
             self._publish()
             self.running -= 1
+            if not self.running:
+                self.idle.set()
             self._slots.release()
 
     async def _admit(self, req: GenRequest) -> Seq:

@@ -5,6 +5,9 @@ Each producer process has its own agent name; a reader keeps the agent of an eng
 its first handshake and never handshakes that engine id again, as vLLM's NIXL connector
 keeps `_remote_agents` (measured on the vLLM CPU build: after a producer restarted with the
 same engine id, every read from it failed with NIXL_ERR_REMOTE_DISCONNECT, new handles too).
+Every body carries the connector version (NIXL_CONNECTOR_VERSION, in vLLM's compatibility
+hash): engines of different vLLM versions refuse each other. vLLM 0.33 (version 15) also drops
+the agent it keeps when a handle names a higher `remote_registration_generation`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ class KVSource(Protocol):
 
     engine_id: str
     block_size: int
-    agent: str  # this process's NIXL agent name: a restart changes it
+    agent: str  # this process's NIXL agent name: a restart (or a re-registration) changes it
+    connector_version: int
+    registered: bool  # False while asleep: its KV memory is not registered with NIXL
 
     def now(self) -> float: ...
 
@@ -64,13 +69,26 @@ async def unpack(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def incompatible(mine: int, theirs: object) -> str:
+    """vLLM's handshake error for peers of different connector versions."""
+    return (
+        f"NIXL compatibility hash mismatch (connector version {mine} vs {theirs}): prefill "
+        "and decode instances have incompatible configurations (different vLLM versions?)"
+    )
+
+
 def _refused(source: KVSource, body: dict[str, Any]) -> web.Response | None:
-    """Another engine, or an agent of another process (the reader's handshake was with the
-    process before a restart): NIXL's remote-disconnect error."""
+    """Another engine, an agent of another process or registration (the reader's handshake
+    was with the process before a restart or a sleep), or another connector version."""
+    if body.get("connector_version") != source.connector_version:
+        return pack(
+            {"error": incompatible(source.connector_version, body.get("connector_version"))},
+            status=409,
+        )
+    if not source.registered or ("agent" in body and body["agent"] != source.agent):
+        return pack({"error": "NIXL_ERR_REMOTE_DISCONNECT: unknown agent"}, status=409)
     if body.get("engine_id") != source.engine_id:
         return pack({"error": "engine id mismatch"}, status=409)
-    if "agent" in body and body["agent"] != source.agent:
-        return pack({"error": "NIXL_ERR_REMOTE_DISCONNECT: unknown agent"}, status=409)
     return None
 
 
@@ -98,6 +116,7 @@ def side_channel_app(
                 "now": source.now(),
                 "block_size": source.block_size,
                 "agent": source.agent,
+                "connector_version": source.connector_version,
             }
         )
 
@@ -134,11 +153,18 @@ def side_channel_app(
 class KVChannelClient:
     """The reader's side: one pooled aiohttp session with explicit timeouts."""
 
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        connector_version: int = 15,
+    ) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout, connect=timeout)
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._agents: dict[str, str] = {}  # engine id -> agent of its first handshake
+        self._generations: dict[str, int] = {}  # engine id -> highest registration seen
+        self.connector_version = connector_version
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=self._timeout)
@@ -175,6 +201,8 @@ class KVChannelClient:
         t0 = self._clock()
         out = await self._call("GET", f"http://{host}:{port}/handshake")
         t1 = self._clock()
+        if out.get("connector_version") != self.connector_version:
+            raise TransferError(incompatible(self.connector_version, out.get("connector_version")))
         if out.get("engine_id") != engine_id:
             raise TransferError(f"engine id mismatch: want {engine_id}, got {out.get('engine_id')}")
         remote_now = out.get("now")
@@ -189,8 +217,12 @@ class KVChannelClient:
         self._agents.setdefault(engine_id, agent)
         return Handshake(engine_id, block_size, float(remote_now) - (t0 + t1) / 2, agent)
 
-    async def _agent(self, host: str, port: int, engine_id: str) -> str:
-        """The agent this reader knows for the engine id; an unknown one is handshaken first."""
+    async def _agent(self, host: str, port: int, engine_id: str, generation: int = 0) -> str:
+        """The agent this reader knows for the engine id; an unknown one is handshaken first,
+        and so is one whose handle names a newer registration (vLLM 0.33's pull worker)."""
+        if generation > self._generations.get(engine_id, 0):
+            self._agents.pop(engine_id, None)
+            self._generations[engine_id] = generation
         if engine_id not in self._agents:
             await self.handshake(host, port, engine_id)
         return self._agents[engine_id]
@@ -203,12 +235,14 @@ class KVChannelClient:
         block_size: int,
         block_ids: list[int],
         notify: str | None,
+        generation: int = 0,
     ) -> list[list[int]]:
         """The blocks' contents; the producer checks engine id and block size (the
         compatibility check of vLLM's handshake), then frees `notify`'s pin."""
         body = {
+            "connector_version": self.connector_version,
             "engine_id": engine_id,
-            "agent": await self._agent(host, port, engine_id),
+            "agent": await self._agent(host, port, engine_id, generation),
             "block_size": block_size,
             "block_ids": block_ids,
             "notify": notify,
@@ -219,7 +253,14 @@ class KVChannelClient:
             raise TransferError(f"bad read reply {out!r:.200}")
         return blocks
 
-    async def notify(self, host: str, port: int, engine_id: str, request_id: str) -> None:
-        agent = await self._agent(host, port, engine_id)
-        body = {"engine_id": engine_id, "agent": agent, "request_id": request_id}
+    async def notify(
+        self, host: str, port: int, engine_id: str, request_id: str, generation: int = 0
+    ) -> None:
+        agent = await self._agent(host, port, engine_id, generation)
+        body = {
+            "connector_version": self.connector_version,
+            "engine_id": engine_id,
+            "agent": agent,
+            "request_id": request_id,
+        }
         await self._call("POST", f"http://{host}:{port}/notify", body)

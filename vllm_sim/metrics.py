@@ -48,6 +48,7 @@ class Gauges:
     waiting: int
     pinned_requests: int
     pinned_blocks: int
+    sleep_level: int = 0  # 0 awake; else the level of the sleep it is in (POST /sleep)
 
 
 @dataclass
@@ -186,6 +187,19 @@ def render(
         "vllm:num_requests_running", "gauge", "Requests running.", per_engine or [(base, g.running)]
     )
     metric("vllm:num_requests_waiting", "gauge", "Requests waiting.", [(base, g.waiting)])
+    # vLLM's sleep gauge, one sample per state (set at start: awake 1).
+    asleep = g.sleep_level > 0
+    metric(
+        "vllm:engine_sleep_state",
+        "gauge",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+        "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        [
+            (f'{base},sleep_state="awake"', 0 if asleep else 1),
+            (f'{base},sleep_state="weights_offloaded"', 1 if g.sleep_level == 1 else 0),
+            (f'{base},sleep_state="discard_all"', 1 if g.sleep_level == 2 else 0),
+        ],
+    )
     info = ",".join(f'{k}="{v}"' for k, v in cache_labels.items())
     metric(
         "vllm:cache_config_info",

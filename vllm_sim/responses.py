@@ -22,6 +22,7 @@ from vllm_sim import responses_shapes as rs
 from vllm_sim.dp import Ranks
 from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
 from vllm_sim.faults import Faults, Injection
+from vllm_sim.pause import PAUSED_ERROR, EnginePaused
 from vllm_sim.request import GenRequest, RunResult
 from vllm_sim.serving import Sink, abort_connection, json_response, require_json
 
@@ -119,6 +120,8 @@ class ResponsesRoute:
                     pass
         except KVLoadError:
             return json_response(INTERNAL_ERROR, status=500, headers=call.headers)
+        except EnginePaused:
+            return json_response(PAUSED_ERROR, status=503, headers=call.headers)
         if call.inj.drop_after_chunks is not None or call.inj.error_after_chunks is not None:
             abort_connection(request)  # no chunks to count: the response never comes
             return web.Response(status=500)
@@ -152,7 +155,7 @@ class ResponsesRoute:
                     for event in events.delta(step.reasoning, step.content):
                         if not await out.send(event):
                             return resp
-        except KVLoadError:
+        except (KVLoadError, EnginePaused):
             abort_connection(request)
             return resp
         except ConnectionResetError:

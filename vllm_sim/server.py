@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import api, dp, metrics, push, shapes
+from vllm_sim import api, dp, metrics, pause_api, push, render, shapes
 from vllm_sim.blocks import CacheEvent, Cleared, Removed, Stored
 from vllm_sim.clock import SimClock
 from vllm_sim.config import SimSettings
@@ -154,6 +154,9 @@ class Sim:
             }
         )
 
+    async def version(self, _: web.Request) -> web.Response:
+        return json_response({"version": self.settings.version.version})
+
     async def reset_prefix_cache(self, _: web.Request) -> web.Response:
         for engine in self.ranks.engines:
             engine.reset_prefix_cache()
@@ -185,6 +188,11 @@ class Sim:
         s = self.settings
         body: dict[str, Any] = {
             "role": s.role,
+            "vllm_version": s.version.version,
+            "connector_version": e.connector_version,
+            "registration_generation": e.kv.generation,
+            "paused": self.ranks.pause.paused,
+            "sleeping": self.ranks.pause.sleeping,
             "engine_id": e.engine_id,
             "model": s.model,
             "kv_port": e.kv_port,
@@ -302,6 +310,10 @@ def build_app(sim: Sim) -> web.Application:
     r.add_get("/metrics", sim.metrics)
     r.add_post("/tokenize", sim.tokenize)
     r.add_post("/reset_prefix_cache", sim.reset_prefix_cache)
+    r.add_get("/version", sim.version)
+    render.add_routes(app, sim.ranks)  # both versions serve them
+    if sim.settings.version.pause_rejects:  # vLLM 0.33 (with VLLM_SERVER_DEV_MODE=1)
+        pause_api.add_routes(app, sim.ranks)
     r.add_post("/sim/faults", sim.set_faults)
     r.add_get("/sim/faults", sim.get_faults)
     r.add_delete("/sim/faults", sim.clear_faults)

@@ -22,6 +22,7 @@ from vllm_sim import api, dp, shapes
 from vllm_sim.dp import Ranks
 from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
 from vllm_sim.faults import Faults, Injection
+from vllm_sim.pause import PAUSED_ERROR, PAUSED_STREAM_ERROR, EnginePaused
 from vllm_sim.request import GenRequest, RunResult, Step
 
 logger = logging.getLogger("vllm_sim.serving")
@@ -67,7 +68,9 @@ class GenerationRoutes:
         self.faults = faults
         s = engine.settings
         self.model = s.model
-        self.stream_kv_params = s.stream_kv_params
+        self.stream_kv_params = s.stream_kv_params or s.version.streams_handles
+        # vLLM 0.33 (#40186 merged): every content chunk carries "kv_transfer_params": null.
+        self.null_kv_key = s.version.streams_handles
         self.echo_request_id = s.enable_request_id_headers
         self.log_requests = s.log_requests
 
@@ -135,6 +138,8 @@ class GenerationRoutes:
                     pass
         except KVLoadError:
             return json_response(INTERNAL_ERROR, status=500, headers=headers)
+        except EnginePaused:
+            return json_response(PAUSED_ERROR, status=503, headers=headers)
         if inj.drop_after_chunks is not None or inj.error_after_chunks is not None:
             # A non-streaming response has no chunks: drop/error faults cut it off entirely.
             abort_connection(request)
@@ -190,6 +195,10 @@ class GenerationRoutes:
             await out.raw(shapes.stream_error())
             await out.raw(shapes.DONE)
             return resp
+        except EnginePaused:
+            await out.raw(shapes.sse(PAUSED_STREAM_ERROR))
+            await out.raw(shapes.DONE)
+            return resp
         except ConnectionResetError:
             return resp  # the client went away; aclosing() already freed the request
         if p.include_usage:
@@ -214,6 +223,8 @@ class GenerationRoutes:
         if self.stream_kv_params and step.finish_reason is not None:
             # vLLM PR #40186: the final chunk carries the params (top-level key).
             chunk["kv_transfer_params"] = res.kv_transfer_params
+        elif self.null_kv_key:
+            chunk["kv_transfer_params"] = None
         return chunk
 
 

@@ -30,6 +30,7 @@ class RemoteSource:
     num_tokens: int | None
     expiry: float | None
     cached_tokens: int | None  # P's remote_prefill_cached_tokens, echoed by D (vLLM 0.32)
+    generation: int = 0  # remote_registration_generation (vLLM 0.33; the reader's default 0)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ def _source(params: Mapping[str, Any]) -> RemoteSource | None:
     num_tokens = params.get("remote_num_tokens")
     expiry = params.get("remote_blocks_expiry_time")
     cached = params.get("remote_prefill_cached_tokens")
+    generation = params.get("remote_registration_generation")
     return RemoteSource(
         engine_id=engine_id,
         request_id=request_id,
@@ -91,6 +93,7 @@ def _source(params: Mapping[str, Any]) -> RemoteSource | None:
         num_tokens=num_tokens if isinstance(num_tokens, int) else None,
         expiry=float(expiry) if isinstance(expiry, int | float) else None,
         cached_tokens=cached if isinstance(cached, int) else None,
+        generation=generation if isinstance(generation, int) else 0,
     )
 
 

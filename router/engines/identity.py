@@ -8,6 +8,8 @@ import logging
 import re
 from dataclasses import dataclass, field
 
+from router.engines.versions import EngineVersion
+
 log = logging.getLogger("kvbaton.backends")
 
 # A P that refused this many of one D's handles in a row gets none of that D's handles for a
@@ -28,6 +30,12 @@ _REQUESTS = re.compile(
 _DP_SUFFIX = re.compile(r"_dp\d+$")
 # vLLM's KV-cache usage, 0-1, one gauge per engine (and data-parallel rank) (measured on 0.32).
 _KV_USAGE = re.compile(rb"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+# vLLM's sleep gauge: `awake` 0 while asleep, `weights_offloaded` / `discard_all` 1 at sleep
+# level 1 / 2, both of which discard the KV cache (read from the 0.33.0 wheel).
+_SLEEP = re.compile(
+    rb'^vllm:engine_sleep_state\{[^}]*sleep_state="(weights_offloaded|discard_all)"[^}]*\} (\S+)$',
+    re.MULTILINE,
+)
 
 
 def process_started(metrics: bytes) -> float:
@@ -58,6 +66,17 @@ def engine_requests(metrics: bytes) -> int:
 def kv_usage(metrics: bytes) -> float | None:
     """The engine's KV-cache usage (0-1; the highest of its ranks), None if absent."""
     return max(_samples(_KV_USAGE, metrics), default=None)
+
+
+def kv_discarded(metrics: bytes) -> bool:
+    """Whether the engine is asleep at a level that discards its KV cache (level 1 or 2)."""
+    for match in _SLEEP.finditer(metrics):
+        try:
+            if float(match.group(2)) >= 1.0:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def engine_family(engine_id: str) -> str:
@@ -97,6 +116,18 @@ class EngineIdentity:
     # is asked for token ids on streams and its streamed handles are kept. Not kept across a
     # restart (the new process may be another vLLM).
     streams_params: bool = False
+    # Its vLLM version from GET /version, read at discovery and again after a restart (the
+    # new process may be another vLLM): what it streams, its connector version, its pauses.
+    version: EngineVersion = field(default_factory=EngineVersion)
+    # The highest remote_registration_generation in its handles (vLLM 0.33): D registered its
+    # KV again (it slept) when it rises, and handles of an older one name blocks of the old.
+    registration: int = 0
+    # The router's clock when it last saw this D asleep with its KV cache discarded (its
+    # /metrics' vllm:engine_sleep_state, every --health-interval; 0: never): handles made
+    # before name blocks of a registration that is gone, even before a newer generation
+    # shows in a handle.
+    slept_at: float = 0.0
+    asleep: bool = False
     refused_by: dict[str, Refusals] = field(default_factory=dict)  # a D's, by P URL
     # (engine id, side-channel host, port) as this D announced them in its handles (one per
     # data-parallel rank): a stored handle may send P only there (turn/aim.py). Insertion
@@ -109,6 +140,66 @@ class EngineIdentity:
         if len(self.origins) >= MAX_ORIGINS:
             del self.origins[next(iter(self.origins))]
         self.origins[origin] = None
+
+    @property
+    def streams_handles(self) -> bool:
+        """Whether a streamed answer of this D brings its handle: its version says so (0.33),
+        or it was seen doing it (a 0.32 with PR #40186)."""
+        return self.streams_params or self.version.streams_handles
+
+    def note_version(self, version: str) -> None:
+        """Record the version /version answered ("" : it did not answer)."""
+        if version == self.version.version:
+            return
+        if self.version.version and version:
+            log.warning("%s now runs vLLM %s (was %s)", self.label, version, self.version.version)
+        elif version:
+            log.info(
+                "%s runs vLLM %s (connector group %s)",
+                self.label,
+                version,
+                EngineVersion(version).group or "unknown",
+            )
+        self.version = EngineVersion(version)
+
+    def note_registration(self, generation: int) -> None:
+        """The registration generation in one of this D's new handles."""
+        if generation > self.registration:
+            if self.registration:
+                log.warning(
+                    "%s registered its KV cache again (generation %d, was %d): its older "
+                    "handles are not read",
+                    self.label,
+                    generation,
+                    self.registration,
+                )
+            self.registration = generation
+
+    def registration_changed(self, generation: int, made_at: float = 0.0) -> bool:
+        """Whether a handle of that generation (0: it names none, as 0.32's), made at that time
+        (router clock), names blocks of an earlier registration: D's handles have shown a
+        newer generation since, or D was seen asleep with its KV discarded after it."""
+        newer = 0 < generation < self.registration
+        return newer or 0 < made_at <= self.slept_at
+
+    def note_sleep(self, kv_discarded: bool, now: float) -> None:
+        """The health loop's read of D's sleep gauge (vllm:engine_sleep_state)."""
+        if kv_discarded:
+            if not self.asleep:
+                log.warning(
+                    "%s is asleep with its KV cache discarded: handles made before are not read",
+                    self.label,
+                )
+            self.slept_at = now
+        self.asleep = kv_discarded
+
+    def _forget_process(self) -> None:
+        """A new process: what was learned from the old one is learned again."""
+        self.refused_by.clear()
+        self.streams_params = False
+        self.version = EngineVersion()  # read again by the health loop
+        self.registration = 0
+        self.origins.clear()  # its side channel may have moved
 
     @property
     def handle_started(self) -> float:
@@ -124,9 +215,7 @@ class EngineIdentity:
             return
         if self.started:
             self.restarts += 1
-            self.refused_by.clear()  # a new process: P may read from it again
-            self.origins.clear()  # its side channel may have moved
-            self.streams_params = False  # learned again from its streams
+            self._forget_process()  # P may read from it again; its version is read again
             if not self.started_stale:  # else the engine id is already the new process's
                 self.engine_id = ""  # learned again from its next handle
             log.warning(
@@ -149,9 +238,7 @@ class EngineIdentity:
             return
         if self.engine_id:
             self.started_stale = True
-            self.refused_by.clear()
-            self.origins.clear()
-            self.streams_params = False
+            self._forget_process()
             log.warning(
                 "%s has a new engine id (%s, was %s): it restarted; handles made before are "
                 "not used",

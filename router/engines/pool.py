@@ -103,11 +103,28 @@ class Pool:
     def find(self, role: Role, url: str) -> Instance | None:
         return next((i for i in self._by_role[role] if i.url == url), None)
 
-    def pick(self, role: Role, prefer: str = "", exclude: Collection[str] = ()) -> Instance:
-        """The preferred instance if usable and not overloaded, else the least loaded one."""
+    def pick(
+        self,
+        role: Role,
+        prefer: str = "",
+        exclude: Collection[str] = (),
+        peer: Instance | None = None,
+    ) -> Instance:
+        """The preferred instance if usable and not overloaded, else the least loaded one;
+        one that can move KV with `peer` (same connector group) if given, and a P that has a
+        D it can pair with while there is one."""
         candidates = [i for i in self._by_role[role] if i.usable and i.url not in exclude]
         if not candidates:
             raise Unavailable(f"no healthy {role} instance is available")
+        if peer is not None:
+            candidates = [i for i in candidates if i.ident.version.pairs_with(peer.ident.version)]
+            if not candidates:
+                raise Unavailable(
+                    f"no healthy {role} instance can move KV with {peer.role} {peer.url} "
+                    f"(vLLM {peer.ident.version.version}, {peer.ident.version.group})"
+                )
+        elif role == "prefill":
+            candidates = self._paired(candidates)
         # A D whose KV is nearly all pinned would make the turn wait for blocks: another D
         # with headroom takes it (affinity included) while there is one.
         if any(i.pressured for i in candidates):
@@ -121,6 +138,27 @@ class Pool:
         start = self._next[role]
         self._next[role] = start + 1
         return tied[start % len(tied)]
+
+    def _paired(self, prefills: list[Instance]) -> list[Instance]:
+        """The P's with a usable D of their connector group (all of them if none has one: the
+        turn then fails on its D, as without versions)."""
+        groups = {d.ident.version.group for d in self._by_role["decode"] if d.usable}
+        if "" in groups:
+            return prefills  # a D of unknown version pairs with any P
+        paired = [
+            p for p in prefills if not p.ident.version.group or p.ident.version.group in groups
+        ]
+        return paired or prefills
+
+    def groups(self) -> dict[str, dict[str, list[str]]]:
+        """The connector groups and their instances by role ("unknown": version not read)."""
+        out: dict[str, dict[str, list[str]]] = {}
+        for inst in self.instances():
+            group = out.setdefault(
+                inst.ident.version.group or "unknown", {"prefill": [], "decode": []}
+            )
+            group[inst.role].append(inst.url)
+        return out
 
     @contextlib.contextmanager
     def busy(self, inst: Instance) -> Iterator[Instance]:

@@ -49,6 +49,16 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
         "reads_paused": inst.ident.paused_for(time.monotonic()),
         "engine_requests": inst.engine_requests,
         "streams_params": inst.ident.streams_params,
+        # Its vLLM version (GET /version; "" until it answers) and what the router takes from
+        # it: streamed handles, the NIXL connector group it pairs within, 503 on pause, and
+        # the registration generation of its latest handle (vLLM 0.33).
+        "vllm": {
+            "version": inst.ident.version.version,
+            "streams_handles": inst.ident.streams_handles,
+            "connector_group": inst.ident.version.group,
+            "pause_rejects": inst.ident.version.pause_rejects,
+            "registration_generation": inst.ident.registration,
+        },
         "source": source,
         # A D's KV usage (0-1, -1 unknown), whether it is over the pin high-water mark, and
         # the handles on it in the pin index with their blocks and tokens (-1: not swept yet).
@@ -134,6 +144,9 @@ async def status(request: Request) -> Response:
         # breaker below are this worker's view.
         "worker": {"pid": os.getpid(), "workers": svc.settings.workers},
         "instances": instances,
+        # Instances by NIXL connector group ("unknown": version not read): P/D pairs are
+        # formed within a group (engines of different vLLM versions cannot move KV).
+        "connector_groups": svc.pool.groups(),
         # What each engine's prefix cache holds, from its KV events; "on": false means
         # --kv-events is not set: handles are sent on every verified hit, P placed by load.
         "kv_events": svc.kv_events.view() if svc.kv_events is not None else {"on": False},

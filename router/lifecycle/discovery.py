@@ -15,6 +15,7 @@ from router.engines.client import Upstream
 from router.engines.identity import process_started
 from router.engines.pool import Instance, Pool
 from router.errors import StartupError, UpstreamFailure
+from router.lifecycle.health import read_version
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
 from sessions.memory_store import MemorySessionStore
@@ -46,6 +47,7 @@ async def inspect(svc: Services, inst: Instance) -> None:
     if status == 200:
         inst.ident.note_started(process_started(metrics))
         inst.dp_size = ranks.learned_size(metrics)
+    await read_version(svc.engines, inst, timeout)
     model = svc.model or inst.model or svc.settings.model
     await svc.connector.inspect(svc.engines, inst, model, timeout)
 
@@ -91,6 +93,22 @@ async def discover(svc: Services) -> None:
         len(svc.settings.prefill),
         len(svc.settings.decode),
     )
+    _log_groups(svc)
+
+
+def _log_groups(svc: Services) -> None:
+    """A fleet of several vLLM connector versions (an upgrade under way) is served in groups
+    that can move KV to each other: said once at start, and in /status."""
+    groups = svc.pool.groups()
+    if len(groups) < 2:
+        return
+    for name, members in sorted(groups.items()):
+        log.warning(
+            "connector group %s: prefill %s, decode %s (P/D pairs are formed within a group)",
+            name,
+            ", ".join(members["prefill"]) or "none",
+            ", ".join(members["decode"]) or "none",
+        )
 
 
 async def preflight(settings: Settings) -> None:

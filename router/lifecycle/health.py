@@ -1,15 +1,21 @@
 """Health probing: every interval, re-admit ejected instances whose /health answers again, and
 read each D's process start time so that a restart is seen within one interval, and its
-scheduler's request count (the decode plan's load limit counts other routers' requests too)."""
+scheduler's request count (the decode plan's load limit counts other routers' requests too);
+each engine's vLLM version (`GET /version`) while it is not known (at start, after a restart,
+and every interval for a P, whose restarts nothing else shows)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+
+import msgspec
 
 from router.engines.client import EngineClient
-from router.engines.identity import engine_requests, kv_usage, process_started
+from router.engines.identity import engine_requests, kv_discarded, kv_usage, process_started
 from router.engines.pool import Instance, Pool
+from router.engines.versions import parse
 from router.errors import UpstreamFailure
 
 log = logging.getLogger("kvbaton.backends")
@@ -29,7 +35,21 @@ async def read_started(engines: EngineClient, inst: Instance, timeout: float) ->
         inst.ident.note_started(process_started(metrics))
         inst.engine_requests = engine_requests(metrics)
         inst.note_kv_usage(kv_usage(metrics))
+        inst.ident.note_sleep(kv_discarded(metrics), time.time())  # the sessions' clock
     inst.ident.note_reachable(True)
+
+
+async def read_version(engines: EngineClient, inst: Instance, timeout: float) -> None:
+    """The engine's vLLM version from GET /version; unchanged when it does not answer (an
+    engine without the route, or down: its version stays as known)."""
+    try:
+        status, raw = await engines.get(inst.url + "/version", timeout=timeout)
+        body = msgspec.json.decode(raw) if status == 200 else None
+    except (UpstreamFailure, msgspec.DecodeError):
+        return
+    version = parse(body)
+    if version:
+        inst.ident.note_version(version)
 
 
 async def probe(engines: EngineClient, inst: Instance, timeout: float) -> bool:
@@ -51,8 +71,13 @@ async def check(engines: EngineClient, inst: Instance, timeout: float) -> None:
     if not inst.healthy and await probe(engines, inst, timeout=timeout):
         if inst.role == "decode":  # a D back from a restart: no old handle once it is usable
             await read_started(engines, inst, timeout)
+        await read_version(engines, inst, timeout)  # it may be another vLLM now
         inst.healthy = True
         inst.failures = 0
         log.info("re-admitted %s instance %s", inst.role, inst.url)
     elif inst.role == "decode" and inst.healthy:
         await read_started(engines, inst, timeout)
+        if not inst.ident.version.version:  # unknown, or a restart forgot it
+            await read_version(engines, inst, timeout)
+    elif inst.healthy:
+        await read_version(engines, inst, timeout)

@@ -13,8 +13,9 @@ from router.turn.incoming import Incoming
 
 def token_ids(settings: Settings, inc: Incoming, d_streams_params: bool) -> bool:
     """D's token ids verify the next turn: a pull, or the decode plan (what D's cache holds).
-    On a stream they are worth asking when a handle may come (D is known to stream
-    kv_transfer_params, or --stream-kv-params says so) or when the decode plan is on."""
+    On a stream they are worth asking when a handle may come (D's vLLM version streams
+    kv_transfer_params (0.33), it was seen doing so, or --stream-kv-params says so) or when
+    the decode plan is on."""
     streamed_use = (
         settings.stream_kv_params or d_streams_params or settings.decode_local_max_tokens > 0
     )

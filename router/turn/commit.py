@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+from router.engines.versions import registration_generation
 from router.tracing import span
 from router.turn import decide, early, history, pins
 from router.turn.capture import Captured
@@ -127,6 +128,8 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     if kept is not None:
         turn.decode.ident.note_engine_id(svc.connector.engine_id(kept))
         turn.decode.ident.note_origin(svc.connector.origin(kept))  # D's own answer
+    if svc.connector.is_handle(params):  # kept or not, it says which registration D is on
+        turn.decode.ident.note_registration(registration_generation(params))
     prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
     state = sm.next_state(
         turn.claim.state,

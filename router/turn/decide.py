@@ -17,6 +17,7 @@ import msgspec
 from router.connectors.base import Connector
 from router.engines.identity import engine_family
 from router.engines.pool import Instance
+from router.engines.versions import registration_generation
 from router.turn.outcomes import Reason, Reuse, Via
 from sessions import model as sm
 from sessions.model import SessionState
@@ -53,6 +54,12 @@ def decode_blocker(inst: Instance | None, state: SessionState) -> Reason | None:
         return Reason.DECODE_RESTARTED
     if inst.ident.unreachable:  # maybe restarting: nothing says its blocks are still its own
         return Reason.DECODE_UNREACHABLE
+    # vLLM 0.33: D re-registered its KV (a sleep) since; the handle's block ids are the old
+    # registration's, and a P that handshakes afresh would read whatever they hold now.
+    # A handle without one (0.32's, or a malformed one: handle_check's) is judged by time.
+    generation = registration_generation(state.kv_transfer_params)
+    if inst.ident.registration_changed(generation, state.updated_at):
+        return Reason.REGISTRATION_CHANGED
     return None
 
 
@@ -89,6 +96,7 @@ NOT_RELEASABLE = frozenset(
         Reason.DECODE_UNHEALTHY,
         Reason.DECODE_RESTARTED,
         Reason.DECODE_UNREACHABLE,
+        Reason.REGISTRATION_CHANGED,
     }
 )
 
@@ -215,6 +223,7 @@ class Attempt:
     reached: bool  # False only when the connection was never made
     with_handle: bool
     with_ids: bool
+    paused: bool = False  # vLLM 0.33's 503 engine_paused: P took nothing, read nothing
 
 
 @dataclass(frozen=True)
@@ -230,6 +239,10 @@ def after_prefill(a: Attempt) -> AfterPrefill:
         return AfterPrefill(Next.AS_BODY)
     if a.ok:
         return AfterPrefill(Next.DONE)
+    if a.paused:
+        # Refused before the engine took the request: the handle was not read (vLLM frees
+        # nothing of D's for it), P is not broken and D is not to blame: another P.
+        return AfterPrefill(Next.ANOTHER_P)
     # A failed or declined D->P read answers 500 under kv_load_failure_policy=fail (vLLM
     # #34896); a timeout may still be reading (a hung D). Either way the handle is used up,
     # and the failure is the handle's D's: the same P is tried again as a miss, and is judged

@@ -13,10 +13,12 @@ from starlette.responses import Response, StreamingResponse
 
 from router.engines.client import EngineStream
 from router.engines.pool import Instance
+from router.engines.versions import engine_paused
 from router.errors import EngineReply, UpstreamFailure, sse_error_event
 from router.tracing import span
 from router.turn import asks
 from router.turn.commit import abort, finish
+from router.turn.legs import parse_answer
 from router.turn.rewrite import PATHS, decode_body
 from router.turn.sse import SseRelay, capture_body
 from router.turn.state import Turn
@@ -57,7 +59,10 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
             )
         if resp.status >= 500:
             text = await _read_error(resp)
-            raise UpstreamFailure(f"{url} answered {resp.status}: {text[:200]!r}")
+            raise UpstreamFailure(
+                f"{url} answered {resp.status}: {text[:200]!r}",
+                busy=engine_paused(resp.status, parse_answer(text.encode())),
+            )
         if resp.status != 200:
             raw = await resp.read()
             outcome = LegOutcome.CLIENT_ERROR
@@ -86,7 +91,7 @@ async def _read_error(resp: EngineStream) -> str:
 
 async def decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> Response:
     turn.decode = d_inst
-    turn.want_token_ids = asks.token_ids(turn.svc.settings, turn.inc, d_inst.ident.streams_params)
+    turn.want_token_ids = asks.token_ids(turn.svc.settings, turn.inc, d_inst.ident.streams_handles)
     return await respond(turn, d_inst, await open_decode(turn, d_inst, params))
 
 

@@ -257,12 +257,16 @@ def read_incoming(
 def _conversation_id(
     body: Mapping[str, Any], headers: Mapping[str, str], from_body: str | None
 ) -> Any:
-    """Our field, our header, then vLLM's own session identity (vLLM #48048), forwarded as is."""
+    """Our field, our header, then vLLM's own session identity (vLLM #48048) in vLLM's order
+    of reading it: the `session_id` field, the X-Session-ID header, `vllm_xargs.session_id`;
+    all forwarded as they came."""
+    xargs = body.get("vllm_xargs")
     for value in (
         from_body,
         headers.get("x-conversation-id"),
         body.get("session_id"),
         headers.get("x-session-id"),
+        xargs.get("session_id") if isinstance(xargs, Mapping) else None,
     ):
         if value is not None:
             return value

@@ -13,6 +13,7 @@ import msgspec
 
 from router.engines.client import EngineStream
 from router.engines.pool import Instance
+from router.engines.versions import engine_paused
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
 from router.tracing import span
@@ -55,6 +56,11 @@ class Answer:
     failure: str  # what went wrong, for logs and errors ("HTTP <status>" if it answered)
     reached: bool  # False only when the connection was never made
     ok: bool  # 200 and a body that does not say it failed
+
+    @property
+    def paused(self) -> bool:
+        """vLLM 0.33 refused the request while paused (503, retryable): busy, not failed."""
+        return engine_paused(self.status, self.parsed)
 
     def raise_unless_ok(self, url: str) -> dict[str, Any]:
         """The parsed body; EngineReply for P's own 4xx, UpstreamFailure for the rest."""
@@ -116,14 +122,17 @@ def keep_affinity(turn: Turn) -> None:
         turn.rejudge(reuse, drop_handle=True)
 
 
-def pick_decode(svc: Services, prefer: str, failed: list[str]) -> Instance:
-    """Another D than the ones that failed this turn, or the same one again if it is alone."""
+def pick_decode(
+    svc: Services, prefer: str, failed: list[str], peer: Instance | None = None
+) -> Instance:
+    """Another D than the ones that failed this turn, or the same one again if it is alone;
+    one that can read `peer`'s (P's) blocks, when given (the same NIXL connector version)."""
     try:
-        return svc.pool.pick("decode", prefer=prefer, exclude=failed)
+        return svc.pool.pick("decode", prefer=prefer, exclude=failed, peer=peer)
     except Unavailable:
         if not failed:
             raise
-        return svc.pool.pick("decode", prefer=prefer)
+        return svc.pool.pick("decode", prefer=prefer, peer=peer)
 
 
 async def _settle(task: asyncio.Task[Any]) -> BaseException | None:

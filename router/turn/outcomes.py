@@ -88,6 +88,12 @@ MEANINGS: dict[Reason, str] = {
     "engine id in its handles, vLLM's `_dp<rank>` suffix aside)",
     Reason.DECODE_UNREACHABLE: "the last read of the D's `/metrics` could not connect (it may "
     "be restarting)",
+    Reason.REGISTRATION_CHANGED: "the D discarded and registered its KV cache again since the "
+    "handle was made (a sleep: its `vllm:engine_sleep_state` seen by the health loop, or, vLLM "
+    "0.33, a newer `remote_registration_generation` in its later handles): the handle names "
+    "blocks of the old registration, so it is not read",
+    Reason.CONNECTOR_MISMATCH: "no usable P runs a NIXL connector version the handle's D can "
+    "handshake with (a fleet in the middle of a vLLM upgrade: 0.32 is version 14, 0.33 is 15)",
     Reason.STORE_UNAVAILABLE: "Redis failed or is being skipped by the circuit breaker",
     Reason.CORRUPT_STATE: "the conversation's Redis key held no valid state (a field that does "
     "not decode, a key of another type); the key was dropped, the next turn starts afresh",
@@ -105,8 +111,8 @@ MEANINGS: dict[Reason, str] = {
     "continuing conversation (the store lost or never got its blocks, or the engines run "
     "without `--enable-prompt-tokens-details`): P computed the whole history",
     Reason.REUSE_DISABLED: "`--no-reuse`: affinity only",
-    Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id` or "
-    "`X-Session-ID`",
+    Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id`, "
+    "`X-Session-ID` or `vllm_xargs.session_id`",
     Reason.PUSH_AFFINITY: "`--kv-connector nixl-push`: vLLM has no D->P reuse for push "
     "(vllm#46473), so nothing is read from D; the conversation keeps its P and D (affinity), "
     "whose prefix caches may still hold its earlier turns",

@@ -55,13 +55,15 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
         _note_handle_result(turn, sent, prefilled)
         if after_prefill is not None:
             after_prefill(turn, prefilled)
-        d_inst = pick_decode(svc, state.decode if state else "", failed)
+        d_inst = pick_decode(svc, state.decode if state else "", failed, prefilled.instance)
         try:
             return await decode(turn, d_inst, prefilled.params)
         except UpstreamFailure as exc:
             # D failed before its first byte: redo the whole turn with a new P leg, since
-            # P's params are single use (never send them to a second D).
-            svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
+            # P's params are single use (never send them to a second D). A paused D (vLLM
+            # 0.33's 503) is busy, not broken: not counted against it.
+            if not exc.busy:
+                svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
             failed.append(d_inst.url)
             log.warning("decode on %s failed before the first byte: %s", d_inst.url, exc)
             if not decide.redo_decode(len(failed)):
@@ -85,16 +87,18 @@ def _note_handle_result(turn: Turn, sent: Instance | None, prefilled: Prefilled)
 
 
 def _reader(turn: Turn, source: Instance, p_inst: Instance) -> Instance:
-    """A P that has not been refusing the handle's D (`source`); with none left, the turn's
-    claim becomes a miss (reads-paused) and p_inst serves it."""
+    """A P that has not been refusing the handle's D (`source`) and speaks its connector
+    version; with none left, the turn's claim becomes a miss (reads-paused, or
+    connector-mismatch) and p_inst serves it."""
     now = time.monotonic()
-    if not source.ident.reads_paused(p_inst.url, now):
+    pairs = p_inst.ident.version.pairs_with(source.ident.version)
+    if pairs and not source.ident.reads_paused(p_inst.url, now):
         return p_inst
     paused = list(source.ident.paused_for(now))
     try:
-        return turn.svc.pool.pick("prefill", exclude=paused)
+        return turn.svc.pool.pick("prefill", exclude=paused, peer=source)
     except Unavailable:
-        turn.miss(Reason.READS_PAUSED)
+        turn.miss(Reason.READS_PAUSED if pairs or paused else Reason.CONNECTOR_MISMATCH)
         return p_inst
 
 

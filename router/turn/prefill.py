@@ -3,6 +3,7 @@ send one P's params twice. `decide.after_prefill` says what each attempt leads t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ from router.errors import EngineReply, RouterError, UpstreamError
 from router.turn import decide
 from router.turn.decide import Attempt, Next
 from router.turn.legs import Answer, call_prefill, prefill_request
+from router.turn.outcomes import Reason
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.legs")
@@ -33,7 +35,8 @@ async def _attempt(
     kv = turn.svc.connector.prefill_params(handle)
     request = prefill_request(turn, kv, ids)
     answer = await call_prefill(turn, inst, request, turn.leg_headers(inst), hit=bool(handle))
-    if handle is not None and (answer.status or answer.reached):
+    paused = answer.paused  # refused before the engine took it: the handle was not read
+    if handle is not None and (answer.status or answer.reached) and not paused:
         turn.handle_sent = True  # P may have read it (or notified D): never released after
     attempt = Attempt(
         answer.status,
@@ -41,6 +44,7 @@ async def _attempt(
         answer.reached,
         with_handle=handle is not None,
         with_ids=ids is not None,
+        paused=paused,
     )
     return attempt, answer
 
@@ -78,22 +82,46 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
             raise EngineReply(attempt.status, raw)
         elif step.next is Next.ANOTHER_P:
             tried.append(inst.url)
-            inst = _another(turn, inst, tried, step.failed, (attempt.status, raw, failure))
+            peer = _handle_source(turn) if handle is not None else None
+            inst = _another(turn, inst, tried, step.failed, (attempt.status, raw, failure), peer)
+            if peer is not None and not inst.ident.version.pairs_with(peer.ident.version):
+                handle = None  # no P left that can read it: the turn goes on as a miss
+                turn.miss(Reason.CONNECTOR_MISMATCH)
+
+
+def _handle_source(turn: Turn) -> Instance | None:
+    state = turn.claim.state
+    return turn.svc.pool.find("decode", state.decode) if state is not None else None
+
+
+# What a client told that every P is paused waits before it retries (vLLM gives no hint).
+PAUSED_RETRY_AFTER_S = 1
 
 
 def _another(
-    turn: Turn, inst: Instance, tried: list[str], failed: bool, reply: tuple[int, bytes, str]
+    turn: Turn,
+    inst: Instance,
+    tried: list[str],
+    failed: bool,
+    reply: tuple[int, bytes, str],
+    peer: Instance | None,
 ) -> Instance:
-    """The next P after `inst` did not serve (failed: counted against it; else it was busy)."""
+    """The next P after `inst` did not serve (failed: counted against it; else it was busy or
+    paused); one that can read the handle's D (`peer`) while there is one."""
     status, raw, failure = reply
     if failed:
         turn.svc.pool.record_failure(inst, failure)
     log.warning("prefill on %s failed (%s); trying another instance", inst.url, failure)
+    pool = turn.svc.pool
     try:
-        return turn.svc.pool.pick("prefill", exclude=tried)
+        if peer is not None:
+            with contextlib.suppress(RouterError):
+                return pool.pick("prefill", exclude=tried, peer=peer)
+        return pool.pick("prefill", exclude=tried)
     except RouterError:
-        if not failed:  # every P is busy: the client gets the 429 to back off
-            raise EngineReply(status, raw) from None
+        if not failed:  # every P is busy or paused: the client gets the 429/503 to back off
+            retry = PAUSED_RETRY_AFTER_S if status == 503 else None
+            raise EngineReply(status, raw, retry_after=retry) from None
         raise UpstreamError(f"every prefill instance failed; last: {failure}") from None
 
 

@@ -41,9 +41,10 @@ async def run_turn(svc: Services, inc: Incoming, request_id: str) -> Response:
         return await svc.connector.serve(turn)
     except EngineReply as reply:
         await abort(turn, AbortReason.engine(reply.status))
-        return Response(
-            reply.body, reply.status, headers=final_headers(turn), media_type="application/json"
-        )
+        headers = final_headers(turn)
+        if reply.retry_after is not None:
+            headers["Retry-After"] = str(reply.retry_after)
+        return Response(reply.body, reply.status, headers=headers, media_type="application/json")
     except asyncio.CancelledError:
         await asyncio.shield(abort(turn, AbortReason.CLIENT_DISCONNECTED))
         raise

@@ -1,11 +1,14 @@
 """D's response relayed to the client: strip router-only fields, capture what the turn needs.
 
-The stream relay passes every event it does not change through as the original bytes.
+The stream relay passes every event it does not change through as the original bytes: vLLM
+0.33's `"kv_transfer_params":null` in each content chunk is D's own shape, not a handle, and
+passes as it came; token ids the client did not ask for are cut out of the bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import msgspec
@@ -21,6 +24,13 @@ from router.turn.capture import (
 
 KV_KEY = b'"kv_transfer_params"'
 TOKEN_IDS_KEY = b'token_ids"'  # matches "token_ids" and "prompt_token_ids"
+# vLLM 0.33 (PR #40186): every content chunk carries the key, null (compact JSON, as vLLM's
+# serializer writes it).
+NULL_KV = b'"kv_transfer_params":null'
+# A token-id member as vLLM writes it (compact, after another member). In valid JSON `,"`
+# never occurs inside a string, so a match is always a member; any other spelling is left
+# for the decode below.
+_IDS_MEMBER = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[0-9,]*\]|null)')
 _LF = b"\n\n"
 _CRLF = b"\r\n\r\n"
 
@@ -164,12 +174,24 @@ class SseRelay:
             pass  # JSON of another shape: nothing to capture, but still stripped below
         except msgspec.DecodeError:
             return None  # not JSON: the client gets it as sent
-        if KV_KEY not in data and not (self._strip_ids and TOKEN_IDS_KEY in data):
+        kv = KV_KEY in data and not _null_kv_only(data)
+        ids = self._strip_ids and TOKEN_IDS_KEY in data
+        if not kv and not ids:
             return None
+        eol = b"\r\n" if sep == _CRLF else b"\n"
+        if not kv:
+            cut = _IDS_MEMBER.sub(b"", data)
+            if TOKEN_IDS_KEY not in cut:
+                return _with_data(block, cut, eol) + sep
         obj = _decode_any(data)
         if not isinstance(obj, dict) or not _strip(obj, self._strip_ids):
             return None
-        return _with_data(block, _encode(obj), b"\r\n" if sep == _CRLF else b"\n") + sep
+        return _with_data(block, _encode(obj), eol) + sep
+
+
+def _null_kv_only(data: bytes) -> bool:
+    """The event's only kv_transfer_params key is 0.33's null one (nothing to strip)."""
+    return NULL_KV in data and data.count(KV_KEY) == 1
 
 
 def capture_body(body: bytes, *, strip_token_ids: bool) -> tuple[bytes, Captured]:

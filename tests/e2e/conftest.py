@@ -12,6 +12,8 @@ from tests.support.metrics import metric
 from tests.support.stack import Stack, start_stack
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
+# Engines as stock vLLM 0.32 (the simulator's default is 0.33): streams carry no handle.
+V032 = ("--vllm-version", "0.32")
 
 
 def reference_chat(stack: Stack, messages: list[dict[str, str]], max_tokens: int) -> str:

@@ -12,7 +12,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import Stack, p_route_calls, pd_stack, post_json, pulled, reference_chat
+from tests.e2e.conftest import (
+    V032,
+    Stack,
+    p_route_calls,
+    pd_stack,
+    post_json,
+    pulled,
+    reference_chat,
+)
 from tests.support.chat import chat_turn, client
 from tests.support.metrics import metric
 from tests.support.procs import ROOT, free_port, sim
@@ -24,7 +32,7 @@ def stock(redis_url_session: str) -> Iterator[Stack]:
     """Engines as stock vLLM 0.32: no kv_transfer_params in streams (PR #40186 unmerged).
     The decode plan is off here, so the P/D paths are what these tests see (the plan is
     tests/e2e/test_placement.py's)."""
-    with pd_stack(redis_url_session, "stock", "--decode-local-max-tokens", "0") as st:
+    with pd_stack(redis_url_session, "stock", "--decode-local-max-tokens", "0", engines=V032) as st:
         yield st
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import BIDIR, Stack, p_route_calls, pd_stack, pulled, reference_chat
+from tests.e2e.conftest import BIDIR, V032, Stack, p_route_calls, pd_stack, pulled, reference_chat
 from tests.support.chat import MODEL, Message, chat_turn, client, get_json, post
 from tests.support.metrics import metric
 from tests.support.stack import start_stack
@@ -24,9 +24,9 @@ def stock(redis_url_session: str) -> Iterator[Stack]:
     """Engines as stock vLLM 0.32 (no kv_transfer_params in streams), two D (a decode plan
     sent to the other one computes everything), a router with its default placement."""
     with start_stack(
-        prefill=[BIDIR],
-        decode=[BIDIR, BIDIR],
-        reference=(),
+        prefill=[(*BIDIR, *V032)],
+        decode=[(*BIDIR, *V032), (*BIDIR, *V032)],
+        reference=V032,
         redis=redis_url_session,
         name="placement",
     ) as st:
@@ -90,7 +90,7 @@ def test_a_streamed_chat_on_stock_engines_reuses_its_history_every_turn(stock: S
 def crowded(redis_url_session: str) -> Iterator[Stack]:
     """Slow decode steps (streams stay in flight), a D load limit of 2, two routers (the
     second's requests reach the first through D's own /metrics, read every 0.2 s)."""
-    slow = (*BIDIR, "--decode-ms-per-token", "15")
+    slow = (*BIDIR, *V032, "--decode-ms-per-token", "15")
     args = ("--decode-local-max-inflight", "2", "--health-interval", "0.2")
     with start_stack(
         prefill=[slow],
@@ -154,8 +154,8 @@ def test_the_decode_plan_backs_off_to_pd_while_d_is_crowded(crowded: Stack, via:
 
 @pytest.fixture(scope="module")
 def streams_params(redis_url_session: str) -> Iterator[Stack]:
-    """A D with PR #40186 (--stream-kv-params on the sim) and a router without the flag."""
-    with pd_stack(redis_url_session, "learned", decode=["--stream-kv-params"]) as st:
+    """A 0.32 D with PR #40186 (--stream-kv-params on the sim) and a router without the flag."""
+    with pd_stack(redis_url_session, "learned", engines=V032, decode=["--stream-kv-params"]) as st:
         yield st
 
 
@@ -182,6 +182,7 @@ def streams_params_no_plan(redis_url_session: str) -> Iterator[Stack]:
         "learned-off",
         "--decode-local-max-tokens",
         "0",
+        engines=V032,
         decode=["--stream-kv-params"],
     ) as st:
         yield st

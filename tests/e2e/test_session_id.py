@@ -72,6 +72,13 @@ def test_session_id_body_field_alone_identifies_the_conversation(stack: Stack) -
     assert all(s["header"] is None for s in seen["prefill"] + seen["decode"])
 
 
+def test_vllm_xargs_session_id_alone_identifies_the_conversation(stack: Stack) -> None:
+    """vLLM reads its session identity from `vllm_xargs["session_id"]` last; so does kvbaton."""
+    api = openai.OpenAI(base_url=stack.router.base_url, api_key="k", max_retries=0)
+    sid = f"vllm-xargs-{uuid.uuid4().hex[:10]}"
+    assert two_turns(api, {"vllm_xargs": {"session_id": sid}}) == ["miss;reason=no-session", "hit"]
+
+
 def test_session_id_body_field_reaches_p_on_the_token_ids_leg_too(stack: Stack) -> None:
     seen = body_sessions(stack, f"vllm-session-{uuid.uuid4().hex[:10]}")
     assert [s["path"] for s in seen["prefill"]] == ["/v1/chat/completions", "/v1/completions"]

@@ -26,8 +26,8 @@ MSGS = [{"role": "user", "content": words(200, 40)}]
 @pytest.fixture(scope="module")
 def procs() -> Iterator[dict[str, SimProc]]:
     specs = {
-        "P": ("prefill",),
-        "Dk": ("decode", "--bidirectional", "--stream-kv-params"),
+        "P": ("prefill", "--vllm-version", "0.32"),
+        "Dk": ("decode", "--bidirectional", "--stream-kv-params", "--vllm-version", "0.32"),
         "R": ("decode", "--reasoning-tokens", "3"),
         "A": ("decode", "--api-key", "sekret"),
         "E": ("prefill", "--kv-events-port", "0"),  # the port is bound by the simulator
@@ -37,6 +37,7 @@ def procs() -> Iterator[dict[str, SimProc]]:
 
 
 async def test_stream_kv_params_in_final_chunk(procs: dict[str, SimProc]) -> None:
+    """vLLM 0.32 with PR #40186's flag: only the final chunk carries the key."""
     p, dk = procs["P"], procs["Dk"]
     _, pb = await chat(p.url, MSGS, max_tokens=1, kv_transfer_params=NULL_HANDOFF)
     body = {

@@ -107,7 +107,10 @@ async def test_chat_stream_shape(base: str) -> None:
     assert len(tokens) == 4
     assert all(t["choices"][0]["finish_reason"] is None for t in tokens[:-1])
     assert tokens[-1]["choices"][0]["finish_reason"] == "length"
-    assert "kv_transfer_params" not in tokens[-1]  # stock vLLM 0.32: never in a stream
+    # vLLM 0.33 (the default): every content chunk carries the key, null here (no
+    # bidirectional_kv_xfer: D returns no params); the role and usage chunks do not.
+    assert all("kv_transfer_params" in t and t["kv_transfer_params"] is None for t in tokens)
+    assert "kv_transfer_params" not in first and "kv_transfer_params" not in usage
     text = "".join(t["choices"][0]["delta"]["content"] for t in tokens)
     assert text == full["choices"][0]["message"]["content"]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4

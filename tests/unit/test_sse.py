@@ -171,12 +171,40 @@ def test_events_without_our_fields_pass_through_as_the_same_bytes() -> None:
     assert cap.output_token_ids == [100, 101, 2]
 
 
-def test_null_kv_is_stripped_and_last_non_null_is_kept() -> None:
+def test_null_kv_passes_as_sent_and_last_non_null_is_kept() -> None:
     chunks = chat_chunks(["a"])
     chunks[-1]["kv_transfer_params"] = None  # the usage chunk carries null after the handle
-    out, cap = relay(b"".join(stream(chunks)))
-    assert b"kv_transfer_params" not in out
+    events = stream(chunks)
+    out, cap = relay(b"".join(events))
+    assert events[-2] in out  # nothing to strip: D's bytes
+    assert b'"kv_transfer_params":{' not in out
     assert cap.kv_transfer_params == KV
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_a_033_stream_passes_its_null_keys_and_cuts_token_ids_from_the_bytes(strip: bool) -> None:
+    """vLLM 0.33: every content chunk carries "kv_transfer_params":null, the finish chunk D's
+    handle. Only the handle (and token ids the client did not ask for) is cut; the rest of
+    each event is D's bytes, whatever their float spelling."""
+    chunks = chat_chunks(["Hé", "llo", " 👋"])
+    for chunk in chunks[1:4]:
+        chunk["kv_transfer_params"] = None
+    events = stream(chunks)
+    events[1] = events[1].replace(b'"created":1', b'"created":1.50')  # not msgspec's spelling
+    out, cap = relay(b"".join(events), strip=strip)
+    for raw, chunk in zip(events[1:4], chunks[1:4], strict=True):
+        if not strip:
+            assert raw in out
+            continue
+        cut = {
+            **chunk,
+            "choices": [{k: v for k, v in chunk["choices"][0].items() if k != "token_ids"}],
+        }
+        assert event(cut) in out.replace(b'"created":1.50', b'"created":1')
+    assert b'"created":1.50' in out and out.count(b'"kv_transfer_params":null') == 3
+    assert (b"token_ids" in out) is not strip
+    assert b'"kv_transfer_params":{' not in out
+    assert cap.kv_transfer_params == KV and cap.output_text == "Héllo 👋"
 
 
 def test_crlf_stream() -> None:
@@ -377,8 +405,8 @@ def test_responses_api_stream(data: st.DataObject) -> None:
     whole = b"".join(events)
     cuts = data.draw(st.lists(st.integers(0, len(whole)), max_size=10))
     out, cap = relay(split_at(whole, cuts))
-    assert b"kv_transfer_params" not in out
-    for untouched in events[2:7]:
+    assert b'"kv_transfer_params":{' not in out  # the handle; vLLM's null passes as sent
+    for untouched in events[:7]:
         assert untouched in out
     completed = out.split(b"\n\n")[-2]
     assert completed.startswith(b"event: response.completed\ndata: ")

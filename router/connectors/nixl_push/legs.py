@@ -126,7 +126,7 @@ async def serve(turn: Turn, known: Directory) -> Response:
     failed_d: list[str] = []
     busy: list[str] = []  # P instances that answered 429 this turn
     p_inst = await _pick_prefill(turn, known, state.prefill if state else "", failed_p)
-    d_inst = pick_decode(svc, state.decode if state else "", failed_d)
+    d_inst = pick_decode(svc, state.decode if state else "", failed_d, p_inst)
     while True:
         turn.decode = d_inst
         try:
@@ -146,7 +146,7 @@ async def serve(turn: Turn, known: Directory) -> Response:
             if leg == "prefill":
                 p_inst = await _pick_prefill(turn, known, "", failed_p)
             else:
-                d_inst = pick_decode(svc, "", failed_d)
+                d_inst = pick_decode(svc, "", failed_d, p_inst)
             continue
         svc.pool.record_success(p_inst)
         turn.prefill = p_inst
