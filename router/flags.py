@@ -197,7 +197,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("model", "served model name the engines must report (empty: take the engines')"),
     Flag("connect_timeout", "seconds to connect to an engine", float),
-    Flag("prefill_timeout", "seconds for a whole prefill request", float),
+    Flag(
+        "prefill_timeout",
+        "seconds for a whole prefill request; a P that gives no whole answer in time is ejected "
+        "at once as stalled, so new turns avoid it until its /health answers again",
+        float,
+    ),
     Flag("decode_first_byte_timeout", "seconds until the decode engine's response starts", float),
     Flag(
         "decode_idle_timeout",

@@ -61,17 +61,9 @@ class Engine:
         )
         self._clock = clock
         self._on_events = on_events
-        self.kv = Connector(
-            settings,
-            self.pool,
-            self.pins,
-            self.counters,
-            channel
-            or KVChannelClient(
-                settings.handshake_timeout, connector_version=self.connector_version
-            ),
-            self.now,
-        )
+        version = self.connector_version
+        channel = channel or KVChannelClient(settings.handshake_timeout, connector_version=version)
+        self.kv = Connector(settings, self.pool, self.pins, self.counters, channel, self.now)
         self.channel, self.store, self.push = self.kv.channel, self.kv.store, self.kv.push
         self._slots = asyncio.Semaphore(settings.max_num_seqs)
         self._freed = asyncio.Event()

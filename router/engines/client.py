@@ -208,6 +208,13 @@ class Upstream:
             ) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            # Connected, and no whole answer within `timeout`: the engine stalled (or is far
+            # too slow to serve), as a stream silent past --decode-idle-timeout.
+            if isinstance(exc, TimeoutError) and not isinstance(
+                exc, aiohttp.ConnectionTimeoutError
+            ):
+                why = f"{url}: no whole answer within {timeout:g} s (stalled)"
+                raise UpstreamFailure(why, stalled=True) from exc
             raise failure(url, exc) from exc
 
     async def get(self, url: str, *, timeout: float) -> tuple[int, bytes]:

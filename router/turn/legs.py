@@ -56,6 +56,7 @@ class Answer:
     failure: str  # what went wrong, for logs and errors ("HTTP <status>" if it answered)
     reached: bool  # False only when the connection was never made
     ok: bool  # 200 and a body that does not say it failed
+    stalled: bool = False  # no whole answer within --prefill-timeout: ejected at once
 
     @property
     def paused(self) -> bool:
@@ -85,7 +86,7 @@ async def call_prefill(
     svc = turn.svc
     body, path = request
     started = time.monotonic()
-    reached = True
+    reached, stalled = True, False
     with svc.pool.busy(inst), span("kvbaton.prefill", instance=inst.url, hit=hit):
         try:
             status, raw = await svc.engines.post_json(
@@ -98,13 +99,13 @@ async def call_prefill(
             failure = f"HTTP {status}"
         except UpstreamFailure as exc:
             status, raw, failure = 0, b"", str(exc)
-            reached = exc.reached
+            reached, stalled = exc.reached, exc.stalled
     parsed = parse_answer(raw) if status else None
     svc.metrics.upstream.labels("prefill", inst.url, _outcome(status)).observe(
         time.monotonic() - started
     )
     ok = status == 200 and parsed is not None and not svc.connector.prefill_failed(status, parsed)
-    return Answer(status, raw, parsed, failure, reached, ok)
+    return Answer(status, raw, parsed, failure, reached, ok, stalled)
 
 
 def _outcome(status: int) -> LegOutcome:

@@ -83,7 +83,8 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
         elif step.next is Next.ANOTHER_P:
             tried.append(inst.url)
             peer = _handle_source(turn) if handle is not None else None
-            inst = _another(turn, inst, tried, step.failed, (attempt.status, raw, failure), peer)
+            reply = (attempt.status, raw, failure)
+            inst = _another(turn, inst, tried, step.failed, reply, peer, stalled=answer.stalled)
             if peer is not None and not inst.ident.version.pairs_with(peer.ident.version):
                 handle = None  # no P left that can read it: the turn goes on as a miss
                 turn.miss(Reason.CONNECTOR_MISMATCH)
@@ -105,12 +106,15 @@ def _another(
     failed: bool,
     reply: tuple[int, bytes, str],
     peer: Instance | None,
+    *,
+    stalled: bool = False,
 ) -> Instance:
-    """The next P after `inst` did not serve (failed: counted against it; else it was busy or
-    paused); one that can read the handle's D (`peer`) while there is one."""
+    """The next P after `inst` did not serve (failed: counted against it, and a P that stalled
+    is ejected at once; else it was busy or paused); one that can read the handle's D
+    (`peer`) while there is one."""
     status, raw, failure = reply
     if failed:
-        turn.svc.pool.record_failure(inst, failure)
+        turn.svc.pool.record_failure(inst, failure, stalled=stalled)
     log.warning("prefill on %s failed (%s); trying another instance", inst.url, failure)
     pool = turn.svc.pool
     try:

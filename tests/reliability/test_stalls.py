@@ -79,3 +79,39 @@ def test_a_client_hanging_up_on_a_json_turn_stops_d(slow: Slow) -> None:
         assert metric(slow.d.url, "vllm:generation_tokens_total") - tokens < 40 / 2
         assert SLOW_TOKEN_MS * 40 / 1000 > 10
         wait_until(lambda: metric(slow.p.url, "vllm_sim:pinned_blocks") <= pinned, "P pins", 3)
+
+
+@pytest.fixture(scope="module")
+def two_p() -> Iterator[list[SimProc]]:
+    """Two P's and a D, at no cost."""
+    specs = [("prefill", *PACED[:3]), ("prefill", *PACED[:3]), ("decode", *PACED[:3])]
+    with started(lambda: sims(*specs, name="rel-pstall")) as procs:
+        yield procs
+
+
+@pytest.mark.timeout(120)
+def test_a_p_that_stops_answering_is_avoided_at_once(two_p: list[SimProc]) -> None:
+    """P answers in one piece, so its stall is no whole answer within --prefill-timeout: the
+    turn goes to the other P and the stopped one is ejected at once (not after
+    --unhealthy-after such turns, each waiting the whole timeout)."""
+    *ps, d = two_p
+    flags = ["--prefill-timeout", "2", "--health-interval", "60", "--unhealthy-after", "3"]
+    with router([p.url for p in ps], [d.url], *flags, name="rel-pstall-router") as r:
+        stopped, other = ps
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        try:
+            waits = []
+            for i in range(6):  # the P's take turns: the first turns on the stopped one wait
+                began = time.monotonic()
+                reply = post(
+                    r.url + "/v1/chat/completions",
+                    chat_body([{"role": "user", "content": f"quick {i}"}], max_tokens=4),
+                )
+                assert reply.status == 200, reply.body[:300]
+                waits.append(time.monotonic() - began)
+            assert instance(r.url, "prefill", stopped.url)["healthy"] is False
+            assert "stalled" in instance(r.url, "prefill", stopped.url)["last_error"]
+            assert sum(w > 1.5 for w in waits) == 1, waits  # one turn found it stopped
+        finally:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        assert other.proc.poll() is None
