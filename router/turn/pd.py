@@ -37,7 +37,6 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
         p_inst = _reader(turn, source, p_inst)
     turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, turn.early)
     kv_aware.check_handle(turn, p_inst, source)
-    await fits.check(turn, p_inst.url)  # what D would refuse, before P pins blocks for it
     failed: list[str] = []
     local = await plan.decode_here(turn, source, p_inst)
     if local is not None:
@@ -48,6 +47,9 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
             failed.append(local.url)
             log.warning("decode plan on %s failed before the first byte: %s", local.url, exc)
             turn.miss(Reason.DECODE_LOCAL_FAILED)
+    # What D would refuse, before P pins blocks for it (a turn on D alone pins nothing on P,
+    # and D refuses it itself).
+    await fits.check(turn, p_inst.url)
     p_inst = await kv_aware.place_prefill(turn, p_inst)
     while True:
         sent = source if turn.claim.params is not None else None  # the handle's D, if sent

@@ -174,9 +174,11 @@ def test_handle_naming_a_dead_engine_is_retried_as_a_miss(
     vllm_engines: Engines, vllm_router: RouterProc, redis_url_session: str
 ) -> None:
     """A stored handle edited to name another engine (a dead one) than the session recorded:
-    the router's own handle check refuses it before P (no NIXL handshake, no failed
-    transfer), the turn is a plain miss with the right answer, and the next turn reads from D.
-    (Before that check, P tried the dead engine and answered 500: handle-rejected.)"""
+    the session's signature no longer matches (routers sign by default), so the router
+    refuses it before P (no NIXL handshake, no failed transfer), the turn is a plain miss with
+    the right answer, and the next turn reads from D. (Unsigned, the handle check refuses it:
+    handle-invalid, tests/reliability; before both, P tried the dead engine and answered 500:
+    handle-rejected.)"""
     p = vllm_engines.p.url
     cid = f"dead-{uuid.uuid4().hex[:8]}"
     messages = opening("dead")
@@ -194,7 +196,7 @@ def test_handle_naming_a_dead_engine_is_retried_as_a_miss(
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Really?"}]
     failed = failed_transfers(p)
     answer, reuse, _ = chat(vllm_router, messages, cid=cid)
-    assert reuse == "miss;reason=handle-invalid"
+    assert reuse == "miss;reason=handle-unauthenticated"
     assert answer == reference(vllm_engines, messages)
     assert failed_transfers(p) == failed, "nothing was sent to P"
     # The turn committed a good handle again: the next turn reads from D.
