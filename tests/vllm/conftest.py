@@ -98,12 +98,14 @@ def start_engines(
     tag: str = "",
     kv_config: dict[str, Any] | None = None,
     reference: bool = True,
+    d_events: str = "",
 ) -> Iterator[Engines]:
     """P, D and the reference engine on the tiny model with the `kind` tokenizer (P and D
     with `kv_config`, default bidirectional NIXL pull); stopped when the module that uses
     them is done (one set runs at a time). Without `reference`, P answers the reference
     requests (a request without kv_transfer_params is an ordinary one): for a module whose
-    tests read no counter of P, one engine fewer to start."""
+    tests read no counter of P, one engine fewer to start. `d_events`: D's KV-events endpoint
+    (default: an ipc:// one that D binds)."""
     python = os.environ[PYTHON_ENV]
     model = str(model_dir(python, kind))
     tag = tag or kind
@@ -113,7 +115,9 @@ def start_engines(
     p_port, d_port, ref_port, p_side, d_side = distinct_ports(5)
     specs = [
         EngineSpec(f"p-{tag}", p_port, CPU_BIND, p_side, f"ipc://{work}/kv-p.ipc", kv_config),
-        EngineSpec(f"d-{tag}", d_port, CPU_BIND, d_side, f"ipc://{work}/kv-d.ipc", kv_config),
+        EngineSpec(
+            f"d-{tag}", d_port, CPU_BIND, d_side, d_events or f"ipc://{work}/kv-d.ipc", kv_config
+        ),
     ]
     if reference:
         specs.append(EngineSpec(f"ref-{tag}", ref_port, CPU_BIND))
@@ -197,9 +201,17 @@ def vllm_push_engines(
     tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
 ) -> Iterator[Engines]:
     """P and D with NixlPushConnector (character tokenizer); P answers the references (the
-    push tests read D's counters only)."""
+    push tests read D's counters only). D's KV-events endpoint is connect-style
+    (`tcp://127.0.0.1:PORT`, no wildcard): vLLM then connects instead of binding, as a user's
+    engine would, and the router must say so (test_real_vllm_push)."""
     yield from start_engines(
-        "char", tmp_path_factory, pytestconfig, tag="push", kv_config=engines.PUSH, reference=False
+        "char",
+        tmp_path_factory,
+        pytestconfig,
+        tag="push",
+        kv_config=engines.PUSH,
+        reference=False,
+        d_events=f"tcp://127.0.0.1:{distinct_ports(1)[0]}",
     )
 
 

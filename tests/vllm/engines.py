@@ -52,7 +52,7 @@ class EngineSpec:
     port: int
     cpu: str  # VLLM_CPU_OMP_THREADS_BIND
     side_channel_port: int = 0  # 0: no KV connector
-    kv_events: str = ""  # ipc:// endpoint the engine's publisher binds; "" for none
+    kv_events: str = ""  # the engine's publisher endpoint (ipc:// binds); "" for none
     kv_config: dict[str, Any] | None = None  # --kv-transfer-config (None: BIDIRECTIONAL)
 
 
@@ -100,7 +100,7 @@ def engine_argv(python: str, model: str, spec: EngineSpec) -> list[str]:
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": spec.kv_events,  # ipc://: the publisher binds, we connect
+            "endpoint": spec.kv_events,  # ipc:// or tcp://*:PORT binds; tcp://HOST:PORT connects
             "topic": KV_TOPIC,
         }
         argv += ["--kv-events-config", json.dumps(events)]

@@ -18,6 +18,7 @@ import uuid
 import pytest
 
 from tests.support.chat import get_json
+from tests.support.metrics import metric
 from tests.support.router import RouterProc
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import by_source, failed_transfers
@@ -68,3 +69,21 @@ def test_push_conversation_writes_into_d_every_turn(
             {"role": "assistant", "content": answer},
             {"role": "user", "content": f"And in hour {turn}?"},
         ]
+
+
+def test_a_connect_style_events_endpoint_is_warned_about(
+    vllm_push_engines: Engines, vllm_push_router: RouterProc
+) -> None:
+    """D's --kv-events-config endpoint has no wildcard (tcp://127.0.0.1:PORT): vLLM connects
+    instead of binding, the router (which connects too) receives nothing, and once turns ran
+    on D it says so in the log, /status and the metric, naming the likely cause. P's
+    endpoint binds (ipc://) and is not warned about."""
+    p, d = vllm_push_engines.p.url, vllm_push_engines.d.url
+    messages = opening("events-endpoint")
+    for _ in range(5):  # SILENT_AFTER_TURNS turns on D, whatever ran before
+        chat(vllm_push_router, messages, cid=None)
+    views = get_json(vllm_push_router.url + "/status")["kv_events"]["engines"]
+    assert "without a wildcard" in views[d]["warning"], views[d]
+    assert views[p]["warning"] == "" and views[p]["batches"] > 0, views[p]
+    assert metric(vllm_push_router.url, "kvbaton_kv_events_warning", instance=d) == 1
+    assert "KV events of " + d in vllm_push_router.log.read_text()
