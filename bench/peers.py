@@ -5,6 +5,10 @@ model, the engines' own 480 s pin TTL) and the same seeded arrivals as section 7
 - kvbaton as shipped: reuse of D's KV, affinity, pin releases; the engines keep D's KV for P
   (`bidirectional_kv_xfer`) and stream their handle;
 - kvbaton with `--no-reuse`: affinity only; D keeps nothing for P;
+- vLLM's own multi-turn example proxy, `disagg_proxy_multiturn.py`, copied at run time out of
+  a fetched vLLM tree (never into the project; skipped with one line without one): round
+  robin over P and D, D's handle kept per body `conversation_id` and sent to the next P,
+  nothing released;
 - vLLM's Rust router `vllm-router` from PyPI, in its own venv (`.venv-peers`), P/D over NIXL,
   with its default policy `cache_aware`, with `kv_aware` fed every P's KV events (all it
   follows in P/D mode), and with `consistent_hash`, which hashes the `X-Session-ID` header
@@ -21,11 +25,14 @@ one line.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench import pins
@@ -39,6 +46,10 @@ Tick = Callable[[str], None]
 
 VLLM_ROUTER = "vllm-router==0.1.17"
 PEERS_VENV = ROOT / ".venv-peers"
+MULTITURN_PROXY = "examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py"
+PROXY_DEPS = ("fastapi", "httpx", "uvicorn")
+VLLM_TREE_ENV = "KVBATON_VLLM_TREE"
+VLLM_MIRROR = "/work/.mirror/eigen-hub+vllm/repo"
 TTFT_SLO_MS = 200.0  # goodput: turns whose first token came within this, per second
 # D's KV: 8,192 blocks of 16 tokens each. An 8B model on one H100 holds ~30k such blocks; at
 # the 3 conversations/s here, 8,192 blocks per D is what ~30k blocks are at ~11 per second.
@@ -52,27 +63,41 @@ class Arm:
     name: str
     how: str  # how it is configured, for the report
     flags: tuple[str, ...]  # kvbaton's, or vllm-router's
-    peer: bool = False  # vllm-router
+    peer: str = ""  # "": kvbaton; VLLM_ROUTER_PEER or VLLM_PROXY_PEER
     keeps_kv: bool = False  # the engines keep D's KV for P (bidirectional_kv_xfer)
     events: bool = False  # the engines publish KV events, the router subscribes
 
 
+VLLM_ROUTER_PEER, VLLM_PROXY_PEER = "vllm-router", "vllm-proxy"
 ARMS = (
-    Arm("kvbaton", "defaults: reuse, affinity, pin releases", ("--stream-kv-params",), False, True),
+    Arm("kvbaton", "defaults: reuse, affinity, pin releases", ("--stream-kv-params",), "", True),
     Arm("kvbaton, reuse off", "`--no-reuse`: affinity only", ("--no-reuse",)),
-    Arm("vllm-router cache_aware", "its default policy", ("--policy", "cache_aware"), True),
+    Arm(
+        "vllm-router cache_aware",
+        "its default policy",
+        ("--policy", "cache_aware"),
+        VLLM_ROUTER_PEER,
+    ),
     Arm(
         "vllm-router kv_aware + KV events",
         "`--policy kv_aware`, every P's KV events (`--pd-kv-events`)",
         ("--policy", "kv_aware"),
-        True,
+        VLLM_ROUTER_PEER,
         events=True,
+    ),
+    Arm(
+        "vLLM's disagg_proxy_multiturn.py",
+        "vLLM's example proxy (from a fetched vLLM tree): round robin, D's handle kept per "
+        "`conversation_id` (body) and sent to P, nothing released",
+        (),
+        VLLM_PROXY_PEER,
+        keeps_kv=True,
     ),
     Arm(
         "vllm-router consistent_hash",
         "`--policy consistent_hash` on `X-Session-ID`",
         ("--policy", "consistent_hash"),
-        True,
+        VLLM_ROUTER_PEER,
     ),
 )
 
@@ -104,6 +129,47 @@ def vllm_router() -> str | None:
     return str(exe)
 
 
+def vllm_proxy() -> str | None:
+    """vLLM's disagg_proxy_multiturn.py, copied out of a fetched vLLM tree into a scratch
+    folder (never into the project), with what it imports installed into .venv-peers; None
+    (and one line saying why) without a tree. The tree: $KVBATON_VLLM_TREE (a checkout or a
+    git directory), else the search tool's mirror of vLLM when it was fetched here."""
+    tree = Path(os.environ.get(VLLM_TREE_ENV) or VLLM_MIRROR)
+    script = Path(tempfile.gettempdir()) / "kvbaton-peers" / Path(MULTITURN_PROXY).name
+    try:
+        if (tree / MULTITURN_PROXY).is_file():
+            text = (tree / MULTITURN_PROXY).read_bytes()
+        else:
+            show = ["git", "--git-dir", str(tree), "show", f"HEAD:{MULTITURN_PROXY}"]
+            text = subprocess.run(show, check=True, capture_output=True, timeout=60).stdout
+        script.parent.mkdir(exist_ok=True)
+        script.write_bytes(text)
+        if vllm_router() is None:  # the venv (its deps bring fastapi and uvicorn)
+            return None
+        pip = [str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PROXY_DEPS]
+        subprocess.run(pip, check=True, capture_output=True, timeout=600)
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(
+            f"peers: vLLM's proxy arm skipped: no {MULTITURN_PROXY} from a vLLM tree at {tree} "
+            f"(set {VLLM_TREE_ENV}) or its dependencies did not install ({exc})",
+            file=sys.stderr,
+        )
+        return None
+    return str(script)
+
+
+@contextlib.contextmanager
+def peer_proxy(script: str, st: Stack) -> Iterator[tuple[str, Any]]:
+    """vLLM's multi-turn example proxy over the stack's engines; its URL and process."""
+    port = free_port()
+    argv = [str(PEERS_VENV / "bin" / "python"), script, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--prefiller-hosts", *("127.0.0.1" for _ in st.ps)]
+    argv += ["--prefiller-ports", *(str(p.port) for p in st.ps)]
+    argv += ["--decoder-hosts", *("127.0.0.1" for _ in st.ds)]
+    argv += ["--decoder-ports", *(str(d.port) for d in st.ds)]
+    yield from _peer_process(argv, st, "vllm-proxy", port)
+
+
 @contextlib.contextmanager
 def peer_router(exe: str, st: Stack, flags: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
     """vllm-router in P/D mode over the stack's engines; its URL and process."""
@@ -115,11 +181,15 @@ def peer_router(exe: str, st: Stack, flags: tuple[str, ...]) -> Iterator[tuple[s
         argv += ["--decode", d.url]
     argv += [*flags, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--prometheus-port", str(free_port()), "--log-level", "warning"]
-    path = log_file("vllm-router")
+    yield from _peer_process(argv, st, "vllm-router", port)
+
+
+def _peer_process(argv: list[str], st: Stack, name: str, port: int) -> Iterator[tuple[str, Any]]:
+    path = log_file(name)
     path.parent.mkdir(exist_ok=True)
     with open(path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    st.commands["vllm-router"] = argv
+    st.commands[name] = argv
     try:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc)
         yield f"http://127.0.0.1:{port}", proc
@@ -178,12 +248,16 @@ def steps(plan: Plan) -> int:
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
-    exe = vllm_router()
     scenarios, wanted = chosen(plan)
-    arms = [a for a in wanted if exe is not None or not a.peer]
+    exes: dict[str, str | None] = {"": None}
+    if any(a.peer == VLLM_ROUTER_PEER for a in wanted):
+        exes[VLLM_ROUTER_PEER] = vllm_router()
+    if any(a.peer == VLLM_PROXY_PEER for a in wanted):
+        exes[VLLM_PROXY_PEER] = vllm_proxy()
+    arms = [a for a in wanted if not a.peer or exes[a.peer] is not None]
     out: dict[str, Any] = {
         "scenarios": {},
-        "skipped": [] if exe is not None else [a.name for a in wanted if a.peer],
+        "skipped": [a.name for a in wanted if a not in arms],
         "commands": {},
         "slo_ms": TTFT_SLO_MS,
     }
@@ -195,7 +269,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         for rnd in range(rounds):
             for arm in arms if rnd % 2 == 0 else list(reversed(arms)):
                 tick(f"peers: {sc.name}, {arm.name}, round {rnd + 1}")
-                result, commands = one(plan, lg, sc, arm, exe)
+                result, commands = one(plan, lg, sc, arm, exes[arm.peer])
                 res["arms"][arm.name]["rounds"].append(result)
                 out["commands"][f"{sc.name} / {arm.name}"] = commands
         for arm_res in res["arms"].values():
@@ -222,7 +296,10 @@ def one(
         name="peers",
     ) as st:
         with contextlib.ExitStack() as exits:
-            if arm.peer:
+            if arm.peer == VLLM_PROXY_PEER:
+                assert exe is not None
+                url, proc = exits.enter_context(peer_proxy(exe, st))
+            elif arm.peer:
                 assert exe is not None
                 flags = list(arm.flags)
                 for sim, port in zip(st.ps, ports, strict=False):
@@ -232,7 +309,8 @@ def one(
                 url, proc = st.url, st.routers[0].proc
             spec = pins.job(plan, url)
             spec.update(dict(sc.workload), duration_s=plan.peers_s * sc.seconds, seed=900)
-            spec["target"]["session_header"] = True
+            # vLLM's example proxy reads only a body conversation_id (kvbaton reads both).
+            spec["target"]["session_header"] = arm.peer != VLLM_PROXY_PEER
             if sc.d_fails_at is not None:
                 killer = threading.Timer(spec["duration_s"] * sc.d_fails_at, st.ds[1].proc.kill)
                 killer.start()
