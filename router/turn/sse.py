@@ -174,7 +174,7 @@ class SseRelay:
             pass  # JSON of another shape: nothing to capture, but still stripped below
         except msgspec.DecodeError:
             return None  # not JSON: the client gets it as sent
-        kv = KV_KEY in data and not _null_kv_only(data)
+        kv = _strippable_kv(data)
         ids = self._strip_ids and TOKEN_IDS_KEY in data
         if not kv and not ids:
             return None
@@ -189,9 +189,11 @@ class SseRelay:
         return _with_data(block, _encode(obj), eol) + sep
 
 
-def _null_kv_only(data: bytes) -> bool:
-    """The event's only kv_transfer_params key is 0.33's null one (nothing to strip)."""
-    return NULL_KV in data and data.count(KV_KEY) == 1
+def _strippable_kv(data: bytes) -> bool:
+    """The event has a kv_transfer_params key to strip: any but a lone 0.33 null one (one pass
+    over the chunk in the usual cases: no key, or the null one)."""
+    keys = data.count(KV_KEY)
+    return keys > 1 or (keys == 1 and NULL_KV not in data)
 
 
 def capture_body(body: bytes, *, strip_token_ids: bool) -> tuple[bytes, Captured]:

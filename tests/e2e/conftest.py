@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from tests.support.chat import post, reference_answer
+from tests.support.chat import Message, chat_turn, client, post, reference_answer
 from tests.support.metrics import metric
 from tests.support.stack import Stack, start_stack
 
@@ -19,6 +19,25 @@ V032 = ("--vllm-version", "0.32")
 def reference_chat(stack: Stack, messages: list[dict[str, str]], max_tokens: int) -> str:
     """The answer of the stack's from-scratch reference engine."""
     return reference_answer(stack.ref.url, messages, max_tokens)
+
+
+def streamed_turns(
+    st: Stack, messages: list[Message], cid: str, follow_ups: Sequence[str]
+) -> list[str]:
+    """A streamed chat turn, then one more after each follow-up question; every answer equal
+    to the reference engine's. Each turn's X-KV-Reuse (messages grows with the history)."""
+    api = client(st.router.base_url)
+    reuses = []
+    for follow in [*follow_ups, ""]:
+        answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
+        assert answer == reference_chat(st, messages, 24)
+        reuses.append(reuse)
+        if follow:
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": follow},
+            ]
+    return reuses
 
 
 def p_route_calls(url: str) -> tuple[float, float]:

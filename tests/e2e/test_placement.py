@@ -11,7 +11,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import BIDIR, V032, Stack, p_route_calls, pd_stack, pulled, reference_chat
+from tests.e2e.conftest import (
+    BIDIR,
+    V032,
+    Stack,
+    p_route_calls,
+    pd_stack,
+    pulled,
+    reference_chat,
+    streamed_turns,
+)
 from tests.support.chat import MODEL, Message, chat_turn, client, get_json, post
 from tests.support.metrics import metric
 from tests.support.stack import start_stack
@@ -190,18 +199,9 @@ def streams_params_no_plan(redis_url_session: str) -> Iterator[Stack]:
 
 def test_the_router_learns_that_d_streams_params(streams_params_no_plan: Stack) -> None:
     st = streams_params_no_plan
-    api = client(st.router.base_url)
     cid = f"learn0-{uuid.uuid4().hex[:8]}"
     messages: list[Message] = [{"role": "user", "content": "Stream a recipe for soup."}]
-    reuses = []
-    for turn in range(3):
-        answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
-        assert answer == reference_chat(st, messages, 24)
-        reuses.append(reuse)
-        messages += [
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": f"{turn}?"},
-        ]
+    reuses = streamed_turns(st, messages, cid, ["0?", "1?"])
     # Turn 1 showed that D streams its handle, but was not asked for token ids yet.
     assert reuses == ["miss;reason=no-session", "miss;reason=no-token-ids", "hit"]
     (d,) = get_json(st.router.url + "/status")["instances"]["decode"]

@@ -11,7 +11,15 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.e2e.conftest import BIDIR, V032, Stack, pd_stack, pulled, reference_chat
+from tests.e2e.conftest import (
+    BIDIR,
+    V032,
+    Stack,
+    pd_stack,
+    pulled,
+    reference_chat,
+    streamed_turns,
+)
 from tests.support.chat import Message, chat_turn, client, get_json, post
 from tests.support.metrics import metric
 from tests.support.stack import start_stack
@@ -31,19 +39,10 @@ def test_the_first_streamed_turn_on_033_leaves_a_handle(fresh: Stack) -> None:
     (d,) = get_json(st.router.url + "/status")["instances"]["decode"]
     assert d["vllm"]["version"] == "0.33.0" and d["vllm"]["streams_handles"] is True
     assert d["vllm"]["connector_group"] == "nixl-v15" and d["streams_params"] is False
-    api = client(st.router.base_url)
     cid = f"v033-{uuid.uuid4().hex[:8]}"
     messages: list[Message] = [{"role": "user", "content": "Stream me a story about rivers."}]
-    reuses = []
     before = pulled(st.p.url)
-    for turn in range(3):
-        answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
-        assert answer == reference_chat(st, messages, 24)
-        reuses.append(reuse)
-        messages += [
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": f"And then, part {turn}?"},
-        ]
+    reuses = streamed_turns(st, messages, cid, [f"And then, part {t}?" for t in range(2)])
     assert reuses == ["miss;reason=no-session", "hit", "hit"]
     assert pulled(st.p.url) > before  # P read the conversation back from D
     (d,) = get_json(st.router.url + "/status")["instances"]["decode"]
