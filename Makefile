@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Test files spread over every core (a file's tests stay on one worker: they share its stacks).
 test: install
-	$(BIN)/pytest --cov --cov-report=term
+	$(BIN)/pytest -n auto --dist loadfile --cov --cov-report=term
 
 # One tier at a time (markers set per folder in tests/conftest.py; README, "Tests").
 test-unit: install

@@ -140,7 +140,7 @@ def connect(
             retry=retry,
             max_connections=max_connections,
         )
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
         list(target.nodes),
         # The credentials in the URL are the master's; sentinels are asked without them.
         sentinel_kwargs={

@@ -73,8 +73,12 @@ def redis_url_session() -> Iterator[str]:
 
 @pytest.fixture
 async def redis_url(redis_url_session: str) -> AsyncIterator[str]:
-    """The session's redis-server, emptied for this test."""
+    """The session's redis-server, emptied for this test and after it (a later file's stacks
+    on the same worker share it: a registry entry left here would be their instance)."""
     client = aioredis.from_url(redis_url_session)
     await client.flushall()
-    await client.aclose()
-    yield redis_url_session
+    try:
+        yield redis_url_session
+    finally:
+        await client.flushall()
+        await client.aclose()

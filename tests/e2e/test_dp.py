@@ -21,13 +21,14 @@ from tests.support.stack import Stack, start_stack
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url_session: str) -> Iterator[tuple[Stack, RouterProc]]:
+def stack() -> Iterator[tuple[Stack, RouterProc]]:
+    # A redis-server of its own: the session's may hold instances another file's router added
+    # (the registry applies them to every router on that Redis), and /status must list one D.
     with start_stack(
         prefill=[PUSH],
         decode=[(*D_PUSH, "--data-parallel-size", "2")],
         reference=(),
         routers=[],
-        redis=redis_url_session,
         name="dp",
     ) as st:
         # No --data-parallel-size: the router reads the two ranks off D's /metrics.

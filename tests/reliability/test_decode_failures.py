@@ -137,11 +137,11 @@ def test_a_restarted_decodes_old_handles_never_reach_prefill(main: Stack) -> Non
 
 @contextlib.contextmanager
 def checking_every(
-    main: Stack, interval: float, prefill: list[SimProc] | None = None
+    main: Stack, interval: float, *extra: str, prefill: list[SimProc] | None = None
 ) -> Iterator[RouterProc]:
     """A second router on main's engines (or these P) whose health loop runs every
-    `interval` seconds."""
-    args = [*ROUTER_FLAGS]
+    `interval` seconds, with `extra` flags."""
+    args = [*ROUTER_FLAGS, *extra]
     args[args.index("--health-interval") + 1] = str(interval)
     ps, ds = [p.url for p in prefill or main.ps], [d.url for d in main.ds]
     with router(ps, ds, *args, redis_url=main.redis_url, name=f"rel-health-{interval}") as r:
@@ -153,7 +153,9 @@ def test_a_restart_the_router_has_not_seen_yet_is_caught_by_the_engine_id(main: 
     """With no health read between a restart and the next turns, the old handle goes to P; P
     refuses it (its engine id is gone) and the prefill is redone as a miss. Once the new D made
     a handle, the changed engine id alone marks older handles, and the new ones are used."""
-    with checking_every(main, 600) as blind:
+    # The pin sweep reads every D's /metrics each second (as the health loop does): off here,
+    # or a read in the restart's gap marks D unreachable (decode-unreachable, not this test).
+    with checking_every(main, 600, "--no-release-pins") as blind:
         first, second = on_first_decode(main, "d-fast", 2, via=blind.url)
         d = main.restart("decode", 0, "--engine-id", f"restarted-{uuid.uuid4()}")
         failed = stale_uses(main)

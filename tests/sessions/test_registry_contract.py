@@ -28,8 +28,11 @@ async def registry(
         return
     client = connect.connect(redis_url_session)
     await client.flushall()
-    yield RedisRegistry(client)
-    await connect.close(client)
+    try:
+        yield RedisRegistry(client)
+    finally:  # a later file's router on this worker would list D1 as its own instance
+        await client.flushall()
+        await connect.close(client)
 
 
 async def test_empty(registry: Registry) -> None:

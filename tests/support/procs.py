@@ -40,7 +40,7 @@ def wait_tcp(port: int, timeout: float = 15.0) -> None:
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Poll url until it answers 200; fail early if proc died."""
     deadline = time.monotonic() + timeout
-    last: Exception | None = None
+    last = ""
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
@@ -49,7 +49,11 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | N
                 if resp.status == 200:
                     return
         except (urllib.error.URLError, OSError) as exc:
-            last = exc
+            # An error status (a 503 while it starts) holds its socket: closed here, or the
+            # garbage collector warns of it later, in whatever test runs then.
+            if isinstance(exc, urllib.error.HTTPError):
+                exc.close()
+            last = str(exc)
         time.sleep(0.05)
     raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
 
@@ -75,15 +79,17 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
 
 
 def log_file(name: str) -> Path:
-    """Where spawn writes the output of the process started as `name`."""
-    return Path(tempfile.gettempdir()) / "kvbaton-test-logs" / f"{name}.log"
+    """Where spawn writes the output of the process started as `name`: a folder of its own
+    per pytest-xdist worker (two workers' stacks of one name must not share a log)."""
+    folder = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
+    return folder / os.environ.get("PYTEST_XDIST_WORKER", "") / f"{name}.log"
 
 
 def spawn(args: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
     """Start a Python module of this project (args after `python -m`), logging to a temp file
     (log_file(log_name), truncated first)."""
     path = log_file(log_name)
-    path.parent.mkdir(exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(path, "wb") as log:  # the child keeps its own descriptor
         return subprocess.Popen(
