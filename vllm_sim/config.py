@@ -34,6 +34,7 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     threshold_gates_prefill_pulls: bool = False
     kv_load_failure_policy: str = "fail"
     stream_kv_params: bool = False
+    enable_scale_out: bool = False  # serve the render routes (else 403, as vLLM)
     reasoning_tokens: int = 0
     prefill_ms_per_token: float = 0.0
     transfer_ms_per_block: float = 0.0
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="vLLM PR #40186 on 0.32: params in the final chunk (0.33 always streams them)",
     )
+    a(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve the render routes (/v1/chat/completions/render, /v1/completions/render, "
+        "/v1/responses/render); without it they answer 403, as vLLM's do",
+    )
     a("--reasoning-tokens", type=int, default=0, help="first N output tokens are reasoning")
     a("--prefill-ms-per-token", type=float, default=0.0)
     a("--transfer-ms-per-block", type=float, default=0.0)
@@ -177,6 +184,7 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         moriio_ping_interval=ns.moriio_ping_interval,
         data_parallel_size=ns.data_parallel_size,
         stream_kv_params=ns.stream_kv_params,
+        enable_scale_out=ns.enable_scale_out,
         reasoning_tokens=ns.reasoning_tokens,
         prefill_ms_per_token=ns.prefill_ms_per_token,
         transfer_ms_per_block=ns.transfer_ms_per_block,

@@ -44,6 +44,7 @@ class _Call:
         status: str,
         usage: dict[str, Any] | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        messages: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None,
     ) -> dict[str, Any]:
         return rs.response_object(
             response_id=self.response_id,
@@ -55,6 +56,7 @@ class _Call:
             status=status,
             usage_=usage,
             kv_transfer_params=kv_transfer_params,
+            messages=messages,
         )
 
 
@@ -110,6 +112,18 @@ class ResponsesRoute:
             len(call.parsed.prompt), out, res.cached_tokens, min(self.reasoning_tokens, out)
         )
 
+    def _messages(
+        self, call: _Call, res: RunResult
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+        """enable_response_messages: the prompt's and the output's text and token ids."""
+        if not call.parsed.response_messages:
+            return None
+        prompt = call.parsed.prompt
+        tok = self.engine.tok
+        return rs.raw_messages(
+            tok.decode(prompt), prompt, res.reasoning + res.content, list(res.output_ids)
+        )
+
     async def _complete(
         self, request: web.Request, call: _Call, req: GenRequest
     ) -> web.StreamResponse:
@@ -132,6 +146,7 @@ class ResponsesRoute:
             rs.status_of(res.finish_reason),
             self._usage(call, res),
             res.kv_transfer_params,  # vllm#37424: top-level, non-streaming
+            self._messages(call, res),
         )
         return json_response(body, headers=call.headers)
 
@@ -170,6 +185,7 @@ class ResponsesRoute:
             self._usage(call, res),
             # Stock vLLM 0.32 carries the handle here (no --stream-kv-params needed).
             res.kv_transfer_params,
+            self._messages(call, res),
         )
         await out.send(events.lifecycle("response.completed", final))
         return resp

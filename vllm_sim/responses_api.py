@@ -28,6 +28,9 @@ class ResponsesParsed:
     stream: bool
     kv_transfer_params: dict[str, Any] | None
     request_id: str | None  # vLLM's `request_id` body field (the response id)
+    # vLLM's `enable_response_messages`: the response carries the prompt's and the output's
+    # token ids (`input_messages`, `output_messages`)
+    response_messages: bool
     echo: dict[str, Any]  # request fields the response object repeats
 
 
@@ -189,5 +192,6 @@ def parse(
         stream=typed(body, "stream", bool, False),
         kv_transfer_params=typed(body, "kv_transfer_params", dict, None),
         request_id=request_id or None,
+        response_messages=typed(body, "enable_response_messages", bool, False),
         echo=echo,
     )

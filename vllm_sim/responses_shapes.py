@@ -102,8 +102,10 @@ def response_object(
     status: str,
     usage_: dict[str, Any] | None,
     kv_transfer_params: dict[str, Any] | None,
+    messages: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """vLLM's ResponsesResponse.from_request, dumped (`metrics` is omitted when unset)."""
+    """vLLM's ResponsesResponse.from_request, dumped (`metrics` is omitted when unset).
+    `messages`: input and output as `raw_message_tokens` (enable_response_messages)."""
     e = echo
     return {
         "id": response_id,
@@ -136,9 +138,21 @@ def response_object(
         "frequency_penalty": e["frequency_penalty"],
         "kv_transfer_params": kv_transfer_params,
         "ec_transfer_params": None,
-        "input_messages": None,
-        "output_messages": None,
+        "input_messages": messages[0] if messages else None,
+        "output_messages": messages[1] if messages else None,
     }
+
+
+def raw_messages(
+    prompt_text: str, prompt: list[int], output_text: str, output: list[int]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """vLLM's SimpleContext with enable_response_messages: the prompt as rendered and the
+    output, text and token ids (`ResponseRawMessageAndToken`); no output entry when nothing
+    was generated."""
+    kind = "raw_message_tokens"
+    inputs = [{"message": prompt_text, "tokens": prompt, "type": kind}]
+    outputs = [{"message": output_text, "tokens": output, "type": kind}] if output else []
+    return inputs, outputs
 
 
 def status_of(finish_reason: str | None) -> str:

@@ -311,7 +311,7 @@ def build_app(sim: Sim) -> web.Application:
     r.add_post("/tokenize", sim.tokenize)
     r.add_post("/reset_prefix_cache", sim.reset_prefix_cache)
     r.add_get("/version", sim.version)
-    render.add_routes(app, sim.ranks)  # both versions serve them
+    render.add_routes(app, sim.ranks)  # both versions (403 without --enable-scale-out)
     if sim.settings.version.pause_rejects:  # vLLM 0.33 (with VLLM_SERVER_DEV_MODE=1)
         pause_api.add_routes(app, sim.ranks)
     r.add_post("/sim/faults", sim.set_faults)

@@ -129,6 +129,10 @@ class EngineIdentity:
     slept_at: float = 0.0
     asleep: bool = False
     refused_by: dict[str, Refusals] = field(default_factory=dict)  # a D's, by P URL
+    # Whether it serves /v1/responses/render (None: not asked yet). vLLM 0.32 and 0.33 answer
+    # 403 unless started with --enable-scale-out, older ones 404: learned from the first
+    # answer, so that its Responses turns are not asked again; a restart asks again.
+    renders: bool | None = None
     # (engine id, side-channel host, port) as this D announced them in its handles (one per
     # data-parallel rank): a stored handle may send P only there (turn/aim.py). Insertion
     # ordered, the oldest dropped past MAX_ORIGINS; a restart forgets them.
@@ -200,6 +204,7 @@ class EngineIdentity:
         self.version = EngineVersion()  # read again by the health loop
         self.registration = 0
         self.origins.clear()  # its side channel may have moved
+        self.renders = None  # it may have been started with other flags
 
     @property
     def handle_started(self) -> float:
@@ -247,6 +252,17 @@ class EngineIdentity:
                 self.engine_id,
             )
         self.engine_id = family
+
+    def note_renders(self, renders: bool, why: str = "") -> None:
+        """Its answer to a render request: served, or not (then said once, with why)."""
+        if renders is False and self.renders is not False:
+            log.warning(
+                "%s does not serve /v1/responses/render (%s): Responses turns are verified "
+                "there by item digests only (start vLLM with --enable-scale-out)",
+                self.label,
+                why,
+            )
+        self.renders = renders
 
     def note_streams_params(self) -> None:
         """A streamed answer of this D carried its kv_transfer_params."""

@@ -58,6 +58,9 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
             "connector_group": inst.ident.version.group,
             "pause_rejects": inst.ident.version.pause_rejects,
             "registration_generation": inst.ident.registration,
+            # Whether it serves /v1/responses/render (null: not asked yet; false: 403 without
+            # --enable-scale-out, or no route): Responses turns verified by tokens or digests.
+            "renders": inst.ident.renders,
         },
         "source": source,
         # A D's KV usage (0-1, -1 unknown), whether it is over the pin high-water mark, and

@@ -29,8 +29,9 @@ Proc = subprocess.Popen[bytes]
 HOST = "127.0.0.1"
 MODEL = "sim-model"  # the simulator's default served model name
 MAX_TOKENS = 48
-# The demo cost model, so KV reuse shows as time (prefix-cache hits are free).
+# The demo cost model, so KV reuse shows as time; render routes served, as by deploy/'s engines.
 COST_MODEL = "--prefill-ms-per-token 0.5 --transfer-ms-per-block 0.05 --decode-ms-per-token 2"
+COST_MODEL += " --enable-scale-out"
 LEGEND = f"""
   latency  the whole request: prefill on P, then up to {MAX_TOKENS} tokens decoded on D
            (simulated costs: 0.5 ms per computed prompt token, 0.05 ms per KV block pulled,

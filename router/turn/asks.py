@@ -14,16 +14,16 @@ from router.turn.incoming import Incoming
 def token_ids(settings: Settings, inc: Incoming, d_streams_params: bool) -> bool:
     """D's token ids verify the next turn: a pull, or the decode plan (what D's cache holds).
     On a stream they are worth asking when a handle may come (D's vLLM version streams
-    kv_transfer_params (0.33), it was seen doing so, or --stream-kv-params says so) or when
-    the decode plan is on."""
+    kv_transfer_params (0.33), it was seen doing so, or --stream-kv-params says so; a
+    Responses stream always brings it, in `response.completed`) or when the decode plan is
+    on. A Responses turn's are checked against P's /v1/responses/render next turn."""
     streamed_use = (
-        settings.stream_kv_params or d_streams_params or settings.decode_local_max_tokens > 0
+        settings.stream_kv_params
+        or d_streams_params
+        or settings.decode_local_max_tokens > 0
+        or inc.api == "responses"
     )
-    return (
-        settings.verify_prefix == "tokens"
-        and inc.api != "responses"  # vLLM's /tokenize cannot render Responses input: digest
-        and (not inc.stream or streamed_use)
-    )
+    return settings.verify_prefix == "tokens" and (not inc.stream or streamed_use)
 
 
 def _has_answer(messages: Sequence[Any]) -> bool:
@@ -31,14 +31,15 @@ def _has_answer(messages: Sequence[Any]) -> bool:
 
 
 def early_tokens(settings: Settings, caps: Capabilities, inc: Incoming) -> bool:
-    """Whether P's /tokenize is worth sending before the claim answers: a chat turn with a
-    conversation id and an earlier answer, verified by tokens, over a connector whose turns
-    verify a handle (router/turn/early.py then sends it only after a turn that left one)."""
+    """Whether P's /tokenize (a Responses turn: its render) is worth sending before the claim
+    answers: a chat or Responses turn with a conversation id and an earlier answer, verified
+    by tokens, over a connector whose turns verify a handle (router/turn/early.py then sends
+    it only after a turn that left one, to a P not known to lack the render route)."""
     return (
         inc.conversation_id is not None
-        and inc.api == "chat"
+        and inc.api in ("chat", "responses")
         and settings.reuse
         and settings.verify_prefix == "tokens"
         and caps.reuses_d_to_p
-        and _has_answer(inc.messages)
+        and _has_answer(inc.items)
     )

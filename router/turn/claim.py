@@ -15,7 +15,7 @@ import msgspec
 from router.errors import UpstreamFailure
 from router.services import Services
 from router.tracing import span
-from router.turn import decide, history
+from router.turn import decide, history, render
 from router.turn.aim import aims_at_its_d
 from router.turn.incoming import Incoming, canonical_items
 from router.turn.outcomes import Found, Reason, Reuse
@@ -173,7 +173,7 @@ def _checked(svc: Services, key: str, state: SessionState, reuse: Reuse) -> Reus
 
 def prefix_verdict(inc: Incoming, state: SessionState) -> decide.Prefix:
     if inc.api in ("chat", "responses"):
-        return decide.item_prefix(inc.api, canonical_items(inc), state)
+        return decide.item_prefix(inc.api, canonical_items(inc), state, inc.heads)
     return decide.text_prefix(inc.api, inc.prompt, state)
 
 
@@ -193,9 +193,12 @@ def tokenize_body(inc: Incoming, model: str) -> dict[str, Any]:
 async def prompt_token_ids(
     svc: Services, inc: Incoming, prefill_url: str, request_id: str
 ) -> list[int] | None:
-    """The new prompt as the chosen P renders it (its own /tokenize), or None on failure."""
+    """The new prompt as the chosen P renders it (its own /tokenize; a Responses request: its
+    /v1/responses/render), or None on failure."""
     if inc.api == "completions" and not isinstance(inc.prompt, str):
         return list(inc.prompt)
+    if inc.api == "responses":
+        return await render.prompt_ids(svc, inc, prefill_url, request_id)
     try:
         with span("kvbaton.verify", instance=prefill_url):
             status, raw = await svc.engines.post_json(
@@ -235,16 +238,23 @@ async def verify(
     if found.params is None or found.state is None:
         return found
     state, handle = found.state, found.params
-    # vLLM's /tokenize cannot render Responses input: those turns are checked by digests.
-    by_tokens = svc.settings.verify_prefix == "tokens" and inc.api != "responses"
-    check = decide.digest_check(
-        prefix_verdict(inc, state), found.reuse, by_tokens=by_tokens, state=state
+    # A Responses turn is verified by tokens when P renders it (/v1/responses/render) and D's
+    # token ids were recorded; else by its item digests alone (the whole handle or nothing).
+    by_tokens = svc.settings.verify_prefix == "tokens" and (
+        inc.api != "responses" or render.verifiable(svc, state, prefill_url)
     )
+    prefix = prefix_verdict(inc, state)
+    check = decide.digest_check(prefix, found.reuse, by_tokens=by_tokens, state=state)
     if check.reuse is not None:
         return found if check.reuse.is_hit else found.miss(_reason(check.reuse))
     sent, tokens = await early.tokens_for(prefill_url) if early else (False, None)
     if not sent:
         tokens = await prompt_token_ids(svc, inc, prefill_url, request_id)
+    if tokens is None and inc.api == "responses" and not render.may_render(svc, prefill_url):
+        # P answered that it serves no render route (learned now, not asked again).
+        check = decide.digest_check(prefix, found.reuse, by_tokens=False, state=state)
+        assert check.reuse is not None
+        return found if check.reuse.is_hit else found.miss(_reason(check.reuse))
     reuse = decide.token_verdict(state, tokens, svc.settings.min_reuse_tokens)
     if not reuse.is_hit:
         return found.miss(_reason(reuse))

@@ -119,15 +119,20 @@ def as_prompt_only(state: SessionState) -> SessionState:
     )
 
 
-def item_prefix(api: str, items: Sequence[Any], state: SessionState) -> Prefix:
-    """A chat or Responses conversation (canonical items) against the digests D holds."""
-    if sm.prefix_extends(state, api, items=items):
+def item_prefix(
+    api: str, items: Sequence[Any], state: SessionState, heads: Sequence[str] | None = None
+) -> Prefix:
+    """A chat or Responses conversation (canonical items, and their `conversation_heads` when
+    known) against the digests D holds."""
+    if sm.prefix_extends(state, api, items=items, heads=heads):
         return Prefix.EXTENDS
     late = (
         state.prompt_len > 0
         and len(items) > state.prefix_len
         and items[state.prompt_len].get("role") == "assistant"
-        and sm.prefix_extends(as_prompt_only(state), api, items=items[: state.prompt_len + 1])
+        and sm.prefix_extends(
+            as_prompt_only(state), api, items=items[: state.prompt_len + 1], heads=heads
+        )
     )
     return Prefix.DIVERGES_LATE if late else Prefix.MISMATCH
 

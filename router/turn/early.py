@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 
 from router.services import Services
-from router.turn import asks
+from router.turn import asks, render
 from router.turn.claim import prompt_token_ids
 from router.turn.incoming import Incoming
 from sessions.keys import conversation_key
@@ -53,7 +53,7 @@ def start(svc: Services, inc: Incoming, request_id: str) -> EarlyTokens | None:
         return None
     assert inc.conversation_id is not None
     url = _likely_prefill(svc, conversation_key(inc.tenant, inc.conversation_id))
-    if not url:
+    if not url or (inc.api == "responses" and not render.may_render(svc, url)):
         return None
     return EarlyTokens(url, asyncio.create_task(prompt_token_ids(svc, inc, url, request_id)))
 

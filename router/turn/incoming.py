@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import msgspec
@@ -12,6 +13,7 @@ import msgspec
 from router.errors import BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
 from router.turn.rewrite import client_wants_token_ids, split_client_body
 from router.turn.tenant import tenant_of_headers, validate_conversation_id
+from sessions import digests
 
 Api = Literal["chat", "completions", "responses"]
 
@@ -39,6 +41,13 @@ class Incoming:
     wants_token_ids: bool
     forward_headers: Mapping[str, str] = field(default_factory=dict)
     size: int = 0  # the body's bytes, as the client sent them (router/turn/fits.py)
+
+    @cached_property
+    def heads(self) -> list[str]:
+        """`conversation_heads` of the canonical items (chat, Responses): computed once per
+        turn for the history lookup, the claim's prefix check and the commit (a frozen
+        dataclass's cached_property writes the instance's __dict__, not a field)."""
+        return digests.conversation_heads(self.api, canonical_items(self))
 
     @property
     def messages(self) -> list[Any]:
@@ -248,7 +257,7 @@ def read_incoming(
         stream=stream,
         conversation_id=conversation_id,
         tenant=tenant,
-        wants_token_ids=client_wants_token_ids(body),
+        wants_token_ids=client_wants_token_ids(body, api),
         forward_headers=_forwarded(headers),
         size=len(raw),
     )

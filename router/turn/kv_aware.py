@@ -45,10 +45,10 @@ def check_handle(turn: Turn, p_inst: Instance, source: Instance | None) -> None:
 
 async def place_prefill(turn: Turn, p_inst: Instance) -> Instance:
     """Without a handle to send: the P that holds the longest prefix of the prompt (one
-    /tokenize on the load pick), within the load limits."""
+    /tokenize, or Responses render, on the load pick), within the load limits."""
     svc, inc = turn.svc, turn.inc
     kv = svc.kv_events
-    if kv is None or not kv.enabled or turn.claim.params is not None or inc.api == "responses":
+    if kv is None or not kv.enabled or turn.claim.params is not None:
         return p_inst
     usable = [i for i in svc.pool.instances("prefill") if i.usable]
     indexes = {i.url: kv.index(i.url) for i in usable}

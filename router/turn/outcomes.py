@@ -71,7 +71,8 @@ MEANINGS: dict[Reason, str] = {
     Reason.PREFIX_MISMATCH: "the new prompt does not extend what D holds (enough)",
     Reason.EVICTED: "D's KV events say it evicted or cleared blocks of the handle since it "
     "was made: it was dropped before any read",
-    Reason.TOKENIZE_FAILED: "P's `/tokenize` failed, so nothing could be verified",
+    Reason.TOKENIZE_FAILED: "P's `/tokenize` (Responses: `/v1/responses/render`) failed, so "
+    "nothing could be verified",
     Reason.HANDLE_REJECTED: "P refused the handle (500); the turn was redone as a miss",
     Reason.READS_PAUSED: "the P refused the D's last handles in a row; it gets none of them for "
     "a while (30 s, doubling up to 10 min), and another P is used for hits if there is one",

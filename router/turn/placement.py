@@ -9,8 +9,9 @@ Why these rules (docs/architecture.md, *Per-turn placement*):
 - With a verified handle and a P that has room, the pull keeps all prefill work on P: the
   decode batch of the other conversations on D is not slowed. The decode plan then still
   wins when P is as crowded as the limit.
-- Responses turns are never planned on D: vLLM's `/tokenize` cannot render their input, so
-  what D's cache holds of the prompt is not known.
+- What D holds of the new prompt is known from D's own rendering of it: `/tokenize` for
+  chat and completions, `/v1/responses/render` for Responses (a D that does not serve it is
+  never given the decode plan for a Responses turn: nothing says what it holds).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ class Inputs:
     handle: bool  # a verified handle may be pulled by P
     d_inflight: int  # requests this router has in flight on the previous D
     p_inflight: int  # ... and on the chosen P
-    api: str
 
 
 def d_has_room(d_inflight: int, limits: Limits) -> bool:
@@ -53,7 +53,6 @@ class Seen:
 
     reuse_on: bool  # --reuse
     connector_allows: bool  # the connector's capability (store: every turn needs its P leg)
-    api: str
     has_token_digests: bool  # the state records D's token sequence
     hit: bool  # the claim's verdict is a hit ...
     pulls: bool  # ... that P would read from D (not one from P's own cache)
@@ -67,7 +66,7 @@ class Seen:
 def candidate(s: Seen, limits: Limits) -> bool:
     """Whether the decode plan is worth a look: a usable previous D with room, and a state
     that records D's token sequence; a hit from P's own cache needs no plan."""
-    if not (s.reuse_on and s.connector_allows and s.api != "responses" and s.has_token_digests):
+    if not (s.reuse_on and s.connector_allows and s.has_token_digests):
         return False
     if s.hit and not s.pulls:
         return False
@@ -81,7 +80,7 @@ def candidate(s: Seen, limits: Limits) -> bool:
 def choose(c: Inputs, limits: Limits) -> Plan:
     """The plan for one turn whose previous D is usable (else the caller never asks)."""
     fallback = Plan.PULL if c.handle else Plan.RECOMPUTE
-    if c.api == "responses" or not d_has_room(c.d_inflight, limits):
+    if not d_has_room(c.d_inflight, limits):
         return fallback
     new = c.prompt_tokens - c.d_holds
     if c.d_holds <= 0 or new <= 0 or new > limits.max_tokens:

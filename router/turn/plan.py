@@ -36,7 +36,6 @@ def _candidate(turn: Turn, source: Instance | None) -> bool:
     seen = placement.Seen(
         reuse_on=turn.svc.settings.reuse,
         connector_allows=turn.svc.connector.caps.decode_plan,
-        api=turn.inc.api,
         has_token_digests=bool(state.block_digests or state.seq_digest),
         hit=reuse.is_hit,
         pulls=reuse.pulls,
@@ -64,9 +63,12 @@ async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> 
     svc, claim, state = turn.svc, turn.claim, turn.claim.state
     tokens = claim.tokens if claim.reuse.pulls else None
     holds = claim.reuse.tokens
+    if tokens is None and claim.reuse.pulls and p_inst.outstanding < limits(turn).max_inflight:
+        return None  # a hit verified by digests (Responses) to a P with room: a pull anyway
     if tokens is None:
-        # No handle: D's own /tokenize says how the new prompt starts (its tokens are what
-        # its prefix cache is keyed by), checked against D's recorded sequence.
+        # No handle: D's own /tokenize (or Responses render) says how the new prompt starts
+        # (its tokens are what its prefix cache is keyed by), checked against D's recorded
+        # sequence.
         tokens = await prompt_token_ids(svc, turn.inc, source.url, turn.request_id)
         if tokens is None:
             return None
@@ -81,7 +83,6 @@ async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> 
         handle=claim.reuse.pulls,
         d_inflight=d_load(source),
         p_inflight=p_inst.outstanding,
-        api=turn.inc.api,
     )
     plan = placement.choose(inputs, limits(turn))
     if plan is not placement.Plan.DECODE:

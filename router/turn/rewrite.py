@@ -103,8 +103,22 @@ def ids_prefill_body(
     return out
 
 
+# How each API asks the engine for the prompt's and the output's token ids: chat and
+# completions by `return_token_ids`; Responses by `enable_response_messages` (the response's
+# `input_messages`/`output_messages` then carry them as `raw_message_tokens`).
+TOKEN_IDS_FIELD = {
+    "chat": "return_token_ids",
+    "completions": "return_token_ids",
+    "responses": "enable_response_messages",
+}
+
+
 def decode_body(
-    body: Mapping[str, Any], kv_params: Mapping[str, Any] | None, *, return_token_ids: bool
+    body: Mapping[str, Any],
+    kv_params: Mapping[str, Any] | None,
+    *,
+    return_token_ids: bool,
+    api: str = "chat",
 ) -> dict[str, Any]:
     """The D leg: the client's own body (stream, limits) plus P's params when P returned any."""
     out = dict(body)
@@ -115,9 +129,9 @@ def decode_body(
     else:
         out[KV_FIELD] = dict(kv_params)
     if return_token_ids:
-        out["return_token_ids"] = True
+        out[TOKEN_IDS_FIELD[api]] = True
     return out
 
 
-def client_wants_token_ids(body: Mapping[str, Any]) -> bool:
-    return body.get("return_token_ids") is True
+def client_wants_token_ids(body: Mapping[str, Any], api: str = "chat") -> bool:
+    return body.get(TOKEN_IDS_FIELD[api]) is True

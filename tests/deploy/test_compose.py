@@ -26,7 +26,7 @@ KNOWN_ENV = {ENV_PREFIX + flag.name.upper() for flag in FLAGS} | {ENV_PREFIX + "
 VLLM_FLAGS = {
     "--host", "--port", "--served-model-name", "--max-model-len", "--block-size",
     "--gpu-memory-utilization", "--enforce-eager", "--enable-prompt-tokens-details",
-    "--kv-transfer-config", "--api-key", "--enable-request-id-headers",
+    "--kv-transfer-config", "--api-key", "--enable-request-id-headers", "--enable-scale-out",
 }  # fmt: skip
 BIDIR_NIXL = {
     "kv_connector": "NixlConnector",
@@ -267,6 +267,7 @@ def test_gpu_engines_run_bidirectional_nixl(name: str) -> None:
     flags = {arg for arg in command if arg.startswith("--")}
     assert flags <= VLLM_FLAGS, f"{name}: unexpected vllm serve flags {flags - VLLM_FLAGS}"
     assert "--enable-prompt-tokens-details" in flags, "cached_tokens in usage"
+    assert "--enable-scale-out" in flags, "/v1/responses/render for Responses verification"
     assert json.loads(vllm_flag(name, "--kv-transfer-config")) == BIDIR_NIXL
     env = env_of(svc)
     address = svc["networks"]["default"]["ipv4_address"]

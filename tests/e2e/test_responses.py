@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Stack, pulled
+from tests.support import chat
 from tests.support.chat import chat_turn, client
 
 INSTRUCTIONS = "Answer like a weather station: short words only."
@@ -37,19 +38,7 @@ def responses_turn(
         "max_output_tokens": 24,
         "extra_body": {"conversation_id": cid},
     }
-    if not stream:
-        raw = api.responses.with_raw_response.create(**kwargs)
-        resp = raw.parse()
-        return resp.output_text, raw.headers["x-kv-reuse"], resp.model_dump()
-    with api.responses.with_streaming_response.create(stream=True, **kwargs) as r:
-        reuse = r.headers["x-kv-reuse"]
-        text, completed = "", {}
-        for event in r.parse():
-            if event.type == "response.output_text.delta":
-                text += event.delta
-            elif event.type == "response.completed":
-                completed = event.response.model_dump()
-    return text, reuse, completed
+    return chat.responses_turn(api, kwargs, stream=stream)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])

@@ -326,3 +326,42 @@ async def test_faults_and_failed_kv_load() -> None:
         assert status == 500 and err["error"]["type"] == "InternalServerError"
         with pytest.raises(aiohttp.ClientError):
             await stream(url, {**body, "kv_transfer_params": dead})
+
+
+async def test_enable_response_messages_gives_prompt_and_output_token_ids(base: str) -> None:
+    """vLLM's enable_response_messages (SimpleContext, 0.32 and 0.33): input_messages and
+    output_messages as raw_message_tokens, in the body and in response.completed; null
+    without it (measured on vLLM 0.32 CPU)."""
+    body = {"input": MSGS, "max_output_tokens": 4, "enable_response_messages": True}
+    status, r = await respond(base, body)
+    assert status == 200
+    [prompt] = r["input_messages"]
+    [output] = r["output_messages"]
+    assert list(prompt) == ["message", "tokens", "type"] and prompt["type"] == "raw_message_tokens"
+    assert prompt["tokens"] == [BOS_ID, *await tokenize(base, MSGS)]
+    assert len(prompt["tokens"]) == r["usage"]["input_tokens"]
+    assert len(output["tokens"]) == 4 and output["message"] == output_text(r)
+    status, raw = await stream(base + "/v1/responses", {**body, "stream": True})
+    final = parse_events(raw)[-1]["response"]
+    assert final["input_messages"] == r["input_messages"]
+    assert final["output_messages"] == r["output_messages"]
+    status, plain = await respond(base, {**body, "enable_response_messages": False})
+    assert plain["input_messages"] is None and plain["output_messages"] is None
+
+
+async def test_responses_render_is_the_prompt_the_route_computes() -> None:
+    """/v1/responses/render (with --enable-scale-out): the ids the Responses route computes,
+    for history items sent back as output items; the GenerateRequest's fields as vLLM's."""
+    async with running(max_model_len=1024, enable_scale_out=True) as sim:
+        items: list[dict[str, Any]] = [{"role": "user", "content": words(40, 3)}]
+        body = {"input": items, "instructions": "be brief", "max_output_tokens": 6}
+        _, r = await respond(sim.url, {**body, "enable_response_messages": True})
+        items += [r["output"][0], {"role": "user", "content": "more"}]
+        status, rendered = await post(sim.url + "/v1/responses/render", {**body, "input": items})
+        assert status == 200 and rendered["request_id"].startswith("resp_")
+        assert list(rendered)[:2] == ["request_id", "token_ids"]
+        assert rendered["output_mode"] == "tokens" and rendered["features"] is None
+        held = r["input_messages"][0]["tokens"] + r["output_messages"][0]["tokens"]
+        assert rendered["token_ids"][: len(held)] == held
+        _, r2 = await respond(sim.url, {**body, "input": items, "enable_response_messages": True})
+        assert r2["input_messages"][0]["tokens"] == rendered["token_ids"]

@@ -20,9 +20,9 @@ def fleet() -> Iterator[dict[str, SimProc]]:
     """A 0.33 P/D pair (the default version), a 0.32 P/D pair, and a reference R."""
     specs = {
         "P": ("prefill", "--bidirectional"),
-        "D": ("decode", "--bidirectional"),
+        "D": ("decode", "--bidirectional", "--enable-scale-out"),
         "P32": ("prefill", "--bidirectional", "--vllm-version", "0.32"),
-        "D32": ("decode", "--bidirectional", "--vllm-version", "0.32"),
+        "D32": ("decode", "--bidirectional", "--vllm-version", "0.32", "--enable-scale-out"),
         "R": ("prefill",),
     }
     with sims(*specs.values(), name="versions") as procs:
@@ -169,7 +169,8 @@ async def test_sleep_discards_the_kv_and_raises_the_registration_generation(
 async def test_render_gives_the_prompt_the_engine_computes(
     fleet: dict[str, SimProc], engine: str
 ) -> None:
-    """vLLM's render routes (both versions): the token ids are the generation routes' prompt."""
+    """vLLM's render routes (both versions, with --enable-scale-out): the token ids are the
+    generation routes' prompt."""
     url = fleet[engine].url
     msgs = [{"role": "user", "content": "render me"}]
     status, rendered = await post(url + "/v1/chat/completions/render", {"messages": msgs})
@@ -187,3 +188,19 @@ async def test_render_gives_the_prompt_the_engine_computes(
     assert len(rendered["token_ids"]) == resp["usage"]["input_tokens"]
     status, error = await post(url + "/v1/chat/completions/render", {"messages": "nope"})
     assert status == 400 and error["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("engine", ["P", "P32"])
+async def test_render_routes_are_refused_without_enable_scale_out(
+    fleet: dict[str, SimProc], engine: str
+) -> None:
+    """vLLM registers them but answers 403 unless started with --enable-scale-out."""
+    url = fleet[engine].url
+    for path, body in (
+        ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/completions/render", {"prompt": "x"}),
+        ("/v1/responses/render", {"input": "x"}),
+    ):
+        status, error = await post(url + path, body)
+        assert status == 403 and error["error"]["type"] == "PermissionDeniedError", path
+        assert "--enable-scale-out" in error["error"]["message"]

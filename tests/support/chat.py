@@ -70,6 +70,26 @@ def chat_turn(
     return Turn(answer, raw.headers["x-kv-reuse"], json.loads(raw.text))
 
 
+def responses_turn(
+    api: openai.OpenAI, kwargs: dict[str, Any], *, stream: bool
+) -> tuple[str, str, dict[str, Any]]:
+    """One /v1/responses call with these arguments: (answer, X-KV-Reuse, the completed
+    response as a dict; {} when a stream ended without one)."""
+    if not stream:
+        raw = api.responses.with_raw_response.create(**kwargs)
+        resp = raw.parse()
+        return resp.output_text, raw.headers["x-kv-reuse"], resp.model_dump()
+    with api.responses.with_streaming_response.create(stream=True, **kwargs) as r:
+        reuse = r.headers["x-kv-reuse"]
+        text, completed = "", {}
+        for event in r.parse():
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            elif event.type == "response.completed":
+                completed = event.response.model_dump()
+    return text, reuse, completed
+
+
 def reference_answer(
     url: str,
     messages: list[Message],

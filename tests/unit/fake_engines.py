@@ -73,6 +73,10 @@ class FakeEngines:
     scripts: dict[str, Script] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     engine_ids: dict[str, str] = field(default_factory=dict)
+    # Engines that do not serve /v1/responses/render: the status they answer it with (403:
+    # vLLM without --enable-scale-out; 404: no such route).
+    no_render: dict[str, int] = field(default_factory=dict)
+    render_ids: list[Any] | None = None  # what /v1/responses/render answers instead of the ids
 
     def calls_to(self, base: str, path: str = "") -> list[Call]:
         return [c for c in self.calls if c.url.startswith(base + path)]
@@ -101,6 +105,13 @@ class FakeEngines:
             return status, b'{"error": {"message": "scripted", "type": "x", "code": 1}}'
         if url.endswith("/tokenize"):
             return 200, msgspec.json.encode({"tokens": _prompt_ids(call.body)})
+        if url.endswith("/v1/responses/render"):
+            refused = self.no_render.get(url.split("/v1/")[0])
+            if refused is not None:
+                return refused, NOT_SERVED[refused]
+            return 200, msgspec.json.encode(
+                {"request_id": "resp_1", "token_ids": self.render_ids or _prompt_ids(body)}
+            )
         return 200, msgspec.json.encode(self._prefill(url, call.body))
 
     async def get(self, url: str, *, timeout: float) -> tuple[int, bytes]:
@@ -148,6 +159,8 @@ class FakeEngines:
         prompt = _prompt_ids(body)
         text = answer_for(prompt)
         out = token_ids(text)
+        if url.endswith("/v1/responses"):
+            return self._response(url, body, prompt, text, out)
         out_body: dict[str, Any] = {
             "choices": [
                 {
@@ -167,8 +180,59 @@ class FakeEngines:
             out_body["prompt_token_ids"] = prompt
         return out_body
 
+    def _response(
+        self, url: str, body: dict[str, Any], prompt: list[int], text: str, out: list[int]
+    ) -> dict[str, Any]:
+        """A Responses D body: the answer as an output message; the token ids as vLLM gives
+        them with enable_response_messages."""
+        raw = body.get("enable_response_messages") is True
+        kind = "raw_message_tokens"
+        return {
+            "object": "response",
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text}],
+                }
+            ],
+            "usage": {"input_tokens": len(prompt), "output_tokens": len(out)},
+            "kv_transfer_params": self._params(url, len(prompt) + len(out) - 1)
+            if body.get("kv_transfer_params")
+            else None,
+            "input_messages": [{"message": "", "tokens": prompt, "type": kind}] if raw else None,
+            "output_messages": [{"message": text, "tokens": out, "type": kind}] if raw else None,
+        }
+
+
+# What an engine that does not serve the render route answers: vLLM 0.32/0.33 without
+# --enable-scale-out, and a server without the route (FastAPI's own 404 body).
+NOT_SERVED = {
+    403: b'{"error": {"message": "Scale-out endpoints are disabled.", "type": '
+    b'"PermissionDeniedError", "param": null, "code": 403}}',
+    404: b'{"detail": "Not Found"}',
+}
+
+
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Responses request's instructions and input as chat messages (text parts joined)."""
+    messages = (
+        [{"role": "system", "content": body["instructions"]}] if "instructions" in body else []
+    )
+    raw = body["input"]
+    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    for item in items:
+        content = item.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content)
+        messages.append({"role": item["role"], "content": content})
+    return messages
+
 
 def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    if "input" in body:  # a Responses request: one more BOS than chat, as vLLM's
+        return [1, *token_ids(render(responses_messages(body)))]
     if "messages" in body:
         return token_ids(render(body["messages"]))
     prompt = body["prompt"]

@@ -1,5 +1,6 @@
 """The per-turn plan (router/turn/placement.py), table-driven: pull, decode or recompute
-from the tokens D's cache holds, the new tokens, a handle, D's and P's load and the API."""
+from the tokens D's cache holds, the new tokens, a handle, D's and P's load (any API: D's own
+rendering says what it holds)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ def inputs(**kw: object) -> Inputs:
         "handle": False,
         "d_inflight": 0,
         "p_inflight": 0,
-        "api": "chat",
     }
     base.update(kw)
     return Inputs(**base)  # type: ignore[arg-type]
@@ -27,7 +27,6 @@ def inputs(**kw: object) -> Inputs:
     ("case", "kw", "want"),
     [
         ("stock stream: few new tokens, no handle", {}, Plan.DECODE),
-        ("completions too", {"api": "completions"}, Plan.DECODE),
         ("new tokens at the limit", {"prompt_tokens": 1024 + 512}, Plan.DECODE),
         ("one token over the limit", {"prompt_tokens": 1024 + 513}, Plan.RECOMPUTE),
         ("over the limit with a handle: pull", {"prompt_tokens": 3000, "handle": True}, Plan.PULL),
@@ -39,8 +38,6 @@ def inputs(**kw: object) -> Inputs:
         ("D holds nothing of the prompt", {"d_holds": 0}, Plan.RECOMPUTE),
         ("D holds it all (nothing new)", {"d_holds": 1100}, Plan.RECOMPUTE),
         ("prompt length unknown", {"prompt_tokens": 0}, Plan.RECOMPUTE),
-        ("responses: no /tokenize", {"api": "responses"}, Plan.RECOMPUTE),
-        ("responses with a handle", {"api": "responses", "handle": True}, Plan.PULL),
     ],
 )
 def test_plan(case: str, kw: dict[str, object], want: Plan) -> None:

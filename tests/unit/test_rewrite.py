@@ -149,6 +149,15 @@ def test_decode_body(
     assert body == before
 
 
+def test_a_responses_decode_leg_asks_for_token_ids_its_own_way() -> None:
+    """vLLM's ResponsesRequest has no return_token_ids: enable_response_messages brings the
+    prompt's and the output's ids (input_messages/output_messages)."""
+    out = decode_body(RESPONSES, HANDLE, return_token_ids=True, api="responses")
+    assert out == {**RESPONSES, "kv_transfer_params": HANDLE, "enable_response_messages": True}
+    assert client_wants_token_ids({"enable_response_messages": True}, "responses")
+    assert not client_wants_token_ids({"return_token_ids": True}, "responses")
+
+
 @pytest.mark.parametrize(
     ("body", "wants"),
     [

@@ -113,11 +113,12 @@ def start_engines(
     log_dir = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
     log_dir.mkdir(exist_ok=True)
     p_port, d_port, ref_port, p_side, d_side = distinct_ports(5)
+    # P and D serve the render routes (Responses turns are verified with P's); the reference
+    # engine keeps vLLM's default, which refuses them.
+    d_kv = d_events or f"ipc://{work}/kv-d.ipc"
     specs = [
-        EngineSpec(f"p-{tag}", p_port, CPU_BIND, p_side, f"ipc://{work}/kv-p.ipc", kv_config),
-        EngineSpec(
-            f"d-{tag}", d_port, CPU_BIND, d_side, d_events or f"ipc://{work}/kv-d.ipc", kv_config
-        ),
+        EngineSpec(f"p-{tag}", p_port, CPU_BIND, p_side, f"ipc://{work}/kv-p.ipc", kv_config, True),
+        EngineSpec(f"d-{tag}", d_port, CPU_BIND, d_side, d_kv, kv_config, True),
     ]
     if reference:
         specs.append(EngineSpec(f"ref-{tag}", ref_port, CPU_BIND))

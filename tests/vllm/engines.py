@@ -54,6 +54,8 @@ class EngineSpec:
     side_channel_port: int = 0  # 0: no KV connector
     kv_events: str = ""  # the engine's publisher endpoint (ipc:// binds); "" for none
     kv_config: dict[str, Any] | None = None  # --kv-transfer-config (None: BIDIRECTIONAL)
+    # --enable-scale-out: serve the render routes (vLLM answers them 403 without it)
+    scale_out: bool = False
 
 
 @dataclass
@@ -96,6 +98,8 @@ def engine_argv(python: str, model: str, spec: EngineSpec) -> list[str]:
     ]
     if spec.side_channel_port:
         argv += ["--kv-transfer-config", json.dumps(spec.kv_config or BIDIRECTIONAL)]
+    if spec.scale_out:
+        argv.append("--enable-scale-out")
     if spec.kv_events:
         events = {
             "enable_kv_cache_events": True,
@@ -168,8 +172,9 @@ def wait_ready(engines: Sequence[Engine], timeout: float) -> None:
                 with urllib.request.urlopen(engine.url + "/v1/models", timeout=2) as resp:
                     if resp.status == 200:
                         pending.remove(engine)
-            except (urllib.error.URLError, OSError):
-                pass
+            except (urllib.error.URLError, OSError) as exc:
+                if isinstance(exc, urllib.error.HTTPError):
+                    exc.close()  # an error status while it starts: its socket
         if pending and time.monotonic() > deadline:
             names = ", ".join(e.spec.name for e in pending)
             raise TimeoutError(

@@ -20,7 +20,7 @@ import redis
 from tests.support.chat import get_json
 from tests.support.procs import free_port, wait_until
 from tests.support.router import RouterProc
-from tests.vllm import engines, pins
+from tests.vllm import engines, pins, responses
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import MODEL_NAME, by_source, failed_transfers
 from tests.vllm.turns import (
@@ -252,27 +252,10 @@ def responses_reference(engines_: Engines, items: list[Message]) -> str:
 
 def responses_stream(
     r: RouterProc, items: list[Message], cid: str
-) -> tuple[str, str, dict[str, Any] | None]:
-    """One streaming /v1/responses turn: (answer, X-KV-Reuse, the completed response)."""
-    answer, completed = "", None
-    with (
-        client(r.base_url) as api,
-        api.responses.with_streaming_response.create(
-            model=MODEL_NAME,
-            input=items,  # type: ignore[arg-type]
-            max_output_tokens=MAX_TOKENS,
-            temperature=0,
-            stream=True,
-            extra_body={"conversation_id": cid},
-        ) as resp,
-    ):
-        reuse = resp.headers["x-kv-reuse"]
-        for event in resp.parse():
-            if event.type == "response.output_text.delta":
-                answer += event.delta
-            elif event.type == "response.completed":
-                completed = event.response.model_dump()
-    return answer, reuse, completed
+) -> tuple[str, str, dict[str, Any]]:
+    """One streaming /v1/responses turn: (answer, X-KV-Reuse, the completed response; {}
+    without one)."""
+    return responses.turn(r, list(items), cid, stream=True)
 
 
 def test_streaming_responses_turns_read_from_decode(
@@ -286,7 +269,7 @@ def test_streaming_responses_turns_read_from_decode(
     for turn in range(1, 4):
         p_pulled, failed = by_source(p, "external_kv_transfer"), failed_transfers(p)
         answer, reuse, completed = responses_stream(vllm_router, items, cid)
-        assert completed is not None, f"turn {turn}: no response.completed"
+        assert completed, f"turn {turn}: no response.completed"
         assert "kv_transfer_params" not in completed  # the router keeps D's handle
         assert answer == responses_reference(vllm_engines, items), f"turn {turn}"
         if turn == 1:
@@ -309,3 +292,14 @@ def test_ending_a_conversation_frees_its_blocks_on_d(
 ) -> None:
     """One-turn conversations pin D's blocks for 480 s; ending one releases them at once."""
     pins.ending_a_conversation_frees_its_blocks_on_d(vllm_engines, vllm_router)
+
+
+def test_responses_turns_are_verified_by_p_s_render(
+    vllm_engines: Engines, vllm_router: RouterProc, redis_url_session: str
+) -> None:
+    """P and D serve /v1/responses/render (--enable-scale-out): every later Responses turn is
+    verified by P's render against D's token ids, and with one character per token the answer
+    sent back re-tokenizes exactly, so each reuses all D held. vLLM's default refuses it."""
+    verdicts = responses.conversation(vllm_engines, vllm_router, redis_url_session, "char")
+    assert all(v.reuse == "hit" and v.reused == v.held for v in verdicts), verdicts
+    responses.default_engine_refuses_render(vllm_engines)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.metrics import metric
 from tests.support.router import RouterProc
-from tests.vllm import pins
+from tests.vllm import pins, responses
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import by_source, failed_transfers
 from tests.vllm.turns import chat, opening, reference, streamed_decode_plan
@@ -96,3 +96,13 @@ def test_ending_a_conversation_frees_its_blocks_on_d(
 ) -> None:
     """One-turn conversations pin D's blocks for 480 s; ending one releases them at once."""
     pins.ending_a_conversation_frees_its_blocks_on_d(vllm_bpe_engines, vllm_bpe_router)
+
+
+def test_responses_turns_reuse_only_what_p_s_render_verifies(
+    vllm_bpe_engines: Engines, vllm_bpe_router: RouterProc, redis_url_session: str
+) -> None:
+    """With a byte-level BPE, an answer sent back as an output item re-tokenizes into other
+    ids than D generated: P's /v1/responses/render shows where, and the turn reuses only the
+    blocks before it (the item digests alone would have sent all of D's tokens)."""
+    verdicts = responses.conversation(vllm_bpe_engines, vllm_bpe_router, redis_url_session, "bpe")
+    assert any(v.reused < v.held for v in verdicts), verdicts
