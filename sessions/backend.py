@@ -3,7 +3,9 @@ conversation index (or all three in the process, for `--session-store memory`).
 
 One client means one connection pool and one close. Its socket timeout is the longest any
 caller needs (ADMIN_TIMEOUT: an admin listing SCANs a page of keys); each session-store call
-is bounded by the turn's own, shorter timeout (RedisSessionStore).
+is bounded by the turn's own, shorter timeout (RedisSessionStore). Without a socket timeout
+redis-py writes without a task per command, but measured under a burst of 128 new turns the
+turns' store calls then timed out (cause not known): it stays.
 """
 
 from __future__ import annotations

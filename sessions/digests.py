@@ -68,24 +68,41 @@ def _canonical_item(api: str, item: Any) -> Any:
     return _prune(item)
 
 
+def _seed(api: str) -> bytes:
+    return hashlib.blake2b(api.encode(), digest_size=_CONV_SIZE, person=b"kvbaton-conv").digest()
+
+
+def _chain(api: str, head: bytes, item: Any) -> bytes:
+    body = _ENCODER.encode(_canonical_item(api, item))
+    return hashlib.blake2b(head + body, digest_size=_CONV_SIZE).digest()
+
+
 def conversation_digest(api: str, items: Sequence[Any]) -> str:
     """Chained digest over canonical items (chat messages, responses input items), seeded by api."""
-    head = hashlib.blake2b(api.encode(), digest_size=_CONV_SIZE, person=b"kvbaton-conv").digest()
+    head = _seed(api)
     for item in items:
-        body = _ENCODER.encode(_canonical_item(api, item))
-        head = hashlib.blake2b(head + body, digest_size=_CONV_SIZE).digest()
+        head = _chain(api, head, item)
     return head.hex()
 
 
 def conversation_heads(api: str, items: Sequence[Any]) -> list[str]:
     """`conversation_digest(api, items[:k + 1])` for every k, in one pass over the chain."""
-    head = hashlib.blake2b(api.encode(), digest_size=_CONV_SIZE, person=b"kvbaton-conv").digest()
+    head = _seed(api)
     heads = []
     for item in items:
-        body = _ENCODER.encode(_canonical_item(api, item))
-        head = hashlib.blake2b(head + body, digest_size=_CONV_SIZE).digest()
+        head = _chain(api, head, item)
         heads.append(head.hex())
     return heads
+
+
+def head_at(api: str, heads: Sequence[str], n: int) -> str:
+    """`conversation_digest(api, items[:n])` from the items' `conversation_heads`."""
+    return heads[n - 1] if n > 0 else _seed(api).hex()
+
+
+def next_head(api: str, heads: Sequence[str], item: Any) -> str:
+    """`conversation_digest` of the items whose heads these are, and then `item`."""
+    return _chain(api, bytes.fromhex(heads[-1]) if heads else _seed(api), item).hex()
 
 
 def text_digest(api: str, text: str) -> str:

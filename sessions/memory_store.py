@@ -15,7 +15,7 @@ import msgspec
 
 from sessions.keys import pins_key
 from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
-from sessions.store import StoreError
+from sessions.store import PinNote, StoreError
 from sessions.vocabulary import Reason
 
 
@@ -87,7 +87,16 @@ class MemorySessionStore:
             self._replace(key, taken)
         return state
 
-    async def commit(self, key: str, state: SessionState, expected_turn: int, ttl_s: float) -> bool:
+    notes_pins_in_commit = True
+
+    async def commit(
+        self,
+        key: str,
+        state: SessionState,
+        expected_turn: int,
+        ttl_s: float,
+        pin: PinNote | None = None,
+    ) -> bool:
         current = self._live(key)
         if (current.turn if current else 0) != expected_turn:
             return False
@@ -95,6 +104,8 @@ class MemorySessionStore:
         self._entries.move_to_end(key)
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
+        if pin is not None:
+            await self.note_pin(pin.decode, key, pin.at, ttl_s, pin.size)
         return True
 
     async def release(self, key: str, request_id: str) -> None:

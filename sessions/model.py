@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from sessions import digests
 from sessions.digests import block_digests as block_digests
 from sessions.digests import canonical_message as canonical_message
 from sessions.digests import conversation_digest as conversation_digest
@@ -79,6 +80,7 @@ def prefix_extends(
     api: str,
     items: Sequence[Any] | None = None,
     text: str | None = None,
+    heads: Sequence[str] | None = None,
 ) -> bool:
     """True iff the request strictly extends the canonical conversation D holds.
 
@@ -89,6 +91,8 @@ def prefix_extends(
         return False
     n = state.prefix_len
     if items is not None:
+        if heads is not None:  # the items' conversation_heads, already computed
+            return len(items) > n and digests.head_at(api, heads, n) == state.prefix_digest
         return len(items) > n and conversation_digest(api, items[:n]) == state.prefix_digest
     if text is not None:
         return len(text) > n and text_digest(api, text[:n]) == state.prefix_digest

@@ -30,7 +30,7 @@ from sessions.model import (
     from_fields,
     to_fields,
 )
-from sessions.store import CorruptState, StoreError
+from sessions.store import CorruptState, PinNote, StoreError
 from sessions.vocabulary import Reason
 
 T = TypeVar("T")
@@ -86,6 +86,8 @@ class RedisSessionStore:
         self._set_up_lock = asyncio.Lock()
         self._claim = client.register_script(scripts.CLAIM)
         self._commit = client.register_script(scripts.COMMIT)
+        self._commit_noted = client.register_script(scripts.COMMIT_NOTED)
+        self.notes_pins_in_commit = not isinstance(client, RedisCluster)
         self._release = client.register_script(scripts.RELEASE)
         self._take_handle = client.register_script(scripts.TAKE_HANDLE)
         self._end = client.register_script(scripts.END)
@@ -164,12 +166,25 @@ class RedisSessionStore:
         with contextlib.suppress(StoreError):
             await self._run("delete", self._client.delete(key))
 
-    async def commit(self, key: str, state: SessionState, expected_turn: int, ttl_s: float) -> bool:
+    async def commit(
+        self,
+        key: str,
+        state: SessionState,
+        expected_turn: int,
+        ttl_s: float,
+        pin: PinNote | None = None,
+    ) -> bool:
         ttl_ms = max(1, math.ceil(ttl_s * 1000))
         pairs = [x for item in to_fields(state).items() for x in item]
-        args: list[int | bytes] = [expected_turn, ttl_ms, _ENCODE(pairs)]
-        done = await self._run("commit", self._commit(keys=[key], args=args))
-        return bool(done)
+        args: list[int | bytes | str] = [expected_turn, ttl_ms, _ENCODE(pairs)]
+        if pin is None or not self.notes_pins_in_commit:
+            done = await self._run("commit", self._commit(keys=[key], args=args))
+            if done and pin is not None:
+                await self.note_pin(pin.decode, key, pin.at, ttl_s, pin.size)
+            return bool(done)
+        args += [repr(float(pin.at)), f"{pin.size.blocks} {pin.size.tokens}"]
+        keys = [key, *_pin_keys(pin.decode)]
+        return bool(await self._run("commit", self._commit_noted(keys=keys, args=args)))
 
     async def release(self, key: str, request_id: str) -> None:
         await self._run("release", self._release(keys=[key], args=[request_id]))

@@ -1,5 +1,6 @@
-"""The Redis store's Lua scripts: each touches one key only (one hash slot, so Redis Cluster
-runs it), and each is one round trip (EVALSHA, reloaded on NOSCRIPT by redis-py)."""
+"""The Redis store's Lua scripts: each is one round trip (EVALSHA, reloaded on NOSCRIPT by
+redis-py). Each touches one key, or one conversation's state and one D's pin index
+(COMMIT_NOTED: not for Redis Cluster, where they are in other slots)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,25 @@ return fields
 # ARGV: expected turn, TTL in ms, then the fields as one JSON array [field, value, ...] (one
 # argument for redis-py to encode instead of 44). A missing (or unreadable) turn is 0, so a
 # first commit, or one over a garbage hash, goes through with expected turn 0.
-COMMIT = """
-local stored = redis.call('HGET', KEYS[1], 'turn')
-local turn = 0
-if stored then turn = tonumber(stored) or 0 end
-if turn ~= tonumber(ARGV[1]) then return 0 end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(cjson.decode(ARGV[3])))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
+_COMMIT = """
+local function commit(key, expected, ttl, fields)
+  local stored = redis.call('HGET', key, 'turn')
+  local turn = 0
+  if stored then turn = tonumber(stored) or 0 end
+  if turn ~= tonumber(expected) then return false end
+  redis.call('DEL', key)
+  redis.call('HSET', key, unpack(cjson.decode(fields)))
+  redis.call('PEXPIRE', key, ttl)
+  return true
+end
 """
+COMMIT = (
+    _COMMIT
+    + """
+if commit(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then return 1 end
+return 0
+"""
+)
 
 RELEASE = """
 if redis.call('HGET', KEYS[1], 'inflight') == ARGV[1] then
@@ -76,15 +86,35 @@ return fields
 # One pin index (a ZSET, KEYS[1]) and its sizes (a HASH, KEYS[2]): ARGV score, member, TTL in
 # ms, "<blocks> <tokens>". Each key's expiry only grows (a key without one gets it), so an
 # index nobody notes into any more disappears.
-NOTE_PIN = """
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
-local ttl = tonumber(ARGV[3])
-for _, key in ipairs(KEYS) do
-  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+_NOTE_PIN = """
+local function note_pin(index, sizes, score, member, ttl, size)
+  redis.call('ZADD', index, score, member)
+  redis.call('HSET', sizes, member, size)
+  for _, key in ipairs({index, sizes}) do
+    if redis.call('PTTL', key) < tonumber(ttl) then redis.call('PEXPIRE', key, ttl) end
+  end
 end
+"""
+NOTE_PIN = (
+    _NOTE_PIN
+    + """
+note_pin(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 return 1
 """
+)
+
+# COMMIT, and when it commits, NOTE_PIN of the conversation (KEYS[1]) in D's pin index
+# (KEYS[2], KEYS[3]) in the same round trip: ARGV as COMMIT's, then the note's score and size
+# (its TTL is the state's).
+COMMIT_NOTED = (
+    _COMMIT
+    + _NOTE_PIN
+    + """
+if not commit(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then return 0 end
+note_pin(KEYS[2], KEYS[3], ARGV[4], KEYS[1], ARGV[2], ARGV[5])
+return 1
+"""
+)
 
 # A conversation out of D's pin index and its sizes.
 FORGET_PIN = """

@@ -5,7 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
+
 from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
+
+
+class PinNote(msgspec.Struct, frozen=True):
+    """A committed handle's entry in its D's pin index (`SessionStore.note_pin`): since
+    wall-clock time `at`, pinning `size` there."""
+
+    decode: str
+    at: float
+    size: PinSize = UNKNOWN_SIZE
 
 
 class StoreError(Exception):
@@ -37,10 +48,23 @@ class SessionStore(Protocol):
         """
         ...
 
-    async def commit(self, key: str, state: SessionState, expected_turn: int, ttl_s: float) -> bool:
+    # Whether `commit(..., pin=...)` notes the pin in the commit's own round trip (False on
+    # Redis Cluster, where D's pin index is in another slot: `note_pin` is a call of its own).
+    notes_pins_in_commit: bool
+
+    async def commit(
+        self,
+        key: str,
+        state: SessionState,
+        expected_turn: int,
+        ttl_s: float,
+        pin: PinNote | None = None,
+    ) -> bool:
         """Replace the whole state iff the stored turn is expected_turn (0: no state yet).
 
-        Sets the key's TTL to ttl_s. False when another turn committed first.
+        Sets the key's TTL to ttl_s. False when another turn committed first. With `pin`, a
+        commit also notes key in D's pin index as `note_pin(pin.decode, key, pin.at, ttl_s,
+        pin.size)` does (in the same atomic step where `notes_pins_in_commit`).
         """
         ...
 

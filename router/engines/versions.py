@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 _RELEASE = re.compile(r"^v?(\d+)\.(\d+)")
@@ -23,7 +24,9 @@ class EngineVersion:
 
     version: str = ""
 
-    @property
+    # Read on every placement (each candidate's group): computed once per version (a frozen
+    # dataclass's cached_property writes the instance's __dict__, not its fields).
+    @cached_property
     def release(self) -> tuple[int, int] | None:
         match = _RELEASE.match(self.version)
         return (int(match.group(1)), int(match.group(2))) if match else None
@@ -47,12 +50,12 @@ class EngineVersion:
         """0.33 (connector version 15): handles carry remote_registration_generation."""
         return self._at_least((0, 33))
 
-    @property
+    @cached_property
     def connector_version(self) -> int | None:
         release = self.release
         return CONNECTOR_VERSIONS.get(release) if release is not None else None
 
-    @property
+    @cached_property
     def group(self) -> str:
         """Engines that can move KV to each other share a group ("": not known, pairs with
         any): the NIXL connector version where known, else the release (a newer vLLM than

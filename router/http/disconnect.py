@@ -1,29 +1,63 @@
-"""A client that hangs up before the response starts: notice it at once and cancel the turn
-(and with it the engine requests), instead of finding out when D finally answers."""
+"""A client that hangs up: notice it at once and cancel the turn (and with it the engine
+requests), instead of finding out when D finally answers or the next chunk is written."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 # nginx's "client closed request": logged and counted, never seen by the client.
 CLIENT_CLOSED = 499
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _disconnected(receive: Callable[[], Any]) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
+class Watch:
+    """Cancels the task that made it when the client hangs up (one watcher task: the work
+    itself runs in that task, not a task of its own)."""
+
+    def __init__(self, receive: Callable[[], Any]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.gone = False
+        self._taken = False  # our cancel taken back
+        self._task = task
+        self._watcher = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Callable[[], Any]) -> None:
+        await _disconnected(receive)
+        self.gone = True
+        self._task.cancel()
+
+    def ours(self) -> bool:
+        """On a CancelledError: whether it was this watch's cancel alone (then taken back)."""
+        if not self.gone or self._taken:
+            return False
+        self._taken = True
+        return self._task.uncancel() == 0
+
+    def close(self) -> None:
+        self._watcher.cancel()
+        if self.gone and not self._taken and self._task.cancelling():
+            self._taken = True  # the work swallowed our cancel: take it back
+            self._task.uncancel()
+
+
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
-    """Run `work` (the body is already read); cancel it if the client goes away first."""
+    """Run `work` (the body is already read) as a task of its own; cancel it if the client
+    goes away first. (Running it in the request's task under a `Watch` was reverted together
+    with a change that made store calls time out under bursts; not measured on its own.)"""
     task = asyncio.create_task(work)
-    watcher = asyncio.create_task(_disconnected(request))
+    watcher = asyncio.create_task(_disconnected(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -36,3 +70,33 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, Response]
     if task.cancelled():
         return Response(status_code=CLIENT_CLOSED)
     return task.result()
+
+
+class RelayResponse(Response):
+    """A streamed answer sent chunk by chunk as `body` makes them, the request's task cancelled
+    (and with it `body`, which cancels D's request) when the client hangs up mid-stream.
+    Starlette's StreamingResponse does the same with a task group of two more tasks per
+    response and one more generator layer per chunk."""
+
+    def __init__(
+        self, body: AsyncGenerator[bytes, None], headers: dict[str, str], media_type: str
+    ) -> None:
+        self._chunks = body  # no `self.body`: init_headers would send Content-Length: 0
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = Watch(receive)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self._chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.ours():
+                raise
+        finally:
+            watch.close()
+            await self._chunks.aclose()  # cut while a chunk was being sent: its cleanup now

@@ -47,6 +47,9 @@ class Response(msgspec.Struct):  # the Responses API's response object
     error: Any = None
     usage: Any = None
     kv_transfer_params: Any = None
+    # enable_response_messages: the prompt and the output as `raw_message_tokens`
+    input_messages: Any = None
+    output_messages: Any = None
 
 
 class Chunk(msgspec.Struct):
@@ -69,8 +72,10 @@ decode_chunk = msgspec.json.Decoder(Chunk).decode
 def _int_list(value: object) -> list[int] | None:
     """value as a list of ints (no bools), or None; checked in C (a 6k-token prompt costs
     ~20 us here, ~130 us as a Python loop)."""
-    if not isinstance(value, list):
+    if type(value) is not list:
         return None
+    if len(value) == 1 and type(value[0]) is int:  # a streamed token's ids: one, mostly
+        return value
     try:
         return msgspec.convert(value, list[int])
     except msgspec.ValidationError:
@@ -159,6 +164,34 @@ class Capture:
             cap.finish_reason = "length" if reason in (None, "max_output_tokens") else reason
         elif r.status == "failed":
             cap.error = r.error if isinstance(r.error, dict) else {"message": None}
+        if r.input_messages is not None:
+            self._response_ids(r.input_messages, r.output_messages)
+
+    def _response_ids(self, inputs: object, outputs: object) -> None:
+        """D's token ids from a Responses object with enable_response_messages, in the shape
+        of vLLM's one-request context: one prompt entry, at most one output entry. Any other
+        shape (Harmony messages, a tool loop's several requests) gives none."""
+        prompt = _raw_tokens(inputs)
+        output = _raw_tokens(outputs)
+        if prompt is None or output is None or len(prompt) != 1 or len(output) > 1:
+            return
+        self.cap.prompt_token_ids = prompt[0]
+        self.cap.output_token_ids = output[0] if output else []
+
+
+def _raw_tokens(messages: object) -> list[list[int]] | None:
+    """The token ids of each `raw_message_tokens` entry; None unless every entry is one."""
+    if not isinstance(messages, list):
+        return None
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("type") != "raw_message_tokens":
+            return None
+        ids = _int_list(m.get("tokens"))
+        if ids is None:
+            return None
+        out.append(ids)
+    return out
 
 
 def responses_output(capture: Capture, items: object) -> None:

@@ -12,10 +12,10 @@ from router.engines.versions import registration_generation
 from router.tracing import span
 from router.turn import decide, early, history, pins
 from router.turn.capture import Captured
-from router.turn.incoming import Incoming, canonical_items
+from router.turn.incoming import Incoming
 from router.turn.state import Turn
 from router.turn.tenant import conversation_hash
-from sessions import integrity
+from sessions import digests, integrity
 from sessions import model as sm
 from sessions.store import StoreError
 from sessions.vocabulary import AbortReason, CommitResult
@@ -66,10 +66,12 @@ async def _commit(turn: Turn, captured: Captured) -> CommitResult:
     expected = turn.claim.state.turn if turn.claim.state else 0
     svc = turn.svc
     ok = False
+    note = pins.pin_note(turn, state)
+    folded = note if svc.store.notes_pins_in_commit else None
     try:
         with span("kvbaton.commit"):
             ok = await svc.guard.call(
-                lambda: svc.store.commit(key, state, expected, svc.settings.session_ttl)
+                lambda: svc.store.commit(key, state, expected, svc.settings.session_ttl, folded)
             )
     except StoreError:
         result = CommitResult.STORE_UNAVAILABLE
@@ -77,8 +79,8 @@ async def _commit(turn: Turn, captured: Captured) -> CommitResult:
         # A lost race: another turn of this conversation committed first (compare-and-set).
         result = CommitResult.COMMITTED if ok else CommitResult.LOST_RACE
     svc.metrics.commits.labels(result).inc()
-    if ok:
-        pins.note_committed(turn, state)
+    if ok and note is not None and folded is None:
+        pins.note_committed(turn, note)
     # The next turn's P /tokenize goes out early only after a turn that left a handle.
     p_url = turn.prefill.url if turn.prefill is not None else None
     early.remember(svc, key, p_url if ok and state.kv_transfer_params else None)
@@ -105,7 +107,9 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     svc, inc = turn.svc, turn.inc
     assert turn.decode is not None
     params = captured.kv_transfer_params
-    if inc.stream and svc.connector.is_handle(params):
+    # A Responses stream always ends with D's handle (response.completed): it says nothing
+    # about D's chat and completions streams.
+    if inc.stream and inc.api != "responses" and svc.connector.is_handle(params):
         turn.decode.ident.note_streams_params()
     prev = turn.claim.state
     end = decide.ending(
@@ -170,10 +174,9 @@ def _digests(inc: Incoming, captured: Captured) -> tuple[str, int, str, int]:
     """Digests of the conversation as sent (prompt) and as D holds it (prompt + answer)."""
     if inc.api in ("chat", "responses"):
         answer: dict[str, Any] = {"role": "assistant", "content": captured.output_text}
-        items = [*canonical_items(inc), answer]
-        heads = sm.conversation_heads(inc.api, items)  # one pass: the prompt's is one before
-        sent = heads[-2] if len(heads) > 1 else sm.conversation_digest(inc.api, [])
-        return sent, len(items) - 1, heads[-1], len(items)
+        heads = inc.heads  # the prompt's, computed once per turn (claim, history, here)
+        sent = digests.head_at(inc.api, heads, len(heads))
+        return sent, len(heads), digests.next_head(inc.api, heads, answer), len(heads) + 1
     prompt = inc.prompt
     if not isinstance(prompt, str):
         return "", 0, "", 0

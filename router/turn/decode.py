@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from router.engines.client import EngineStream
 from router.engines.pool import Instance
 from router.engines.versions import engine_paused
 from router.errors import EngineReply, UpstreamFailure, sse_error_event
+from router.http.disconnect import RelayResponse
 from router.tracing import span
 from router.turn import asks
 from router.turn.commit import abort, finish
@@ -43,7 +44,7 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
     status before our response starts."""
     svc, inc = turn.svc, turn.inc
     kv = svc.connector.decode_params(params)
-    body = decode_body(inc.body, kv, return_token_ids=turn.want_token_ids)
+    body = decode_body(inc.body, kv, return_token_ids=turn.want_token_ids, api=inc.api)
     url = d_inst.url + PATHS[inc.api]
     started = time.monotonic()
     outcome = LegOutcome.ERROR
@@ -101,11 +102,8 @@ async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
     svc.pool.record_success(d_inst)
     strip = not inc.wants_token_ids and turn.want_token_ids
     if inc.stream:
-        return StreamingResponse(
-            _relay(turn, d_inst, resp, strip),
-            200,
-            headers=final_headers(turn),
-            media_type=resp.content_type,
+        return RelayResponse(
+            _relay(turn, d_inst, resp, strip), final_headers(turn), resp.content_type
         )
     try:
         with svc.pool.busy(d_inst):
@@ -122,9 +120,9 @@ async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
 
 async def _relay(
     turn: Turn, d_inst: Instance, resp: EngineStream, strip: bool
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Relay D's SSE bytes as they come; capture D's handle; commit before `[DONE]` goes out."""
-    relay = SseRelay(strip_token_ids=strip)
+    relay = SseRelay(strip_token_ids=strip, responses=turn.inc.api == "responses")
     ended = False
     d_inst.outstanding += 1
     try:

@@ -55,7 +55,7 @@ def candidates(inc: Incoming) -> list[Candidate]:
         ends = digests.text_heads(inc.api, prompt[:-1], TEXT_STEP, TEXT_CANDIDATES)
         return [Candidate(history_key(inc.tenant, d), n, d) for n, d in ends]
     items = canonical_items(inc)
-    heads = digests.conversation_heads(inc.api, items)
+    heads = inc.heads
     return [
         Candidate(history_key(inc.tenant, heads[k]), k + 1, heads[k])
         for k in range(len(items) - 2, -1, -1)

@@ -12,8 +12,8 @@ from router.services import Services
 from router.turn import decide
 from router.turn.aim import aims_at_its_d
 from router.turn.state import Turn
-from sessions.model import PinSize, SessionState
-from sessions.store import StoreError
+from sessions.model import SessionState
+from sessions.store import PinNote, StoreError
 
 log = logging.getLogger("kvbaton.pins")
 
@@ -40,20 +40,29 @@ def release_unread(turn: Turn, reason: str) -> None:
     svc.releaser.submit(claim.taken, claim.state.decode, reason)
 
 
-def note_committed(turn: Turn, state: SessionState) -> None:
-    """After a commit that left a handle: index it under its D (off the turn's path)."""
+def pin_note(turn: Turn, state: SessionState) -> PinNote | None:
+    """The pin index entry of a state about to be committed with a handle (None without one,
+    or without releases). The store writes it in the commit's own round trip where it can
+    (`notes_pins_in_commit`); otherwise `note_committed` writes it after the commit."""
+    svc = turn.svc
+    if svc.releaser is None or turn.claim.key is None or state.kv_transfer_params is None:
+        return None
+    return PinNote(state.decode, state.updated_at, svc.connector.pinned(state.kv_transfer_params))
+
+
+def note_committed(turn: Turn, note: PinNote) -> None:
+    """After a commit that left a handle, on a store that could not note it in the commit
+    (Redis Cluster): index it under its D, off the turn's path."""
     svc, key = turn.svc, turn.claim.key
-    if svc.releaser is None or key is None or state.kv_transfer_params is None:
-        return
-    size = svc.connector.pinned(state.kv_transfer_params)
-    svc.spawn(_note(turn, state.decode, key, state.updated_at, size))
+    if key is not None:
+        svc.spawn(_note(turn, key, note))
 
 
-async def _note(turn: Turn, decode: str, key: str, at: float, size: PinSize) -> None:
+async def _note(turn: Turn, key: str, note: PinNote) -> None:
     svc = turn.svc
     ttl = svc.settings.session_ttl
     try:
-        await svc.guard.call(lambda: svc.store.note_pin(decode, key, at, ttl, size))
+        await svc.guard.call(lambda: svc.store.note_pin(note.decode, key, note.at, ttl, note.size))
     except StoreError as exc:
         # The handle is then freed by D's own TTL, or released when a later turn takes it.
         log.warning("pin index write failed: %s", exc)

@@ -24,6 +24,9 @@ from router.turn.capture import (
 
 KV_KEY = b'"kv_transfer_params"'
 TOKEN_IDS_KEY = b'token_ids"'  # matches "token_ids" and "prompt_token_ids"
+# A Responses object's input_messages/output_messages with token ids (enable_response_messages).
+RAW_MESSAGES = b'"raw_message_tokens"'
+_MESSAGES = ("input_messages", "output_messages")
 # vLLM 0.33 (PR #40186): every content chunk carries the key, null (compact JSON, as vLLM's
 # serializer writes it).
 NULL_KV = b'"kv_transfer_params":null'
@@ -45,6 +48,8 @@ def _strip(obj: dict[str, Any], strip_token_ids: bool) -> bool:
         changed = True
     if not strip_token_ids:
         return changed
+    # A Responses body, or an event carrying one: null, as vLLM answers without the flag.
+    changed = _null_messages(obj) | _null_messages(response) | changed
     if "prompt_token_ids" in obj:
         del obj["prompt_token_ids"]
         changed = True
@@ -56,6 +61,18 @@ def _strip(obj: dict[str, Any], strip_token_ids: bool) -> bool:
                     if key in choice:
                         del choice[key]
                         changed = True
+    return changed
+
+
+def _null_messages(resp: object) -> bool:
+    """A Responses object's input_messages/output_messages set to null; True if any was not."""
+    if not isinstance(resp, dict):
+        return False
+    changed = False
+    for key in _MESSAGES:
+        if resp.get(key) is not None:
+            resp[key] = None
+            changed = True
     return changed
 
 
@@ -88,15 +105,22 @@ def _with_data(block: bytes, data: bytes, eol: bytes) -> bytes:
 
 
 _decode_any = msgspec.json.Decoder().decode
+_decode_chunks = msgspec.json.Decoder(list[Chunk]).decode
+CAPTURE_BATCH = 64  # events decoded at once: one call per batch, a long stream's bytes bounded
 _encode = msgspec.json.Encoder().encode
 
 
 class SseRelay:
     """Incremental relay of D's SSE stream: complete events out, a partial event held."""
 
-    def __init__(self, *, strip_token_ids: bool) -> None:
+    def __init__(self, *, strip_token_ids: bool, responses: bool = False) -> None:
         self._strip_ids = strip_token_ids
+        # A Responses stream's token ids are in response.completed's input_messages and
+        # output_messages (looked for only there: no extra scan of a chat stream's chunks).
+        self._strip_raw = strip_token_ids and responses
         self._capture = Capture()
+        self._pending: list[bytes] = []  # events' data not captured yet (decoded in batches)
+        self._done = False
         self._held = bytearray()
         self._scan_from = 0  # where to resume looking for a blank line in _held
         self._first, self._second = _LF, _CRLF  # the separator seen last is looked for first
@@ -104,12 +128,30 @@ class SseRelay:
     @property
     def done(self) -> bool:
         """`[DONE]` was seen (cheap: read on every chunk, unlike `captured`)."""
-        return self._capture.cap.done
+        return self._done
 
     @property
     def captured(self) -> Captured:
         """What was captured so far; joins the output text, so read it once at the end."""
+        self._capture_pending()
+        self._capture.cap.done = self._done
         return self._capture.result()
+
+    def _capture_pending(self) -> None:
+        """Decode the held events' data in one call and capture them. Per event, the relay
+        only keeps its bytes: a decode and a capture per chunk, in the middle of other work,
+        cost a paced chunk more CPU than the same done for a batch at once (measured)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            chunks = _decode_chunks(b"[" + b",".join(pending) + b"]")
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            chunks = []
+        if len(chunks) != len(pending):  # an event of another shape, or not JSON: one by one
+            chunks = [c for c in map(_chunk_or_none, pending) if c is not None]
+        for chunk in chunks:
+            self._capture.chunk(chunk)
 
     def _end_of_event(self, data: bytes | bytearray, start: int) -> tuple[int, int]:
         """(index of the blank line that ends the event at `start`, its length) or (-1, 0)."""
@@ -123,6 +165,10 @@ class SseRelay:
 
     def feed(self, data: bytes) -> bytes:
         """The bytes to forward now: every complete event, rewritten only where needed."""
+        if not self._held and data.endswith(_LF) and b"\r" not in data:
+            fast = self._whole_events(data)
+            if fast is not None:
+                return fast
         if self._held:
             held = self._held
             held += data
@@ -160,33 +206,84 @@ class SseRelay:
         new = self._event(rest, b"")
         return rest if new is None else new
 
+    def _whole_events(self, data: bytes) -> bytes | None:
+        """A read of whole one-line `data: ...` events (what D sends, one token or several
+        per read): the bytes to forward, with no handle among them and token ids cut from
+        the whole read at once; None for anything else (then event by event). Each event's
+        data is only kept for the batched capture."""
+        events = data[:-2].split(_LF)
+        for event in events:
+            if not event.startswith(b"data: ") or b"\n" in event:
+                return None
+        if data.count(KV_KEY) != data.count(NULL_KV):  # a handle to strip: event by event
+            return None
+        if self._strip_raw and RAW_MESSAGES in data:
+            return None
+        out = data
+        if self._strip_ids and TOKEN_IDS_KEY in data:
+            out = _IDS_MEMBER.sub(b"", data)
+            if TOKEN_IDS_KEY in out:  # ids spelled otherwise: decoded event by event
+                return None
+        for event in events:
+            if event == b"data: [DONE]":
+                self._done = True
+            else:
+                self._pending.append(event[6:])
+        if len(self._pending) >= CAPTURE_BATCH:
+            self._capture_pending()
+        return out
+
     def _event(self, block: bytes, sep: bytes) -> bytes | None:
         """Capture one event; its replacement bytes, or None to forward it unchanged."""
         data = _data_of(block)
         if data is None:
             return None
+        keep = self._capture_data(data)
+        if keep is not None:
+            return None if keep else self._rewrite(block, data, sep)
+        return self._cut(block, data, sep)
+
+    def _capture_data(self, data: bytes) -> bool | None:
+        """Capture one event's data. True: forward it unchanged; False: it has a handle to
+        strip (decode and re-encode); None: only token ids to cut."""
         if data == b"[DONE]":
-            self._capture.cap.done = True
-            return None
+            self._done = True
+            return True
+        self._pending.append(data)
+        if len(self._pending) >= CAPTURE_BATCH:
+            self._capture_pending()
+        # A handle to strip, or (Responses) token ids in input_messages/output_messages: a
+        # decode and re-encode.
+        if _strippable_kv(data) or (self._strip_raw and RAW_MESSAGES in data):
+            return False
+        return None if self._strip_ids and TOKEN_IDS_KEY in data else True
+
+    def _cut(self, block: bytes, data: bytes, sep: bytes) -> bytes | None:
+        """The event without its token-id members (cut out of the bytes where they are
+        written as vLLM writes them, else by `_rewrite`)."""
+        cut = _IDS_MEMBER.sub(b"", data)
+        if TOKEN_IDS_KEY not in cut:
+            return _with_data(block, cut, b"\r\n" if sep == _CRLF else b"\n") + sep
+        return self._rewrite(block, data, sep)
+
+    def _rewrite(self, block: bytes, data: bytes, sep: bytes) -> bytes | None:
+        """The event with our fields removed by a decode and re-encode (None: nothing to, or
+        not JSON: the client gets it as sent)."""
         try:
-            self._capture.chunk(decode_chunk(data))
-        except msgspec.ValidationError:
-            pass  # JSON of another shape: nothing to capture, but still stripped below
+            obj = _decode_any(data)
         except msgspec.DecodeError:
-            return None  # not JSON: the client gets it as sent
-        kv = _strippable_kv(data)
-        ids = self._strip_ids and TOKEN_IDS_KEY in data
-        if not kv and not ids:
             return None
-        eol = b"\r\n" if sep == _CRLF else b"\n"
-        if not kv:
-            cut = _IDS_MEMBER.sub(b"", data)
-            if TOKEN_IDS_KEY not in cut:
-                return _with_data(block, cut, eol) + sep
-        obj = _decode_any(data)
         if not isinstance(obj, dict) or not _strip(obj, self._strip_ids):
             return None
+        eol = b"\r\n" if sep == _CRLF else b"\n"
         return _with_data(block, _encode(obj), eol) + sep
+
+
+def _chunk_or_none(data: bytes) -> Chunk | None:
+    try:
+        return decode_chunk(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None  # JSON of another shape, or not JSON: nothing to capture
 
 
 def _strippable_kv(data: bytes) -> bool:

@@ -7,10 +7,12 @@ from typing import Any
 import msgspec
 import pytest
 
+from sessions.digests import head_at, next_head
 from sessions.model import (
     SessionState,
     block_digests,
     conversation_digest,
+    conversation_heads,
     handle_unusable_reason,
     next_state,
     prefix_extends,
@@ -64,6 +66,12 @@ def chat_state(history: list[dict[str, Any]] = HISTORY) -> SessionState:
 def test_prefix_extends_chat(messages: list[dict[str, Any]], extends: bool) -> None:
     state = chat_state()
     assert prefix_extends(state, "chat", items=messages) is extends
+    # The same from the items' heads (computed once per turn by the router).
+    heads = conversation_heads("chat", messages)
+    assert prefix_extends(state, "chat", items=messages, heads=heads) is extends
+    assert head_at("chat", heads, 0) == conversation_digest("chat", [])
+    assert next_head("chat", heads, U2) == conversation_digest("chat", [*messages, U2])
+    assert next_head("chat", [], U2) == conversation_digest("chat", [U2])
 
 
 def test_prefix_extends_text_and_guards() -> None:

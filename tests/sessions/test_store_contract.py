@@ -16,7 +16,7 @@ from sessions.keys import conversation_key, history_key, pins_key
 from sessions.memory_store import MemorySessionStore
 from sessions.model import PinSize, PinTotals, SessionState, handle_unusable_reason
 from sessions.redis_store import RedisSessionStore
-from sessions.store import SessionStore
+from sessions.store import PinNote, SessionStore
 from sessions.vocabulary import Reason
 from tests.sessions.conftest import FakeClock
 
@@ -412,3 +412,23 @@ async def test_the_pin_index_expiry_only_grows(harness: Harness) -> None:
     await store.note_pin(D2, KEY, 1.0, 30.0)
     await store.note_pin(D2, KEY, 3.0, TTL)  # a longer one extends it
     await harness.assert_pin_ttl(D2, TTL)
+
+
+async def test_a_commit_with_a_pin_notes_it_when_it_commits(harness: Harness) -> None:
+    store = harness.store
+    state = SessionState(turn=1, decode=D1, kv_transfer_params={"remote_engine_id": "d1"})
+    note = PinNote(D1, 1_700_000_000.5, PinSize(blocks=3, tokens=40))
+    assert await store.commit(KEY, state, 0, 30.0, note)
+    assert await store.pins_due(D1, math.inf, 10) == [(KEY, 1_700_000_000.5)]
+    assert await store.pin_totals(D1) == PinTotals(1, 3, 40)
+    assert await store.get(KEY) == state
+    # A lost race commits nothing and notes nothing.
+    late = PinNote(D2, 1_700_000_001.0, PinSize(blocks=9, tokens=99))
+    assert not await store.commit(KEY, msgspec.structs.replace(state, turn=2), 0, 30.0, late)
+    assert await store.pin_totals(D2) == PinTotals(0, 0, 0)
+    assert (await store.get(KEY)) == state
+    # The next turn's note replaces it; the index expires with the state's TTL at the least.
+    note = PinNote(D1, 1_700_000_002.0, PinSize(blocks=4, tokens=60))
+    assert await store.commit(KEY, msgspec.structs.replace(state, turn=2), 1, 30.0, note)
+    assert await store.pin_totals(D1) == PinTotals(1, 4, 60)
+    await harness.assert_pin_ttl(D1, 30.0)

@@ -21,6 +21,7 @@ from tests.sessions.test_store_contract import (  # noqa: F401
     TTL,
     Harness,
     test_a_claimed_handle_cannot_be_released,
+    test_a_commit_with_a_pin_notes_it_when_it_commits,
     test_a_handle_is_claimed_or_released_never_both,
     test_a_newer_note_replaces_and_forget_removes,
     test_absent_key,

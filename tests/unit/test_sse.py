@@ -123,6 +123,7 @@ def test_split_stream_equals_unsplit(pieces: list[str], strip: bool, data: st.Da
     cuts = data.draw(st.lists(st.integers(0, len(whole)), max_size=20))
     out, cap = relay(split_at(whole, cuts), strip=strip)
     assert (out, cap) == relay(whole, strip=strip)
+    assert (out, cap) == relay(events, strip=strip)  # one event per read: a paced D
     # Equal to the input apart from the stripped fields; untouched events are the same bytes.
     expected = []
     for chunk, raw in zip(chunks, events, strict=False):
@@ -192,6 +193,7 @@ def test_a_033_stream_passes_its_null_keys_and_cuts_token_ids_from_the_bytes(str
     events = stream(chunks)
     events[1] = events[1].replace(b'"created":1', b'"created":1.50')  # not msgspec's spelling
     out, cap = relay(b"".join(events), strip=strip)
+    assert relay(events, strip=strip) == (out, cap)  # one event per read: a paced D
     for raw, chunk in zip(events[1:4], chunks[1:4], strict=True):
         if not strip:
             assert raw in out
@@ -205,6 +207,42 @@ def test_a_033_stream_passes_its_null_keys_and_cuts_token_ids_from_the_bytes(str
     assert (b"token_ids" in out) is not strip
     assert b'"kv_transfer_params":{' not in out
     assert cap.kv_transfer_params == KV and cap.output_text == "Héllo 👋"
+
+
+@pytest.mark.parametrize(
+    ("raw", "sent"),
+    [
+        # vLLM 0.33's content chunk with the ids the router asked for: cut from the bytes
+        (
+            b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[7]}],'
+            b'"kv_transfer_params":null}\n\n',
+            b'data: {"choices":[{"index":0,"delta":{"content":"a"}}],'
+            b'"kv_transfer_params":null}\n\n',
+        ),
+        (
+            b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":null}]}\n\n',
+            b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
+        ),
+        # both ids, several ids: every member cut
+        (
+            b'data: {"choices":[{"index":0,"text":"a","prompt_token_ids":[1,2],'
+            b'"token_ids":[7,8]}]}\n\n',
+            b'data: {"choices":[{"index":0,"text":"a"}]}\n\n',
+        ),
+        # ids spelled otherwise than vLLM writes them: decoded and re-encoded
+        (
+            b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids": [ 7 ]}]}\n\n',
+            b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
+        ),
+        # a CR inside the event is a line end (SSE): not the one-line shape
+        (b"data: [DONE]\r\n\n", b"data: [DONE]\r\n\n"),
+    ],
+)
+def test_one_event_per_read_is_cut_like_a_whole_stream(raw: bytes, sent: bytes) -> None:
+    r = SseRelay(strip_token_ids=True)
+    assert r.feed(raw) + r.flush() == sent
+    assert relay(raw + raw, strip=True)[0] == sent + sent
+    assert r.captured.output_text in ("a", "")
 
 
 def test_crlf_stream() -> None:
@@ -436,6 +474,54 @@ def test_responses_finish_reason(status: str, details: Any, finish: str | None) 
     assert cap.finish_reason == finish
 
 
+RAW = "raw_message_tokens"
+MESSAGES = {
+    "input_messages": [{"message": "<p>", "tokens": [1, 5, 6], "type": RAW}],
+    "output_messages": [{"message": "ok", "tokens": [7, 8], "type": RAW}],
+}
+
+
+@pytest.mark.parametrize("strip", [True, False])
+def test_responses_token_ids_are_captured_and_cut_unless_the_client_asked(strip: bool) -> None:
+    """enable_response_messages (asked by the router): D's prompt and output ids from
+    response.completed (stream) or the body; the client sees null, as without the flag."""
+    final = {"status": "completed", "kv_transfer_params": KV, **MESSAGES}
+    kind = "response.completed"
+    raw = f"event: {kind}\n".encode() + event({"type": kind, "response": final})
+    r = SseRelay(strip_token_ids=strip, responses=True)
+    out = r.feed(raw) + r.flush()
+    cap = r.captured
+    sent = json.loads(out.split(b"data: ", 1)[1])["response"]
+    assert cap.prompt_token_ids == [1, 5, 6] and cap.output_token_ids == [7, 8]
+    assert "kv_transfer_params" not in sent
+    assert sent["input_messages"] == (None if strip else MESSAGES["input_messages"])
+    assert sent["output_messages"] == (None if strip else MESSAGES["output_messages"])
+    body = enc({"object": "response", "status": "completed", **MESSAGES})
+    client, cap2 = capture_body(body, strip_token_ids=strip)
+    assert cap2.prompt_token_ids == [1, 5, 6] and cap2.output_token_ids == [7, 8]
+    assert (json.loads(client)["input_messages"] is None) is strip
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        {"input_messages": None, "output_messages": None},  # not asked: vLLM's null
+        {  # a tool loop's several requests: no single sequence D holds
+            "input_messages": MESSAGES["input_messages"],
+            "output_messages": MESSAGES["output_messages"] * 2,
+        },
+        {  # Harmony messages, not raw tokens
+            "input_messages": [{"role": "user", "content": "x"}],
+            "output_messages": [],
+        },
+    ],
+)
+def test_responses_token_ids_of_other_shapes_are_not_captured(messages: dict[str, Any]) -> None:
+    body = enc({"object": "response", "status": "completed", **messages})
+    _, cap = capture_body(body, strip_token_ids=True)
+    assert cap.prompt_token_ids is None and cap.output_token_ids == []
+
+
 def test_responses_function_call_event() -> None:
     kind = "response.function_call_arguments.delta"
     raw = f"event: {kind}\n".encode() + event({"type": kind, "delta": "{"})
@@ -654,3 +740,24 @@ def test_capture_body_keeps_floats_and_unicode() -> None:
     }
     out, _ = capture_body(enc(body), strip_token_ids=False)
     assert msgspec.json.decode(out) == {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
+@pytest.mark.parametrize("odd_at", [None, 3, 70, 150])
+def test_a_long_stream_is_captured_in_batches_and_odd_events_alone(odd_at: int | None) -> None:
+    """Events are captured in batches (CAPTURE_BATCH at a time): a long stream's text, token
+    ids and handle whole; an event of another shape, not JSON, or two JSON values in one
+    event, captured as nothing, and only it."""
+    pieces = [f"w{i} " for i in range(200)]
+    events = stream(chat_chunks(pieces))
+    if odd_at is not None:
+        events[odd_at:odd_at] = [
+            b'data: {"choices": "not a list"}\n\n',
+            b"data: not json\n\n",
+            b'data: {"choices":[{"index":0,"delta":{"content":"X"}}]},{"a":1}\n\n',
+        ]
+    out, cap = relay(events, strip=True)
+    assert cap.output_text == "".join(pieces) and cap.done and cap.kv_transfer_params == KV
+    assert cap.output_token_ids == [100 + i for i in range(200)] + [2]
+    assert relay(b"".join(events), strip=True) == (out, cap)
+    if odd_at is not None:
+        assert b"data: not json\n\n" in out and b'"not a list"' in out
