@@ -191,7 +191,8 @@ async def ready_again(stack: Stack, engine: SimProc) -> bool:
     """Its armed faults are used up and the router routes to it again (re-admitted)."""
     async with aiohttp.ClientSession() as s:
         async with s.get(engine.url + "/sim/faults") as resp:
-            if (await resp.json())["fail_next"]:
+            armed = await resp.json()
+            if armed["fail_next"] or armed["stall_next"]:
                 return False
         async with s.get(stack.router.url + "/status") as resp:
             status = await resp.json()
@@ -242,16 +243,18 @@ def fault_schedule(
     return [
         (0.10, "P1 3x HTTP 503", lambda: arm(p1, fail_next=3, status=503)),
         (
-            0.20,
-            "P1 stalls its next 2 requests 4 s (past --prefill-timeout)",
-            lambda: arm(p1, stall_s=4, stall_next=2),
-        ),
-        (0.30, "Redis hung 2 s (SIGSTOP)", lambda: hang(redis_proc, 2.0)),
-        (
-            0.40,
+            0.15,
             "P2 2x HTTP 500 (handle rejected)",
             lambda: arm_after(stack, p1, p2, fail_next=2, status=500),
         ),
+        # The last P fault: a stalled request is retried on P2 only after --prefill-timeout
+        # (3 s), and P2 must not be failing then (no fault tells when a stall is over).
+        (
+            0.25,
+            "P1 stalls its next 2 requests 4 s (past --prefill-timeout)",
+            lambda: arm_after(stack, p2, p1, stall_s=4, stall_next=2),
+        ),
+        (0.30, "Redis hung 2 s (SIGSTOP)", lambda: hang(redis_proc, 2.0)),
         (0.45, "D2 hung 1.5 s (SIGSTOP)", lambda: hang(d2.proc, 1.5)),
         (0.50, "D1 2x HTTP 503 before the first byte", lambda: arm(d1, fail_next=2, status=503)),
         (0.60, "Redis stopped", lambda: asyncio.to_thread(stack.stop_redis)),
@@ -280,6 +283,14 @@ def _answer(raw: bytes, stream: bool) -> tuple[str, bool]:
         for choice in chunk.get("choices") or []:
             text.append((choice.get("delta") or {}).get("content") or "")
     return "".join(text), error
+
+
+def _error_message(raw: bytes) -> str:
+    """An OpenAI-format error's message (what a failure was), else the body's start."""
+    try:
+        return str(json.loads(raw)["error"]["message"])[:160]
+    except (ValueError, KeyError, TypeError):
+        return repr(raw[:160])
 
 
 class Runner:
@@ -314,6 +325,7 @@ class Runner:
             "conversation_id": cid,
         }
         r.sent += 1
+        begun = 100 * self.started // self.total  # the run's progress (the faults' scale)
         started = time.monotonic()
         try:
             async with self.session.post(self.stack.router.url + CHAT, json=body) as resp:
@@ -327,7 +339,7 @@ class Runner:
         r.reuse[reuse] += 1
         if status != 200:
             r.failed += 1
-            r.failures[f"HTTP {status}"] += 1
+            r.failures[f"HTTP {status}: {_error_message(raw)} (started @{begun}%)"] += 1
             return None
         text, error = _answer(raw, stream)
         if error:
