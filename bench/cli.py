@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from bench import (
     events,
+    headline,
     hitpath,
     overhead,
     peers,
@@ -47,6 +48,7 @@ PNGS = {
     "ttft": "bench-ttft.png",
     "throughput": "bench-throughput.png",
     "pins": "bench-pins.png",
+    "peers": "bench-peers.png",
 }
 
 
@@ -227,8 +229,18 @@ def write(results: dict[str, Any], plan: Plan, out: Path) -> Path:
     if "pins" in results:
         plots.pins(results["pins"], out / PNGS["pins"])
         pngs["pins"] = PNGS["pins"]
+    if results.get("peers", {}).get("scenarios"):
+        plots.peers(results["peers"], out / PNGS["peers"])
+        pngs["peers"] = PNGS["peers"]
     path = out / "benchmarks.md"
     path.write_text(report.render(results, plan, pngs))
+    if "peers" in pngs and out.resolve() == (ROOT / "docs").resolve():
+        meta = results.get("meta", {})
+        source = (
+            f"the run of {meta.get('date', '?')} UTC (`{meta.get('command', '?')}`, commit "
+            f"{meta.get('commit', '?')})"
+        )
+        headline.update(ROOT / "README.md", headline.lines(results["peers"], source))
     return path
 
 

@@ -21,6 +21,7 @@ from tests.support.router import RouterProc
 from tests.support.stack import Stack, argv_of
 
 Tick = Callable[[str], None]
+NAN = float("nan")
 
 # Zero-cost, bidirectional; D streams its handle (PR #40186) so streamed turns hit too, and
 # keeps its pins long enough for a conversation's next turn.
@@ -29,7 +30,9 @@ D_ARGS = ["--bidirectional", "--stream-kv-params", "--num-blocks", "65536"]
 # The floor never reads or releases D's pins (kvbaton releases the last turn's): let them go
 # within a cell, not after 480 s.
 D_ARGS += ["--decoder-kv-blocks-ttl", "60"]
-ROUTER_ARGS = ["--stream-kv-params"]
+# Pull only: with 16 clients P's queue can reach the decode plan's limit, and a turn then runs
+# on D alone (`hit;via=decode`), a leg fewer than the floor's; every turn here takes P's leg.
+ROUTER_ARGS = ["--stream-kv-params", "--decode-local-max-tokens", "0"]
 # The same router on the standard library's event loop (kvbaton's default is uvloop): at 1
 # client, a third arm measures what the loop alone changes.
 ASYNCIO_ARGS = [*ROUTER_ARGS, "--event-loop", "asyncio"]
@@ -63,12 +66,17 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         router_args=[ROUTER_ARGS, ASYNCIO_ARGS],
         name="hitpath",
     ) as st:
-        with passthrough(st.ps[0].url, st.ds[0].url, "hitpath-floor") as floor_app:
+        assert st.redis_url is not None
+        with (
+            passthrough(st.ps[0].url, st.ds[0].url, "hitpath-floor") as floor_app,
+            passthrough(st.ps[0].url, st.ds[0].url, "hitpath-work", st.redis_url) as work_app,
+        ):
             st.commands["floor"] = argv_of(floor_app.proc)
+            st.commands["work floor"] = argv_of(work_app.proc)
             for stream in (False, True):
                 for clients in plan.hit_clients:
                     tick(f"hit path {'stream' if stream else 'json'} c={clients}")
-                    out["cells"].append(_cell(plan, st, lg, floor_app, stream, clients))
+                    out["cells"].append(_cell(plan, st, lg, (floor_app, work_app), stream, clients))
         out["commands"] = st.commands
     return out
 
@@ -78,12 +86,19 @@ def steps(plan: Plan) -> int:
 
 
 def _cell(
-    plan: Plan, st: Stack, lg: LoadGen, floor_app: RouterProc, stream: bool, clients: int
+    plan: Plan,
+    st: Stack,
+    lg: LoadGen,
+    floors: tuple[RouterProc, RouterProc],
+    stream: bool,
+    clients: int,
 ) -> dict[str, Any]:
-    """kvbaton and the floor (at 1 client also kvbaton on asyncio) in alternating rounds,
-    each round new conversations."""
+    """kvbaton, the floor and the work floor (at 1 client also kvbaton on asyncio) in
+    alternating rounds, each round new conversations."""
+    floor_app, work_app = floors
     pids = {"kvbaton": st.routers[0].proc.pid, "floor": floor_app.proc.pid}
-    arms = [("kvbaton", st.routers[0].url), ("floor", floor_app.url)]
+    pids["work"] = work_app.proc.pid
+    arms = [("kvbaton", st.routers[0].url), ("floor", floor_app.url), ("work", work_app.url)]
     if clients == 1:
         pids["asyncio"] = st.routers[1].proc.pid
         arms.insert(1, ("asyncio", st.routers[1].url))
@@ -120,9 +135,12 @@ def _fmt(value: float, digits: int = 2) -> str:
     return "n/a" if value != value else f"{value:.{digits}f}"  # NaN: nothing measured
 
 
-def own(cell: dict[str, Any], key: str) -> float:
-    """kvbaton minus floor, p50 ms, of first turns ("first") or later turns ("later")."""
-    return float(cell["kvbaton"][key]["p50"] - cell["floor"][key]["p50"])
+def own(cell: dict[str, Any], key: str, floor: str = "floor") -> float:
+    """kvbaton minus a floor ("floor" or "work"), p50 ms, of first turns ("first") or later
+    turns ("later"); NaN for a cell without that floor."""
+    if floor not in cell:
+        return float("nan")
+    return float(cell["kvbaton"][key]["p50"] - cell[floor][key]["p50"])
 
 
 def section(res: dict[str, Any] | None) -> list[str]:
@@ -134,26 +152,35 @@ def section(res: dict[str, Any] | None) -> list[str]:
         "Multi-turn conversations (system prompt and user messages as above, the answers sent",
         "back as history), through kvbaton (every turn after the first claims, asks P's",
         "`/tokenize`, verifies, sends P the token ids and D's handle, and commits) and through",
-        "the floor (the same conversations, two legs, nothing else), in alternating rounds.",
-        "D streams its handle (`--stream-kv-params`), so streamed turns hit too.",
+        "the floor (the same conversations, two legs, nothing else) and through the *work",
+        "floor* (`bench/passthrough.py` with a Redis URL: the floor plus the I/O a hit makes",
+        "kvbaton do, bare: kvbaton's claim and commit scripts, one round trip each, with a",
+        "state of the same size, and P's `/tokenize` of the chat on every later turn; no",
+        "digests, no verification, no parsing of D's answer), in alternating rounds.",
+        "D streams its handle (`--stream-kv-params`), so streamed turns hit too. kvbaton runs",
+        "pull only (`--decode-local-max-tokens 0`), so every later turn takes P's leg as the",
+        "floor's do (at 16 clients the decode plan would otherwise run some on D alone).",
         "*own* is kvbaton minus floor at p50: the router's own work per turn, plus the engine",
         "work only kvbaton asks for (P's `/tokenize` of the whole chat, in the simulator's",
-        "pure-Python tokenizer, and the token-ids P leg).",
+        "pure-Python tokenizer, and the token-ids P leg); *over work* is kvbaton minus the",
+        "work floor on later turns, which leaves the `/tokenize` and Redis I/O out.",
         "",
     ]
     rows = []
     for c in res["cells"]:
         k, f = c["kvbaton"], c["floor"]
+        w = c.get("work", {"later": {"p50": NAN, "p99": NAN}, "cpu_ms_per_turn": NAN})
         outcomes = ", ".join(f"{n} {v}" for n, v in k["reuse"].items()) or "n/a"
+        later = [k["later"]["p50"], f["later"]["p50"], w["later"]["p50"], own(c, "later", "work")]
         rows.append(
             [
                 "stream" if c["stream"] else "json",
                 str(c["concurrency"]),
                 f"{k['turns']} (+{k['failed']} failed)",
                 f"{_fmt(k['first']['p50'])} / {_fmt(f['first']['p50'])} / {_fmt(own(c, 'first'))}",
-                f"{_fmt(k['later']['p50'])} / {_fmt(f['later']['p50'])} / {_fmt(own(c, 'later'))}",
-                f"{_fmt(k['later']['p99'])} / {_fmt(f['later']['p99'])}",
-                f"{_fmt(k['cpu_ms_per_turn'], 3)} / {_fmt(f['cpu_ms_per_turn'], 3)}",
+                " / ".join(_fmt(v) for v in later),
+                " / ".join(_fmt(a["later"]["p99"]) for a in (k, f, w)),
+                " / ".join(_fmt(a["cpu_ms_per_turn"], 3) for a in (k, f, w)),
                 outcomes,
             ]
         )
@@ -162,9 +189,9 @@ def section(res: dict[str, Any] | None) -> list[str]:
         "clients",
         "kvbaton turns",
         "turn 1 p50: kvbaton / floor / own",
-        "turns 2.. p50: kvbaton / floor / own",
-        "turns 2.. p99: kvbaton / floor",
-        "CPU ms/turn: kvbaton / floor",
+        "turns 2.. p50: kvbaton / floor / work floor / over work",
+        "turns 2.. p99: kvbaton / floor / work floor",
+        "CPU ms/turn: kvbaton / floor / work floor",
         "kvbaton turns 2..",
     ]
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

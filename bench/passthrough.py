@@ -2,11 +2,20 @@
 passing a request through P and D with nothing else: no Redis, no session, no verification,
 no parsing of D's answer, no metrics or logs.
 
-Run as `python -m bench.passthrough PORT P_URL D_URL [uvloop|asyncio]`. A chat request goes to P
-(`stream: false`, `max_tokens: 1`, the null handoff), then to D with P's
+Run as `python -m bench.passthrough PORT P_URL D_URL [uvloop|asyncio] [REDIS_URL]`. A chat
+request goes to P (`stream: false`, `max_tokens: 1`, the null handoff), then to D with P's
 `kv_transfer_params`; D's JSON body is returned as it came, D's SSE bytes relayed as they
 arrive (Starlette's StreamingResponse). kvbaton's added latency minus this one's is what
 the router's own work costs; this one's is what any router on this stack pays.
+
+With REDIS_URL it is the *work floor*: the same, plus the I/O that a hit makes kvbaton do
+and nothing else. Keyed by the body's `conversation_id`, it runs kvbaton's own claim script
+before the legs and its commit script after D's answer (two Redis round trips, as a turn
+with a conversation id makes), and on a later turn (the claim found the conversation) it
+first POSTs P's `/tokenize` with the chat, as kvbaton verifies a hit. What it commits is
+the size of kvbaton's state (a handle, one 16-hex-digit digest per 16-token block of the
+prompt, the other fields' sizes) but computed from nothing: no digests, no verification,
+no parsing of D's answer (the handle it stores is P's, of the same size as D's).
 """
 
 from __future__ import annotations
@@ -29,12 +38,67 @@ from starlette.routing import Route
 
 from router.connectors.nixl.params import miss_params
 from router.http.server import event_loop_factory
+from sessions import scripts
+
+# kvbaton's state fields other than the handle and the block digests, at their usual sizes
+# (a turn's count, engine URLs, digests, times, the MAC): ~600 bytes.
+STATE_FIELDS = {f"field{i:02d}": "x" * 24 for i in range(24)}
+TTL_MS = 3_600_000
 
 JSON = {"Content-Type": "application/json"}
 
 
-def build_app(p_url: str, d_url: str) -> Starlette:
+class WorkStore:
+    """The work floor's I/O per turn: kvbaton's own claim and commit scripts (one Redis round
+    trip each, on a hash of kvbaton's state size) and, on a later turn, P's /tokenize of the
+    chat; bare: no digests, no decoding of what the claim read beyond the turn number."""
+
+    def __init__(self, redis_url: str | None, p_url: str) -> None:
+        self._p_url = p_url
+        self.client: Any = None  # the plain floor: no Redis, no /tokenize
+        if redis_url is not None:
+            import redis.asyncio as aioredis  # only the work floor talks to Redis
+
+            self.client = aioredis.Redis.from_url(redis_url)
+            self._claim = self.client.register_script(scripts.CLAIM)
+            self._commit = self.client.register_script(scripts.COMMIT)
+
+    async def start(
+        self, session: aiohttp.ClientSession, body: dict[str, Any], size: int, request_id: str
+    ) -> tuple[str, int, int] | None:
+        """(key, stored turn, prompt tokens) of a turn with a conversation id, else None."""
+        conversation = body.get("conversation_id")
+        if self.client is None or not conversation:
+            return None
+        key = f"floor:{conversation}"
+        fields = await self._claim(keys=[key], args=[request_id, ""])
+        found = dict(zip(fields[::2], fields[1::2], strict=True)) if fields else {}
+        turn = int(found.get(b"turn", 0))
+        if not turn:
+            return key, 0, size // 4
+        tokenize = {"model": body.get("model"), "messages": body["messages"]}
+        async with session.post(
+            self._p_url + "/tokenize", data=msgspec.json.encode(tokenize), headers=JSON
+        ) as resp:
+            return key, turn, int(msgspec.json.decode(await resp.read()).get("count", 0))
+
+    async def commit(self, started: tuple[str, int, int] | None, params: Any) -> None:
+        if started is None:
+            return
+        key, turn, prompt_tokens = started
+        fields = {
+            **STATE_FIELDS,
+            "turn": str(turn + 1),
+            "kv_transfer_params": msgspec.json.encode(params).decode(),
+            "block_digests": " ".join(["0123456789abcdef"] * (prompt_tokens // 16)),
+        }
+        flat = [x for item in fields.items() for x in item]
+        await self._commit(keys=[key], args=[turn, TTL_MS, msgspec.json.encode(flat)])
+
+
+def build_app(p_url: str, d_url: str, redis_url: str | None = None) -> Starlette:
     session: aiohttp.ClientSession | None = None
+    store = WorkStore(redis_url, p_url)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -43,13 +107,18 @@ def build_app(p_url: str, d_url: str) -> Starlette:
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         async with session:
             yield
+        if store.client is not None:
+            await store.client.aclose()
 
     async def health(_: Request) -> Response:
         return Response(b"", 200)
 
     async def chat(request: Request) -> Response:
         assert session is not None
-        body: dict[str, Any] = msgspec.json.decode(await request.body())
+        raw_body = await request.body()
+        body: dict[str, Any] = msgspec.json.decode(raw_body)
+        rid = request.headers.get("x-request-id", "-")
+        work = await store.start(session, body, len(raw_body), rid)  # the work floor's claim
         body.pop("conversation_id", None)
         p_body = {k: v for k, v in body.items() if k != "stream_options"}
         p_body.update(stream=False, max_tokens=1, kv_transfer_params=miss_params())
@@ -61,15 +130,18 @@ def build_app(p_url: str, d_url: str) -> Starlette:
         d_resp = await session.post(
             d_url + "/v1/chat/completions", data=msgspec.json.encode(body), headers=JSON
         )
+
         if not body.get("stream"):
             async with d_resp:
                 raw = await d_resp.read()
+            await store.commit(work, params)
             return Response(raw, d_resp.status, media_type="application/json")
 
         async def relay() -> AsyncIterator[bytes]:
             async with d_resp:
                 while chunk := await d_resp.content.readany():
                     yield chunk
+            await store.commit(work, params)
 
         return StreamingResponse(relay(), d_resp.status, media_type="text/event-stream")
 
@@ -82,7 +154,7 @@ def build_app(p_url: str, d_url: str) -> Starlette:
     )
 
 
-async def main(port: int, p_url: str, d_url: str) -> None:
+async def main(port: int, p_url: str, d_url: str, redis_url: str | None = None) -> None:
     config = Config()
     config.bind = [f"127.0.0.1:{port}"]
     config.accesslog = None
@@ -91,7 +163,7 @@ async def main(port: int, p_url: str, d_url: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await serve(build_app(p_url, d_url), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    await serve(build_app(p_url, d_url, redis_url), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
@@ -99,4 +171,5 @@ if __name__ == "__main__":
     # and the router differ only by what the router does.
     loop = event_loop_factory(sys.argv[4] if len(sys.argv) > 4 else "uvloop")
     with asyncio.Runner(loop_factory=loop) as runner:
-        runner.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
+        redis_url = sys.argv[5] if len(sys.argv) > 5 else None
+        runner.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3], redis_url))

@@ -9,6 +9,9 @@ model, the engines' own 480 s pin TTL) and the same seeded arrivals as section 7
   a fetched vLLM tree (never into the project; skipped with one line without one): round
   robin over P and D, D's handle kept per body `conversation_id` and sent to the next P,
   nothing released;
+- vLLM's XpYd demo proxy, `disagg_proxy_demo.py`, from the same tree: round robin, no
+  `kv_transfer_params` at all, so its engines move KV through a shared store (the
+  simulators' MooncakeStore model, D saving its output as LMCache's `save_decode_cache`);
 - vLLM's Rust router `vllm-router` from PyPI, in its own venv (`.venv-peers`), P/D over NIXL,
   with its default policy `cache_aware`, with `kv_aware` fed every P's KV events (all it
   follows in P/D mode), and with `consistent_hash`, which hashes the `X-Session-ID` header
@@ -16,46 +19,49 @@ model, the engines' own 480 s pin TTL) and the same seeded arrivals as section 7
   so their D keeps nothing for P (a D that did would fill with pins nobody releases: section
   7's second arm).
 The workloads (SCENARIOS): section 7's arrivals; the same with a small prefix cache on P; with
-long answers; with one D killed halfway. The arms cannot take turns on one set of engines (what
-the engines hold is what is measured): each runs on fresh engines, round after round, the order
-reversed every other round. Where PyPI is unreachable the vllm-router arms are skipped with
-one line.
+long answers; with one D killed halfway; vLLM's multi-turn benchmark, unchanged
+(bench/vllm_multiturn.py; skipped with one line without a vLLM tree). The arms cannot take
+turns on one set of engines (what the engines hold is what is measured): each runs on fresh
+engines, round after round, the order reversed every other round. Where PyPI is unreachable
+the vllm-router arms are skipped with one line.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import pins
+from bench import pins, vllm_multiturn
+from bench.peer_venv import PEERS_VENV, VLLM_ROUTER, VLLM_TREE_ENV, vllm_copy, vllm_router
 from bench.plan import Plan
 from bench.stack import LoadGen, by_source, start_stack, tree_cpu_seconds
 from bench.stats import fmt, summary_ms
-from tests.support.procs import ROOT, free_port, log_file, stop, wait_http
+from tests.support.procs import free_port, log_file, redis_server, stop, wait_http
 from tests.support.stack import Stack
 
 Tick = Callable[[str], None]
 
-VLLM_ROUTER = "vllm-router==0.1.17"
-PEERS_VENV = ROOT / ".venv-peers"
-MULTITURN_PROXY = "examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py"
+EXAMPLES = "examples/disaggregated/disaggregated_serving"
+MULTITURN_PROXY = f"{EXAMPLES}/disagg_proxy_multiturn.py"
 PROXY_DEPS = ("fastapi", "httpx", "uvicorn")
-VLLM_TREE_ENV = "KVBATON_VLLM_TREE"
-VLLM_MIRROR = "/work/.mirror/eigen-hub+vllm/repo"
+DEMO_PROXY = f"{EXAMPLES}/disagg_proxy_demo.py"
+DEMO_DEPS = ("aiohttp", "fastapi", "requests", "uvicorn", "uvloop")
 TTFT_SLO_MS = 200.0  # goodput: turns whose first token came within this, per second
 # D's KV: 8,192 blocks of 16 tokens each. An 8B model on one H100 holds ~30k such blocks; at
 # the 3 conversations/s here, 8,192 blocks per D is what ~30k blocks are at ~11 per second.
-D_ARGS = ["--num-blocks", "8192", "--max-model-len", "4096", "--stream-kv-params"]
+D_ARGS = ["--num-blocks", "8192", "--stream-kv-params"]
 BIDIR_P = ["--bidirectional", "--kv-recompute-threshold", "0"]
 BIDIR_D = ["--bidirectional"]
+# The store connector (MooncakeStoreConnector's model): P writes its prompt's blocks, every
+# instance looks blocks up before computing; D also writes its output (LMCache's
+# save_decode_cache), so the next turn's P finds the whole history in the store.
+STORE = ["--kv-connector", "store"]
+STORE_D = ["--kv-store-save-decode"]
 
 
 @dataclass(frozen=True)
@@ -63,12 +69,13 @@ class Arm:
     name: str
     how: str  # how it is configured, for the report
     flags: tuple[str, ...]  # kvbaton's, or vllm-router's
-    peer: str = ""  # "": kvbaton; VLLM_ROUTER_PEER or VLLM_PROXY_PEER
+    peer: str = ""  # "": kvbaton; VLLM_ROUTER_PEER, VLLM_PROXY_PEER or VLLM_DEMO_PEER
     keeps_kv: bool = False  # the engines keep D's KV for P (bidirectional_kv_xfer)
     events: bool = False  # the engines publish KV events, the router subscribes
+    store: bool = False  # the engines move KV through a shared store (a redis-server)
 
 
-VLLM_ROUTER_PEER, VLLM_PROXY_PEER = "vllm-router", "vllm-proxy"
+VLLM_ROUTER_PEER, VLLM_PROXY_PEER, VLLM_DEMO_PEER = "vllm-router", "vllm-proxy", "vllm-demo"
 ARMS = (
     Arm("kvbaton", "defaults: reuse, affinity, pin releases", ("--stream-kv-params",), "", True),
     Arm("kvbaton, reuse off", "`--no-reuse`: affinity only", ("--no-reuse",)),
@@ -99,63 +106,36 @@ ARMS = (
         ("--policy", "consistent_hash"),
         VLLM_ROUTER_PEER,
     ),
+    Arm(
+        "vLLM's disagg_proxy_demo.py",
+        "vLLM's XpYd demo proxy (from a fetched vLLM tree): round robin over P and over D, P "
+        "with `max_tokens` 1, then D, neither given `kv_transfer_params` (it has no handoff of "
+        "its own: it is written for connectors that need none). At its best its engines share "
+        "a KV store (`--kv-connector store`, the simulators' MooncakeStoreConnector model, D "
+        "with `--kv-store-save-decode` as LMCache's `save_decode_cache`), so any P and D find "
+        "the history there. The simulators charge a store read no modelled transfer time (a "
+        "NIXL pull costs 0.05 ms a block), which flatters this arm's TTFT by up to ~13 ms on a "
+        "4k-token prompt; its *P read from D* is what P read from the store",
+        (),
+        VLLM_DEMO_PEER,
+        store=True,
+    ),
+)
+DEMO_ARM = ARMS[-1]
+# What the demo proxy does with vLLM's benchmark, read in both (vllm_sim answers as vLLM).
+DEMO_WITH_MIN_TOKENS = (
+    "vLLM's demo proxy with this benchmark: the benchmark sends `min_tokens` (= `max_tokens`, "
+    "the dataset answer's length); the demo sends P the request with `max_tokens` 1 and "
+    "`min_tokens` unchanged, which P refuses (400, as vLLM: `min_tokens` above `max_tokens`), "
+    "and it ignores a 4xx from P. So every turn runs on D alone: D computes the prompt, less "
+    "what it finds in the store (the history it saved itself the turn before)."
 )
 
 
-def vllm_router() -> str | None:
-    """vllm-router's executable, installed into .venv-peers on first use; None (and one line
-    saying why) where it cannot be installed."""
-    exe = PEERS_VENV / "bin" / "vllm-router"
-    if exe.exists():
-        return str(exe)
-    try:
-        subprocess.run(
-            [sys.executable, "-m", "venv", str(PEERS_VENV)], check=True, capture_output=True
-        )
-        subprocess.run(
-            [str(PEERS_VENV / "bin" / "pip"), "install", "-q", VLLM_ROUTER],
-            check=True,
-            capture_output=True,
-            timeout=600,
-        )
-    except (subprocess.SubprocessError, OSError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        print(
-            f"peers: vllm-router arms skipped: `pip install {VLLM_ROUTER}` failed ({exc}; "
-            f"{detail.decode(errors='replace').strip()[-200:]})",
-            file=sys.stderr,
-        )
-        return None
-    return str(exe)
-
-
-def vllm_proxy() -> str | None:
-    """vLLM's disagg_proxy_multiturn.py, copied out of a fetched vLLM tree into a scratch
-    folder (never into the project), with what it imports installed into .venv-peers; None
-    (and one line saying why) without a tree. The tree: $KVBATON_VLLM_TREE (a checkout or a
-    git directory), else the search tool's mirror of vLLM when it was fetched here."""
-    tree = Path(os.environ.get(VLLM_TREE_ENV) or VLLM_MIRROR)
-    script = Path(tempfile.gettempdir()) / "kvbaton-peers" / Path(MULTITURN_PROXY).name
-    try:
-        if (tree / MULTITURN_PROXY).is_file():
-            text = (tree / MULTITURN_PROXY).read_bytes()
-        else:
-            show = ["git", "--git-dir", str(tree), "show", f"HEAD:{MULTITURN_PROXY}"]
-            text = subprocess.run(show, check=True, capture_output=True, timeout=60).stdout
-        script.parent.mkdir(exist_ok=True)
-        script.write_bytes(text)
-        if vllm_router() is None:  # the venv (its deps bring fastapi and uvicorn)
-            return None
-        pip = [str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PROXY_DEPS]
-        subprocess.run(pip, check=True, capture_output=True, timeout=600)
-    except (subprocess.SubprocessError, OSError) as exc:
-        print(
-            f"peers: vLLM's proxy arm skipped: no {MULTITURN_PROXY} from a vLLM tree at {tree} "
-            f"(set {VLLM_TREE_ENV}) or its dependencies did not install ({exc})",
-            file=sys.stderr,
-        )
-        return None
-    return str(script)
+def vllm_proxy(path: str, deps: tuple[str, ...]) -> str | None:
+    """One of vLLM's example proxies, copied out of a fetched vLLM tree (vllm_copy)."""
+    scratch = vllm_copy((path,), deps, f"the arm running vLLM's {Path(path).name}")
+    return None if scratch is None else str(scratch / Path(path).name)
 
 
 @contextlib.contextmanager
@@ -168,6 +148,18 @@ def peer_proxy(script: str, st: Stack) -> Iterator[tuple[str, Any]]:
     argv += ["--decoder-hosts", *("127.0.0.1" for _ in st.ds)]
     argv += ["--decoder-ports", *(str(d.port) for d in st.ds)]
     yield from _peer_process(argv, st, "vllm-proxy", port)
+
+
+@contextlib.contextmanager
+def peer_demo(script: str, st: Stack) -> Iterator[tuple[str, Any]]:
+    """vLLM's XpYd demo proxy over the stack's engines; its URL and process. It has no
+    /health: it is up once /status answers."""
+    port = free_port()
+    argv = [str(PEERS_VENV / "bin" / "python"), script, "--model", "sim-model"]
+    argv += ["--prefill", *(f"127.0.0.1:{p.port}" for p in st.ps)]
+    argv += ["--decode", *(f"127.0.0.1:{d.port}" for d in st.ds)]
+    argv += ["--port", str(port)]
+    yield from _peer_process(argv, st, "vllm-demo", port, ready="/status")
 
 
 @contextlib.contextmanager
@@ -184,14 +176,16 @@ def peer_router(exe: str, st: Stack, flags: tuple[str, ...]) -> Iterator[tuple[s
     yield from _peer_process(argv, st, "vllm-router", port)
 
 
-def _peer_process(argv: list[str], st: Stack, name: str, port: int) -> Iterator[tuple[str, Any]]:
+def _peer_process(
+    argv: list[str], st: Stack, name: str, port: int, ready: str = "/health"
+) -> Iterator[tuple[str, Any]]:
     path = log_file(name)
-    path.parent.mkdir(exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     st.commands[name] = argv
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc)
+        wait_http(f"http://127.0.0.1:{port}{ready}", timeout=60, proc=proc)
         yield f"http://127.0.0.1:{port}", proc
     finally:
         stop(proc)
@@ -206,6 +200,8 @@ class Scenario:
     p_blocks: int = 65536  # each P's KV (its prefix cache)
     workload: tuple[tuple[str, Any], ...] = ()  # what differs from section 7's workload
     d_fails_at: float | None = None  # when the second D is killed (share of the arrivals)
+    max_model_len: int = 4096  # the engines'
+    multiturn: bool = False  # vLLM's multi-turn benchmark drives it, not section 7's arrivals
 
 
 SCENARIOS = (
@@ -232,13 +228,25 @@ SCENARIOS = (
         1,
         d_fails_at=0.5,
     ),
+    Scenario(
+        "vLLM's multi-turn benchmark",
+        "vLLM's `benchmarks/multi_turn/benchmark_serving_multi_turn.py`, unchanged, on its "
+        "own example config of synthetic conversations (details below)",
+        0.0,  # it runs until every conversation has ended
+        1,
+        # Its longest conversations reach ~8k tokens (a 5,000-token prefix, 9 turns).
+        max_model_len=16384,
+        multiturn=True,
+    ),
 )
+MULTITURN = SCENARIOS[-1]
 
 
 def chosen(plan: Plan) -> tuple[list[Scenario], list[Arm]]:
-    """--quick: the arrivals only, kvbaton and vllm-router's default policy."""
+    """--quick: the arrivals and vLLM's benchmark (on a smaller config), kvbaton and
+    vllm-router's default policy."""
     if plan.quick:
-        return [SCENARIOS[0]], [ARMS[0], ARMS[2]]
+        return [SCENARIOS[0], MULTITURN], [ARMS[0], ARMS[2]]
     return list(SCENARIOS), list(ARMS)
 
 
@@ -253,23 +261,32 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     if any(a.peer == VLLM_ROUTER_PEER for a in wanted):
         exes[VLLM_ROUTER_PEER] = vllm_router()
     if any(a.peer == VLLM_PROXY_PEER for a in wanted):
-        exes[VLLM_PROXY_PEER] = vllm_proxy()
+        exes[VLLM_PROXY_PEER] = vllm_proxy(MULTITURN_PROXY, PROXY_DEPS)
+    if any(a.peer == VLLM_DEMO_PEER for a in wanted):
+        exes[VLLM_DEMO_PEER] = vllm_proxy(DEMO_PROXY, DEMO_DEPS)
+    bench = vllm_multiturn.prepare(plan.quick) if MULTITURN in scenarios else None
     arms = [a for a in wanted if not a.peer or exes[a.peer] is not None]
     out: dict[str, Any] = {
         "scenarios": {},
         "skipped": [a.name for a in wanted if a not in arms],
+        "skipped_scenarios": [MULTITURN.name] if MULTITURN in scenarios and not bench else [],
         "commands": {},
         "slo_ms": TTFT_SLO_MS,
     }
     for sc in scenarios:
+        if sc.multiturn and bench is None:
+            continue
         rounds = 1 if plan.quick else sc.full_rounds
         seconds = plan.peers_s * sc.seconds
         res: dict[str, Any] = {"what": sc.what, "seconds": seconds, "rounds": rounds, "arms": {}}
         res["arms"] = {a.name: {"how": a.how, "rounds": []} for a in arms}
+        if sc.multiturn and bench is not None:
+            res["multiturn"] = bench.describe()
         for rnd in range(rounds):
             for arm in arms if rnd % 2 == 0 else list(reversed(arms)):
                 tick(f"peers: {sc.name}, {arm.name}, round {rnd + 1}")
-                result, commands = one(plan, lg, sc, arm, exes[arm.peer])
+                driver = bench if sc.multiturn else None
+                result, commands = one(plan, lg, sc, arm, exes[arm.peer], driver)
                 res["arms"][arm.name]["rounds"].append(result)
                 out["commands"][f"{sc.name} / {arm.name}"] = commands
         for arm_res in res["arms"].values():
@@ -279,46 +296,67 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def arm_stack(
+    plan: Plan, sc: Scenario, arm: Arm, exe: str | None
+) -> Iterator[tuple[Stack, str, Any]]:
+    """Fresh engines for one arm and scenario, and the arm's router in front of them: the
+    stack, the router's URL and its process."""
+    with contextlib.ExitStack() as exits:
+        p = ["--num-blocks", str(sc.p_blocks), "--max-model-len", str(sc.max_model_len)]
+        p += [*plan.gpu.sim_args(), *(BIDIR_P if arm.keeps_kv else [])]
+        d = [*D_ARGS, "--max-model-len", str(sc.max_model_len), *plan.gpu.sim_args()]
+        d += BIDIR_D if arm.keeps_kv else []
+        if arm.store:
+            store = exits.enter_context(redis_server())[0]
+            p += [*STORE, "--kv-store", store]
+            d += [*STORE, "--kv-store", store, *STORE_D]
+        # In P/D mode vllm-router's kv_aware policy follows P's KV events only.
+        ports = [free_port() for _ in range(2)] if arm.events else []
+        events = [["--kv-events-port", str(port)] for port in ports] or [[], []]
+        st = exits.enter_context(
+            start_stack(
+                prefill_args=[[*p, *events[0]], [*p, *events[1]]],
+                decode_args=[d, d],
+                router_args=[] if arm.peer else [list(arm.flags)],
+                with_redis=not arm.peer,
+                name="peers",
+            )
+        )
+        if arm.peer == VLLM_PROXY_PEER:
+            assert exe is not None
+            url, proc = exits.enter_context(peer_proxy(exe, st))
+        elif arm.peer == VLLM_DEMO_PEER:
+            assert exe is not None
+            url, proc = exits.enter_context(peer_demo(exe, st))
+        elif arm.peer:
+            assert exe is not None
+            flags = list(arm.flags)
+            for sim, port in zip(st.ps, ports, strict=False):
+                flags += ["--pd-kv-events", f"{sim.url}=tcp://127.0.0.1:{port}"]
+            url, proc = exits.enter_context(peer_router(exe, st, tuple(flags)))
+        else:
+            url, proc = st.url, st.routers[0].proc
+        yield st, url, proc
+
+
 def one(
-    plan: Plan, lg: LoadGen, sc: Scenario, arm: Arm, exe: str | None
+    plan: Plan,
+    lg: LoadGen,
+    sc: Scenario,
+    arm: Arm,
+    exe: str | None,
+    bench: vllm_multiturn.Bench | None,
 ) -> tuple[dict[str, Any], Any]:
-    p = ["--num-blocks", str(sc.p_blocks), *plan.gpu.sim_args()]
-    p += BIDIR_P if arm.keeps_kv else []
-    d = [*D_ARGS, *plan.gpu.sim_args(), *(BIDIR_D if arm.keeps_kv else [])]
-    # In P/D mode vllm-router's kv_aware policy follows P's KV events only.
-    ports = [free_port() for _ in range(2)] if arm.events else []
-    events = [["--kv-events-port", str(port)] for port in ports] or [[], []]
-    with start_stack(
-        prefill_args=[[*p, *events[0]], [*p, *events[1]]],
-        decode_args=[d, d],
-        router_args=[] if arm.peer else [list(arm.flags)],
-        with_redis=not arm.peer,
-        name="peers",
-    ) as st:
-        with contextlib.ExitStack() as exits:
-            if arm.peer == VLLM_PROXY_PEER:
-                assert exe is not None
-                url, proc = exits.enter_context(peer_proxy(exe, st))
-            elif arm.peer:
-                assert exe is not None
-                flags = list(arm.flags)
-                for sim, port in zip(st.ps, ports, strict=False):
-                    flags += ["--pd-kv-events", f"{sim.url}=tcp://127.0.0.1:{port}"]
-                url, proc = exits.enter_context(peer_router(exe, st, tuple(flags)))
+    """One arm through one scenario on fresh engines: its turns, router CPU, engine tokens."""
+    with arm_stack(plan, sc, arm, exe) as (st, url, proc):
+        cpu0 = tree_cpu_seconds(proc.pid)
+        with pins.Sampler(*(x.url for x in st.ds)) as sampler:
+            if bench is not None:
+                res = vllm_multiturn.run(bench, url, arm.name)
             else:
-                url, proc = st.url, st.routers[0].proc
-            spec = pins.job(plan, url)
-            spec.update(dict(sc.workload), duration_s=plan.peers_s * sc.seconds, seed=900)
-            # vLLM's example proxy reads only a body conversation_id (kvbaton reads both).
-            spec["target"]["session_header"] = arm.peer != VLLM_PROXY_PEER
-            if sc.d_fails_at is not None:
-                killer = threading.Timer(spec["duration_s"] * sc.d_fails_at, st.ds[1].proc.kill)
-                killer.start()
-                exits.callback(killer.cancel)
-            cpu0 = tree_cpu_seconds(proc.pid)
-            with pins.Sampler(*(x.url for x in st.ds)) as sampler:
-                res = lg.run(spec, timeout=spec["duration_s"] + spec["drain_s"] + 60.0)
-            cpu = tree_cpu_seconds(proc.pid) - cpu0
+                res = arrivals(plan, lg, sc, arm, url, st)
+        cpu = tree_cpu_seconds(proc.pid) - cpu0
         tokens: dict[str, dict[str, float]] = {"P": {}, "D": {}}
         for role, sims in (("P", st.ps), ("D", st.ds)):
             for sim in sims:
@@ -327,11 +365,28 @@ def one(
                 for source, n in by_source(sim.url).items():
                     tokens[role][source] = tokens[role].get(source, 0.0) + n
         return {
-            "turns": res["turns"],
+            **res,
             "cpu_s": cpu,
             "tokens": tokens,
             "pinned_max": max((s["pinned"] for s in sampler.samples), default=0.0),
         }, dict(st.commands)
+
+
+def arrivals(
+    plan: Plan, lg: LoadGen, sc: Scenario, arm: Arm, url: str, st: Stack
+) -> dict[str, Any]:
+    """Section 7's arrival process (with the scenario's changes) through url: its turns."""
+    spec = pins.job(plan, url)
+    spec.update(dict(sc.workload), duration_s=plan.peers_s * sc.seconds, seed=900)
+    # vLLM's example proxy reads only a body conversation_id (kvbaton reads both).
+    spec["target"]["session_header"] = arm.peer != VLLM_PROXY_PEER
+    with contextlib.ExitStack() as exits:
+        if sc.d_fails_at is not None:
+            killer = threading.Timer(spec["duration_s"] * sc.d_fails_at, st.ds[1].proc.kill)
+            killer.start()
+            exits.callback(killer.cancel)
+        res = lg.run(spec, timeout=spec["duration_s"] + spec["drain_s"] + 60.0)
+    return {"turns": res["turns"]}
 
 
 def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
@@ -339,15 +394,17 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     ok = [t for t in turns if t["ok"]]
     first = [t["ttft"] for t in ok if t["turn"] == 1]
     later = [t["ttft"] for t in ok if t["turn"] > 1]
-    seconds *= len(rounds)
+    # vLLM's benchmark runs until its conversations end: its own time, not a set length.
+    total_s = sum(r.get("seconds", seconds) for r in rounds)
     # P's tokens loaded from elsewhere are D's KV it read; D's are P's prefill handed over.
     pulled = sum(r["tokens"]["P"].get("external_kv_transfer", 0.0) for r in rounds)
     return {
         "turns": len(turns),
         "failed": len(turns) - len(ok),
+        "unmeasured": sum(r.get("unmeasured", 0) for r in rounds),
         "ttft_first": summary_ms(first),
         "ttft_later": summary_ms(later),
-        "goodput": sum(t["ttft"] * 1000 <= TTFT_SLO_MS for t in ok) / seconds,
+        "goodput": sum(t["ttft"] * 1000 <= TTFT_SLO_MS for t in ok) / max(total_s, 1e-9),
         "p_computed": sum(r["tokens"]["P"].get("local_compute", 0.0) for r in rounds),
         "d_computed": sum(r["tokens"]["D"].get("local_compute", 0.0) for r in rounds),
         "pulled_from_d": pulled,
@@ -375,7 +432,7 @@ def answers_compared(arms: dict[str, Any]) -> None:
             (i, t["conv"], t["turn"]): t["answer"]
             for i, r in enumerate(arm["rounds"])
             for t in r["turns"]
-            if t["ok"]
+            if t["ok"] and t.get("answer") is not None  # vLLM's benchmark: ended conversations
         }
 
     base = answers(arms[ARMS[0].name])
@@ -386,7 +443,7 @@ def answers_compared(arms: dict[str, Any]) -> None:
         arm["summary"]["differ"] = sum(base[k] != mine[k] for k in both)
 
 
-def section(res: dict[str, Any], plan: Plan) -> list[str]:
+def section(res: dict[str, Any], plan: Plan, png: str | None = None) -> list[str]:
     lines = [
         "## 8. Side by side with other routers",
         "",
@@ -404,37 +461,69 @@ def section(res: dict[str, Any], plan: Plan) -> list[str]:
     first = next(iter(res["scenarios"].values()), None)
     for name, arm in (first or {"arms": {}})["arms"].items():
         lines.append(f"- {name}: {arm['how']}")
+    peer_of = {a.name: a.peer for a in ARMS}
     for name in res["skipped"]:
-        lines.append(f"- {name}: skipped, `{VLLM_ROUTER}` could not be installed")
+        why = (
+            f"`{VLLM_ROUTER}` could not be installed"
+            if peer_of.get(name) == VLLM_ROUTER_PEER
+            else f"no vLLM tree (set `{VLLM_TREE_ENV}`)"
+        )
+        lines.append(f"- {name}: skipped, {why}")
+    for name in res.get("skipped_scenarios", []):
+        lines += ["", f"*{name}*: skipped, no vLLM tree (set `{VLLM_TREE_ENV}`)."]
     for sc_name, sc in res["scenarios"].items():
+        lines += scenario_lines(sc_name, sc)
+    if png:
+        lines += ["", f"![later-turn TTFT and failed turns per arm and scenario]({png})"]
+    lines.append("")
+    return lines
+
+
+def scenario_lines(sc_name: str, sc: dict[str, Any]) -> list[str]:
+    """One scenario's table and notes."""
+    lines = ["", f"### {sc_name}: {sc['what']}", ""]
+    if "multiturn" in sc:
+        lines += vllm_multiturn.section(sc["multiturn"], sc["rounds"])
+    else:
+        lines.append(f"{sc['seconds']:g} s of arrivals per arm and round, {sc['rounds']} round(s).")
+    lines += [
+        "",
+        "| arm | turns (failed) | TTFT turn 1 p50 / p90 / p99 ms | later turns p50 / p90 / "
+        "p99 ms | goodput /s | P computed | P read from D | router CPU ms/turn | answers "
+        "differing from kvbaton's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, arm in sc["arms"].items():
+        s = arm["summary"]
+        one_, later = s["ttft_first"], s["ttft_later"]
+        lines.append(
+            f"| {name} | {s['turns']} ({s['failed']}) | "
+            f"{fmt(one_['p50'], 0)} / {fmt(one_['p90'], 0)} / {fmt(one_['p99'], 0)} | "
+            f"{fmt(later['p50'], 0)} / {fmt(later['p90'], 0)} / {fmt(later['p99'], 0)} | "
+            f"{s['goodput']:.2f} | {s['p_computed']:,.0f} | {s['pulled_from_d']:,.0f} | "
+            f"{s['cpu_ms_per_turn']:.2f} | {s['differ']} of {s['compared']} |"
+        )
+    kv = sc["arms"].get(ARMS[0].name, {}).get("summary")
+    if kv:
+        reuse = ", ".join(f"{k} {v}" for k, v in sorted(kv["reuse"].items()))
+        if "multiturn" in sc:
+            reuse = "not seen (the benchmark reads no response header)"
         lines += [
             "",
-            f"### {sc_name}: {sc['what']}",
-            "",
-            f"{sc['seconds']:g} s of arrivals per arm and round, {sc['rounds']} round(s).",
-            "",
-            "| arm | turns (failed) | TTFT turn 1 p50 / p90 / p99 ms | later turns p50 / p90 / "
-            "p99 ms | goodput /s | P computed | P read from D | router CPU ms/turn | answers "
-            "differing from kvbaton's |",
-            "|---|---|---|---|---|---|---|---|---|",
+            f"kvbaton's later turns by `X-KV-Reuse`: {reuse or 'none'}; the most of its "
+            f"D's blocks pinned at once: {fmt(kv['pinned_max'])}.",
         ]
-        for name, arm in sc["arms"].items():
-            s = arm["summary"]
-            one_, later = s["ttft_first"], s["ttft_later"]
-            lines.append(
-                f"| {name} | {s['turns']} ({s['failed']}) | "
-                f"{fmt(one_['p50'], 0)} / {fmt(one_['p90'], 0)} / {fmt(one_['p99'], 0)} | "
-                f"{fmt(later['p50'], 0)} / {fmt(later['p90'], 0)} / {fmt(later['p99'], 0)} | "
-                f"{s['goodput']:.2f} | {s['p_computed']:,.0f} | {s['pulled_from_d']:,.0f} | "
-                f"{s['cpu_ms_per_turn']:.2f} | {s['differ']} of {s['compared']} |"
-            )
-        kv = sc["arms"].get(ARMS[0].name, {}).get("summary")
-        if kv:
-            reuse = ", ".join(f"{k} {v}" for k, v in sorted(kv["reuse"].items()))
+    if "multiturn" in sc and DEMO_ARM.name in sc["arms"]:
+        lines += ["", DEMO_WITH_MIN_TOKENS]
+    for name, arm in sc["arms"].items():
+        if arm["summary"].get("unmeasured"):
             lines += [
                 "",
-                f"kvbaton's later turns by `X-KV-Reuse`: {reuse or 'none'}; the most of its "
-                f"D's blocks pinned at once: {fmt(kv['pinned_max'])}.",
+                f"{name}: {arm['summary']['unmeasured']} answered turn(s) without the "
+                "benchmark's measurement (its result queue drained with `Queue.empty()`), "
+                "not counted above.",
             ]
-    lines.append("")
+        for r in arm["rounds"]:
+            if r.get("error"):
+                lines += ["", f"{name}: the benchmark did not run to its end: `{r['error']}`"]
     return lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -137,5 +138,64 @@ def pins(results: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("D's memory under an arrival process, releases on and off")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# kvbaton's arms green, the peers' in other colours (each in section 8's order).
+KVBATON_COLOURS = ("tab:green", "yellowgreen")
+PEER_COLOURS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:blue", "tab:orange")
+
+
+def _colours(arms: list[str]) -> dict[str, str]:
+    ours = [a for a in arms if a.startswith("kvbaton")]
+    theirs = [a for a in arms if a not in ours]
+    out = {a: KVBATON_COLOURS[i % len(KVBATON_COLOURS)] for i, a in enumerate(ours)}
+    out.update({a: PEER_COLOURS[i % len(PEER_COLOURS)] for i, a in enumerate(theirs)})
+    return out
+
+
+def _arm_names(scenarios: dict[str, Any]) -> list[str]:
+    names: list[str] = []
+    for sc in scenarios.values():
+        names += [a for a in sc["arms"] if a not in names]
+    return names
+
+
+def peers(results: dict[str, Any], path: Path) -> None:
+    """Section 8: TTFT after turn 1 per arm and scenario (bar: p50, line up to p90), and the
+    share of turns that failed."""
+    scenarios = results["scenarios"]
+    arms = _arm_names(scenarios)
+    fig, axes = plt.subplots(
+        1, 2, figsize=(13, 4.8), constrained_layout=True, gridspec_kw={"width_ratios": [3, 1]}
+    )
+    width = 0.8 / max(1, len(arms))
+    colours = _colours(arms)
+    for i, arm in enumerate(arms):
+        colour = colours[arm]
+        xs, p50, p90, failed = [], [], [], []
+        for x, sc in enumerate(scenarios.values()):
+            s = sc["arms"].get(arm, {}).get("summary")
+            if not s:
+                continue
+            xs.append(x - 0.4 + width * (i + 0.5))
+            p50.append(s["ttft_later"]["p50"])
+            p90.append(s["ttft_later"]["p90"])
+            failed.append(100.0 * s["failed"] / max(1, s["turns"]))
+        axes[0].bar(xs, p50, width, color=colour, label=arm)
+        axes[0].vlines(xs, p50, p90, color="black", lw=1)
+        axes[0].plot(xs, p90, "_", color="black", ms=max(3, 60 * width))
+        axes[1].bar(xs, failed, width, color=colour)
+    for ax, wrap in zip(axes, (16, 8), strict=True):
+        ax.set_xticks(range(len(scenarios)))
+        labels = [textwrap.fill(n, wrap, break_long_words=False) for n in scenarios]
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylabel("TTFT after turn 1 (ms): bar p50, line up to p90")
+    axes[0].legend(fontsize=7, ncol=2)
+    axes[1].set_ylabel("turns failed (%)")
+    axes[1].set_ylim(0, max(1.0, axes[1].get_ylim()[1]))
+    fig.suptitle("Side by side with other routers, 2 P + 2 D simulators, H100/8B cost model")
     fig.savefig(path, dpi=110)
     plt.close(fig)

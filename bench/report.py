@@ -70,7 +70,7 @@ def render(results: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> str:
     if "pins" in results:
         lines += pins.section(results["pins"], plan, pngs.get("pins"))
     if "peers" in results:
-        lines += peers.section(results["peers"], plan)
+        lines += peers.section(results["peers"], plan, pngs.get("peers"))
     lines += config_section(results)
     return "\n".join(lines).rstrip() + "\n"
 

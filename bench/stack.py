@@ -35,9 +35,13 @@ READY_TIMEOUT = 90.0
 
 
 @contextlib.contextmanager
-def passthrough(p_url: str, d_url: str, name: str) -> Iterator[RouterProc]:
-    """bench/passthrough.py (the stack's floor for a turn) on a free port."""
-    argv = lambda port: ["bench.passthrough", str(port), p_url, d_url]  # noqa: E731
+def passthrough(
+    p_url: str, d_url: str, name: str, redis_url: str | None = None
+) -> Iterator[RouterProc]:
+    """bench/passthrough.py (the stack's floor for a turn) on a free port; with `redis_url`,
+    the work floor (its claim and commit in that Redis, P's /tokenize on later turns)."""
+    work = ["uvloop", redis_url] if redis_url else []
+    argv = lambda port: ["bench.passthrough", str(port), p_url, d_url, *work]  # noqa: E731
     with http_process(argv, name, ready_timeout=READY_TIMEOUT) as app:
         yield app
 

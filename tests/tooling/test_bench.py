@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import peer_venv, peers
 from bench.cli import PNGS
 from bench.report import SECTIONS
 from tests.support.procs import ROOT
@@ -119,6 +120,12 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
     assert (
         arms["releases on"]["series"][-1]["pinned"] < arms["releases off"]["series"][-1]["pinned"]
     )
+
+
+@pytest.mark.timeout(510)
+def test_quick_run_side_by_side(quick_run: Path) -> None:
+    report = (quick_run / "benchmarks.md").read_text()
+    raw = json.loads((quick_run / "bench-results.json").read_text())
     # Side by side with vllm-router (from PyPI): the same arrivals, the same answers.
     assert "## 8. Side by side with other routers" in report
     peer_arms = raw["peers"]["scenarios"]["arrivals"]["arms"]
@@ -128,6 +135,25 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
         assert s["turns"] > 0 and s["failed"] == 0, (name, s)
         assert s["compared"] > 0 and s["differ"] == 0, (name, s)
     assert peer_arms["kvbaton"]["summary"]["reuse"].get("hit", 0) > 0
+    # vLLM's multi-turn benchmark, unchanged, through the same arms: every request answered,
+    # the same answers, kvbaton's P read D's KV. Skipped with one line only without a tree.
+    multiturn = peers.MULTITURN.name
+    if not peer_venv.vllm_tree().exists():
+        assert raw["peers"]["skipped_scenarios"] == [multiturn]
+        assert f"*{multiturn}*: skipped, no vLLM tree" in report
+        return
+    assert raw["peers"]["skipped_scenarios"] == []
+    mt_arms = raw["peers"]["scenarios"][multiturn]["arms"]
+    assert set(mt_arms) == set(peer_arms)
+    for name, arm in mt_arms.items():
+        s = arm["summary"]
+        assert not any(r.get("error") for r in arm["rounds"]), (name, arm["rounds"])
+        # 4 conversations x 3 turns: measured, or answered without the benchmark's measurement
+        assert s["turns"] + s["unmeasured"] == 12 and s["failed"] == 0, (name, s)
+        assert s["compared"] == 12 and s["differ"] == 0, (name, s)
+        assert s["ttft_later"]["n"] == 8 and s["goodput"] > 0, (name, s)
+    assert mt_arms["kvbaton"]["summary"]["pulled_from_d"] > 0
+    assert f"### {multiturn}: " in report
 
 
 @pytest.mark.timeout(510)

@@ -1,0 +1,96 @@
+"""Section 8's pure parts: vLLM's multi-turn benchmark output read back as turns, its offline
+tokenizer and text, and the README's headline table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import headline, vllm_multiturn
+from vllm_sim.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.unit
+
+
+def stat(conv: str, messages: int, ttft_ms: float, start_ms: float) -> dict[str, Any]:
+    return {
+        "conversation_id": conv,
+        "input_num_turns": messages,
+        "ttft_ms": ttft_ms,
+        "start_time_ms": start_ms,
+        "latency_ms": 100.0,
+    }
+
+
+def test_benchmark_output_as_turns() -> None:
+    stats = [stat("A", 1, 30.0, 1000.0), stat("A", 3, 20.0, 1200.0), stat("B", 1, 40.0, 1100.0)]
+    convs = [
+        {
+            "id": "A",
+            "messages": [
+                {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": "a1"},
+                {"role": "user", "content": "q2"},
+                {"role": "assistant", "content": "a2"},
+            ],
+        }
+    ]  # B did not end: not written back
+    log = "Client 0 is done (num_successes=2, num_failures=0)\n"
+    log += "Client 1 is done (num_successes=1, num_failures=2)\n"
+    out = vllm_multiturn.parse(stats, convs, log)
+    ok = [t for t in out["turns"] if t["ok"]]
+    assert [(t["conv"], t["turn"], t["ttft"], t["answer"]) for t in ok] == [
+        ("A", 1, 0.03, "a1"),
+        ("A", 2, 0.02, "a2"),
+        ("B", 1, 0.04, None),
+    ]
+    assert sum(not t["ok"] for t in out["turns"]) == 2
+    assert out["seconds"] == pytest.approx(0.3)  # 1000 ms to 1200 + 100 ms
+    assert vllm_multiturn.parse([], [], "")["turns"] == []
+
+
+def test_tokenizer_folder_and_text_split_as_the_simulators(tmp_path: Path) -> None:
+    vllm_multiturn.write_tokenizer(tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    text = vllm_multiturn.words_text(500)
+    ids = Tokenizer().encode(text)
+    assert all(tid in vocab.values() for tid in ids)  # every piece of the text is a word here
+    assert len(ids) >= 500 and text.endswith(".\n")
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["unk_token"] in vocab
+
+
+def summary(p50: float, p90: float, failed: int = 0) -> dict[str, Any]:
+    return {
+        "summary": {
+            "ttft_later": {"p50": p50, "p90": p90},
+            "turns": 100,
+            "failed": failed,
+            "cpu_ms_per_turn": 2.0,
+        }
+    }
+
+
+def test_headline_says_where_kvbaton_is_not_ahead(tmp_path: Path) -> None:
+    peers = {
+        "scenarios": {
+            "short": {"arms": {"kvbaton": summary(16, 19), "other": summary(12, 14)}},
+            "long": {"arms": {"kvbaton": summary(19, 25), "other": summary(33, 39)}},
+            "D fails": {"arms": {"kvbaton": summary(15, 18, 4), "other": summary(12, 13, 43)}},
+        }
+    }
+    block = headline.lines(peers, "a run")
+    text = "\n".join(block)
+    assert "| kvbaton | 16 / 19 | 19 / 25 | 15 / 18 (4 of 100 failed) | 2.0 |" in text
+    assert "- short: kvbaton is **not** ahead at p50: other is lower, 12 / 14 ms" in text
+    assert "- long: kvbaton has the lowest p50 (19 ms)." in text
+    assert "Fewest failed turns: kvbaton (4; the others 43)." in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{headline.START}\nold\n{headline.END}\n\nrest\n")
+    assert headline.update(readme, block)
+    assert readme.read_text() == f"# x\n\n{text}\n\nrest\n"
+    readme.write_text("no markers\n")
+    assert not headline.update(readme, block)
