@@ -39,7 +39,7 @@ from typing import Any
 from bench import pins, vllm_multiturn
 from bench.peer_venv import PEERS_VENV, VLLM_ROUTER, VLLM_TREE_ENV, vllm_copy, vllm_router
 from bench.plan import Plan
-from bench.stack import LoadGen, by_source, start_stack, tree_cpu_seconds
+from bench.stack import LoadGen, by_source, read_wait, start_stack, tree_cpu_seconds
 from bench.stats import fmt, summary_ms
 from tests.support.procs import free_port, log_file, redis_server, stop, wait_http
 from tests.support.stack import Stack
@@ -358,16 +358,20 @@ def one(
                 res = arrivals(plan, lg, sc, arm, url, st)
         cpu = tree_cpu_seconds(proc.pid) - cpu0
         tokens: dict[str, dict[str, float]] = {"P": {}, "D": {}}
+        waits: dict[str, float] = {}  # P's reads of D's KV (not D's of P's)
         for role, sims in (("P", st.ps), ("D", st.ds)):
             for sim in sims:
                 if sim.proc.poll() is not None:
                     continue  # the D this scenario killed
                 for source, n in by_source(sim.url).items():
                     tokens[role][source] = tokens[role].get(source, 0.0) + n
+                for key, n in read_wait(sim.url).items() if role == "P" else ():
+                    waits[key] = waits.get(key, 0.0) + n
         return {
             **res,
             "cpu_s": cpu,
             "tokens": tokens,
+            "p_read_wait": waits,
             "pinned_max": max((s["pinned"] for s in sampler.samples), default=0.0),
         }, dict(st.commands)
 
@@ -411,7 +415,36 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         "cpu_ms_per_turn": 1000 * sum(r["cpu_s"] for r in rounds) / max(1, len(turns)),
         "pinned_max": max((r["pinned_max"] for r in rounds), default=0.0),
         "reuse": _reuse(ok),
+        "p_read_wait": _read_wait([r.get("p_read_wait", {}) for r in rounds]),
     }
+
+
+def _read_wait(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """P's side-channel reads over the rounds: how many, their mean wall time and the bucket
+    bound under which 90% of them finished (ms)."""
+    total: dict[str, float] = {}
+    for r in rounds:
+        for key, n in r.items():
+            total[key] = total.get(key, 0.0) + n
+    count = total.get("count", 0.0)
+    if not count:
+        return {"reads": 0.0}
+    bounds = sorted((float(k[3:]), n) for k, n in total.items() if k.startswith("le="))
+    p90 = next((b for b, n in bounds if n >= 0.9 * count), float("inf"))
+    return {"reads": count, "mean_ms": 1000 * total["sum"] / count, "p90_under_ms": 1000 * p90}
+
+
+def _waited(summary: dict[str, Any]) -> str:
+    """P's reads of D's KV: the simulators' side channel is answered by D's own event loop, so
+    a read waits while D is busy (a GPU's RDMA read does not): what that added here."""
+    wait = summary.get("p_read_wait") or {}
+    if not wait.get("reads"):
+        return ""
+    return (
+        f" Its P's {wait['reads']:,.0f} reads of D's KV took {fmt(wait['mean_ms'])} ms on "
+        f"average, 90% under {fmt(wait['p90_under_ms'])} ms (wall time of the simulators' "
+        "side channel, which D's event loop answers; the modelled transfer time is apart)."
+    )
 
 
 def _reuse(turns: list[dict[str, Any]]) -> dict[str, int]:
@@ -511,7 +544,7 @@ def scenario_lines(sc_name: str, sc: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"kvbaton's later turns by `X-KV-Reuse`: {reuse or 'none'}; the most of its "
-            f"D's blocks pinned at once: {fmt(kv['pinned_max'])}.",
+            f"D's blocks pinned at once: {fmt(kv['pinned_max'])}.{_waited(kv)}",
         ]
     if "multiturn" in sc and DEMO_ARM.name in sc["arms"]:
         lines += ["", DEMO_WITH_MIN_TOKENS]

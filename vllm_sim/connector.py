@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +108,7 @@ class Connector:
                 logger.warning("KV free notification failed: %s", exc)
                 self.counters.nixl_failed_notifications += 1
             return 0
+        started = time.monotonic()
         try:
             if src.expiry is not None:
                 # Only a forwarded deadline needs the producer's clock (vllm#47021).
@@ -129,6 +131,7 @@ class Connector:
             )
         except TransferError as exc:
             return self._load_failed(exc, "KV load")
+        self.counters.sim_read_wait.observe(time.monotonic() - started)
         return self._loaded(seq, start, count, blocks)
 
     async def receive_push(

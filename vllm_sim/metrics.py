@@ -8,6 +8,40 @@ from dataclasses import dataclass, field
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
+READ_WAIT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram: counts per upper bound (cumulative when rendered), sum, count."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.bounds)
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, running = [], 0
+        counts = self.counts or [0] * len(self.bounds)
+        for bound, n in zip(self.bounds, counts, strict=True):
+            running += n
+            out.append(f'{name}_bucket{{{labels},le="{bound!r}"}} {_fmt(running)}')
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {_fmt(self.count)}')
+        out.append(f"{name}_sum{{{labels}}} {_fmt(self.total)}")
+        out.append(f"{name}_count{{{labels}}} {_fmt(self.count)}")
+        return out
+
+
 @dataclass
 class Counters:
     prompt_tokens: int = 0
@@ -39,6 +73,10 @@ class Counters:
     sim_store_blocks_read: int = 0
     sim_store_blocks_written: int = 0
     sim_store_errors: int = 0
+    # The wall time of this P's side-channel exchanges (handshake and block read) per pull:
+    # D's own event loop answers them, so they wait while D is busy. A GPU's RDMA read does
+    # not wait on D's CPU: this is the simulation's cost, not vLLM's (docs/simulator.md).
+    sim_read_wait: Histogram = field(default_factory=lambda: Histogram(READ_WAIT_BUCKETS))
 
 
 @dataclass(frozen=True)
@@ -209,6 +247,10 @@ def render(
     )
     for attr, name, help_ in _SIM_COUNTERS:
         metric(name, "counter", help_, [(base, getattr(c, attr))])
+    wait = "vllm_sim:kv_read_wait_seconds"
+    lines.append(f"# HELP {wait} Wall time of this instance's side-channel reads per pull.")
+    lines.append(f"# TYPE {wait} histogram")
+    lines.extend(c.sim_read_wait.lines(wait, base))
     metric(
         "vllm_sim:pinned_requests",
         "gauge",

@@ -142,8 +142,14 @@ async def test_bidirectional_turn2_pulls_from_d_with_exact_answer(
     assert ids2[: n1 + len(out_ids)] == db["prompt_token_ids"] + out_ids  # exact extension
     p_hit = (n1 // BS) * BS  # P cached turn 1's full prompt blocks
     before = await external(p.url)
+    reads = await metric(p.url, "vllm_sim:kv_read_wait_seconds_count")
+    waited = await metric(p.url, "vllm_sim:kv_read_wait_seconds_sum")
     pb = await prefill(p, msgs2, as_p_handle(hd))
     assert await external(p.url) - before == hd["remote_num_tokens"] - p_hit
+    # The pull's side-channel exchange, timed on P (a histogram: every read under +Inf).
+    assert await metric(p.url, "vllm_sim:kv_read_wait_seconds_count") == reads + 1
+    assert await metric(p.url, "vllm_sim:kv_read_wait_seconds_sum") > waited
+    assert await metric(p.url, "vllm_sim:kv_read_wait_seconds_bucket", le="+Inf") == reads + 1
     assert pb["usage"]["prompt_tokens_details"]["cached_tokens"] == hd["remote_num_tokens"]
     status, db2 = await decode(d, msgs2, pb["kv_transfer_params"], 20)
     assert status == 200
