@@ -1,7 +1,8 @@
 """`python -m bench [--quick] [--out DIR]`: run the benchmarks, write the report and plots.
 
-The full run writes docs/benchmarks.md and docs/bench-*.png; --quick (under 4 minutes)
-writes to a fresh temporary directory unless --out is given.
+The full run writes docs/benchmarks.md and docs/bench-*.png; --quick (under 4 minutes) and
+--only (some parts: not the whole report, which it would replace) write to a fresh temporary
+directory unless --out is given.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ PNGS = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a small run (under 4 minutes)")
-    p.add_argument("--out", type=Path, help="report directory (default: docs/, or a temp dir)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="report directory (default: docs/ for a full run, else a temp dir)",
+    )
     p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts")
     p.add_argument("--raw", type=Path, help="also write the raw results as JSON here")
     p.add_argument("--from-raw", type=Path, help="only render the report from a raw JSON file")
@@ -244,6 +249,16 @@ def write(results: dict[str, Any], plan: Plan, out: Path) -> Path:
     return path
 
 
+def report_dir(args: argparse.Namespace, parts: tuple[str, ...]) -> Path:
+    """--out, else docs/ for a full run; a quick run, or some parts only, would replace the
+    committed report with a partial one: a fresh temporary directory."""
+    if args.out is not None:
+        return Path(args.out)
+    if args.quick or parts != PARTS:
+        return Path(tempfile.mkdtemp(prefix="kvbaton-bench-"))
+    return ROOT / "docs"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -253,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {write(results, plan, args.out or args.from_raw.parent)}")
         return 0
     parts = tuple(args.only) if args.only else PARTS
-    out = args.out or (
-        Path(tempfile.mkdtemp(prefix="kvbaton-bench-")) if args.quick else ROOT / "docs"
-    )
+    out = report_dir(args, parts)
     started = time.monotonic()
     info = meta(argv)
     no_reuse = router_has_no_reuse()
