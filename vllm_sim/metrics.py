@@ -30,6 +30,13 @@ class Histogram:
         self.total += value
         self.count += 1
 
+    def __add__(self, other: Histogram) -> Histogram:
+        """Two ranks' histograms as one (the same bounds)."""
+        width = len(self.bounds)
+        mine, theirs = self.counts or [0] * width, other.counts or [0] * width
+        counts = [a + b for a, b in zip(mine, theirs, strict=True)]
+        return Histogram(self.bounds, counts, self.total + other.total, self.count + other.count)
+
     def lines(self, name: str, labels: str) -> list[str]:
         out, running = [], 0
         counts = self.counts or [0] * len(self.bounds)
