@@ -487,8 +487,9 @@ def section(res: dict[str, Any], plan: Plan, png: str | None = None) -> list[str
         "arms in reversed order every other round. Every client sends its conversation's id as "
         "`X-Session-ID`. Goodput: turns whose first token came within "
         f"{res['slo_ms']:g} ms, per second of arrivals. Tokens are the engines' "
-        "`vllm:prompt_tokens_by_source_total` (a killed D's are lost); router CPU is the "
-        "router's process tree. The arms:",
+        "`vllm:prompt_tokens_by_source_total` (a killed D's are lost); *D pinned at most* is "
+        "the largest share of the D's blocks (both together) held for a reader that had not "
+        "read them, sampled twice a second; router CPU is the router's process tree. The arms:",
         "",
     ]
     first = next(iter(res["scenarios"].values()), None)
@@ -522,9 +523,9 @@ def scenario_lines(sc_name: str, sc: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "| arm | turns (failed) | TTFT turn 1 p50 / p90 / p99 ms | later turns p50 / p90 / "
-        "p99 ms | goodput /s | P computed | P read from D | router CPU ms/turn | answers "
-        "differing from kvbaton's |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "p99 ms | goodput /s | P computed | D computed | P read from D | D pinned at most | "
+        "router CPU ms/turn | answers differing from kvbaton's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, arm in sc["arms"].items():
         s = arm["summary"]
@@ -533,7 +534,8 @@ def scenario_lines(sc_name: str, sc: dict[str, Any]) -> list[str]:
             f"| {name} | {s['turns']} ({s['failed']}) | "
             f"{fmt(one_['p50'], 0)} / {fmt(one_['p90'], 0)} / {fmt(one_['p99'], 0)} | "
             f"{fmt(later['p50'], 0)} / {fmt(later['p90'], 0)} / {fmt(later['p99'], 0)} | "
-            f"{s['goodput']:.2f} | {s['p_computed']:,.0f} | {s['pulled_from_d']:,.0f} | "
+            f"{s['goodput']:.2f} | {s['p_computed']:,.0f} | {s.get('d_computed', 0.0):,.0f} | "
+            f"{s['pulled_from_d']:,.0f} | {s['pinned_max']:.0%} | "
             f"{s['cpu_ms_per_turn']:.2f} | {s['differ']} of {s['compared']} |"
         )
     kv = sc["arms"].get(ARMS[0].name, {}).get("summary")
