@@ -460,13 +460,16 @@ def answers_compared(arms: dict[str, Any]) -> None:
     """Each arm's answers against kvbaton's, turn by turn (the same seeded conversations):
     how many turns both answered, and how many of those differ."""
 
-    def answers(arm: dict[str, Any]) -> dict[tuple[int, int, int], str]:
-        return {
+    def answers(arm: dict[str, Any]) -> dict[tuple[int, Any, int], str]:
+        found = {
             (i, t["conv"], t["turn"]): t["answer"]
             for i, r in enumerate(arm["rounds"])
             for t in r["turns"]
             if t["ok"] and t.get("answer") is not None  # vLLM's benchmark: ended conversations
         }
+        for i, r in enumerate(arm["rounds"]):  # vLLM's benchmark: answered, not measured
+            found.update(((i, c, n), a) for c, n, a in r.get("unmeasured_answers", ()))
+        return found
 
     base = answers(arms[ARMS[0].name])
     for arm in arms.values():

@@ -276,9 +276,15 @@ def parse(stats: list[dict[str, Any]], convs: list[dict[str, Any]], log: str) ->
     seconds = (max(ends) - min(starts)) / 1000 if stats else 0.0
     # Answered, but without a measurement: the benchmark drains its clients' result queue
     # with Queue.empty(), which can miss one put just before a client's end (seen under load).
+    # Their answers are still compared across arms ([conversation, turn, answer] each).
     measured = {(t["conv"], t["turn"]) for t in turns}
-    unmeasured = sum(1 for key in answers if (key[0], key[1]) not in measured)
-    return {"turns": turns, "seconds": seconds, "unmeasured": unmeasured}
+    unmeasured = [[c, n, a] for (c, n), a in answers.items() if (c, n) not in measured]
+    return {
+        "turns": turns,
+        "seconds": seconds,
+        "unmeasured": len(unmeasured),
+        "unmeasured_answers": unmeasured,
+    }
 
 
 def _dist(d: dict[str, Any]) -> str:

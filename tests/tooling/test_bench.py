@@ -150,8 +150,9 @@ def test_quick_run_side_by_side(quick_run: Path) -> None:
         assert not any(r.get("error") for r in arm["rounds"]), (name, arm["rounds"])
         # 4 conversations x 3 turns: measured, or answered without the benchmark's measurement
         assert s["turns"] + s["unmeasured"] == 12 and s["failed"] == 0, (name, s)
+        # every answer compared, those it did not measure too
         assert s["compared"] == 12 and s["differ"] == 0, (name, s)
-        assert s["ttft_later"]["n"] == 8 and s["goodput"] > 0, (name, s)
+        assert 8 - s["unmeasured"] <= s["ttft_later"]["n"] <= 8 and s["goodput"] > 0, (name, s)
     assert mt_arms["kvbaton"]["summary"]["pulled_from_d"] > 0
     assert f"### {multiturn}: " in report
 

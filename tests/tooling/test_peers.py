@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench import headline, vllm_multiturn
+from bench import headline, peers, vllm_multiturn
 from vllm_sim.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
@@ -49,7 +49,36 @@ def test_benchmark_output_as_turns() -> None:
     ]
     assert sum(not t["ok"] for t in out["turns"]) == 2
     assert out["seconds"] == pytest.approx(0.3)  # 1000 ms to 1200 + 100 ms
+    assert out["unmeasured"] == 0 and out["unmeasured_answers"] == []
     assert vllm_multiturn.parse([], [], "")["turns"] == []
+
+
+def test_an_answered_turn_the_benchmark_did_not_measure_is_still_compared() -> None:
+    """Its stats can miss a request a client answered just before its end (seen under load):
+    that turn has no TTFT, but its answer, written back with the conversation, is compared
+    with kvbaton's like any other."""
+    convs = [
+        {
+            "id": "A",
+            "messages": [
+                {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": "a1"},
+                {"role": "user", "content": "q2"},
+                {"role": "assistant", "content": "a2"},
+            ],
+        }
+    ]
+    full = vllm_multiturn.parse([stat("A", 1, 30.0, 0.0), stat("A", 3, 20.0, 100.0)], convs, "")
+    short = vllm_multiturn.parse([stat("A", 1, 30.0, 0.0)], convs, "")
+    assert short["unmeasured"] == 1 and short["unmeasured_answers"] == [["A", 2, "a2"]]
+    edited = {**short, "unmeasured_answers": [["A", 2, "other"]]}
+    arms: dict[str, Any] = {
+        name: {"rounds": [rnd], "summary": {}}
+        for name, rnd in (("kvbaton", full), ("short", short), ("edited", edited))
+    }
+    peers.answers_compared(arms)
+    assert arms["short"]["summary"] == {"compared": 2, "differ": 0}
+    assert arms["edited"]["summary"] == {"compared": 2, "differ": 1}
 
 
 def test_tokenizer_folder_and_text_split_as_the_simulators(tmp_path: Path) -> None:
