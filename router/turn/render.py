@@ -30,7 +30,8 @@ _NOT_SERVED = (403, 405, 501)
 
 
 def _instance(svc: Services, url: str) -> Instance | None:
-    return next((i for i in svc.pool.instances() if i.url == url), None)
+    """The engine at `url`: the turn's P, or its D (whose render the decode plan reads)."""
+    return svc.pool.find("prefill", url) or svc.pool.find("decode", url)
 
 
 def may_render(svc: Services, url: str) -> bool:

@@ -15,6 +15,7 @@ from vllm_sim.clock import SimClock
 from vllm_sim.config import parse_settings
 from vllm_sim.errors import ApiError
 from vllm_sim.faults import Faults
+from vllm_sim.metrics import READ_WAIT_BUCKETS, Histogram
 from vllm_sim.output import OutputText
 from vllm_sim.template import TemplateError, render
 from vllm_sim.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, Tokenizer
@@ -375,3 +376,20 @@ def test_clock_and_error_types() -> None:
         clock.advance(-1)
     assert ApiError("x", status=401).err_type == "Unauthorized"
     assert ApiError("x", status=503).body()["error"]["type"] == "InternalServerError"
+
+
+def test_read_wait_histogram_renders_cumulative_buckets_and_sums_ranks() -> None:
+    """vllm_sim:kv_read_wait_seconds as Prometheus reads it, and a DP engine's ranks as one."""
+    a, b = Histogram(READ_WAIT_BUCKETS), Histogram(READ_WAIT_BUCKETS)
+    for value in (0.0005, 0.003, 2.0):
+        a.observe(value)
+    b.observe(0.003)
+    both = a + b
+    lines = dict(line.rsplit(" ", 1) for line in both.lines("w", 'e="0"'))
+    assert lines['w_bucket{e="0",le="0.001"}'] == "1.0"
+    assert lines['w_bucket{e="0",le="0.005"}'] == "3.0"  # cumulative
+    assert lines['w_bucket{e="0",le="1.0"}'] == "3.0"
+    assert lines['w_bucket{e="0",le="+Inf"}'] == lines['w_count{e="0"}'] == "4.0"
+    assert float(lines['w_sum{e="0"}']) == pytest.approx(2.0065)
+    empty = Histogram(READ_WAIT_BUCKETS) + Histogram(READ_WAIT_BUCKETS)
+    assert empty.count == 0 and all(line.endswith(" 0.0") for line in empty.lines("w", "x"))

@@ -25,19 +25,21 @@ def stat(conv: str, messages: int, ttft_ms: float, start_ms: float) -> dict[str,
     }
 
 
+# One conversation of two turns, as the benchmark writes it back when it ends.
+CONV_A: dict[str, Any] = {
+    "id": "A",
+    "messages": [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ],
+}
+
+
 def test_benchmark_output_as_turns() -> None:
     stats = [stat("A", 1, 30.0, 1000.0), stat("A", 3, 20.0, 1200.0), stat("B", 1, 40.0, 1100.0)]
-    convs = [
-        {
-            "id": "A",
-            "messages": [
-                {"role": "user", "content": "q1"},
-                {"role": "assistant", "content": "a1"},
-                {"role": "user", "content": "q2"},
-                {"role": "assistant", "content": "a2"},
-            ],
-        }
-    ]  # B did not end: not written back
+    convs = [CONV_A]  # B did not end: not written back
     log = "Client 0 is done (num_successes=2, num_failures=0)\n"
     log += "Client 1 is done (num_successes=1, num_failures=2)\n"
     out = vllm_multiturn.parse(stats, convs, log)
@@ -57,17 +59,7 @@ def test_an_answered_turn_the_benchmark_did_not_measure_is_still_compared() -> N
     """Its stats can miss a request a client answered just before its end (seen under load):
     that turn has no TTFT, but its answer, written back with the conversation, is compared
     with kvbaton's like any other."""
-    convs = [
-        {
-            "id": "A",
-            "messages": [
-                {"role": "user", "content": "q1"},
-                {"role": "assistant", "content": "a1"},
-                {"role": "user", "content": "q2"},
-                {"role": "assistant", "content": "a2"},
-            ],
-        }
-    ]
+    convs = [CONV_A]
     full = vllm_multiturn.parse([stat("A", 1, 30.0, 0.0), stat("A", 3, 20.0, 100.0)], convs, "")
     short = vllm_multiturn.parse([stat("A", 1, 30.0, 0.0)], convs, "")
     assert short["unmeasured"] == 1 and short["unmeasured_answers"] == [["A", 2, "a2"]]
@@ -123,3 +115,20 @@ def test_headline_says_where_kvbaton_is_not_ahead(tmp_path: Path) -> None:
     assert readme.read_text() == f"# x\n\n{text}\n\nrest\n"
     readme.write_text("no markers\n")
     assert not headline.update(readme, block)
+
+
+def test_p_read_wait_over_rounds_and_its_line() -> None:
+    """Two rounds' histograms of P's side-channel reads: the count, the mean and the bucket
+    under which 90% finished; no reads, no line."""
+    one = {"le=0.001": 1.0, "le=0.002": 8.0, "le=0.005": 10.0, "le=+Inf": 10.0}
+    two = {"le=0.001": 0.0, "le=0.002": 0.0, "le=0.005": 5.0, "le=+Inf": 10.0}
+    first, second = {**one, "sum": 0.015, "count": 10.0}, {**two, "sum": 0.5, "count": 10.0}
+    wait = peers._read_wait([first, second])
+    assert wait == {"reads": 20.0, "mean_ms": pytest.approx(25.75), "p90_under_ms": float("inf")}
+    wait = peers._read_wait([first])
+    assert wait["p90_under_ms"] == pytest.approx(5.0)  # 8 of 10 under 2 ms: not 90%
+    assert "10 reads of D's KV took 1.50 ms on average, 90% under 5.00 ms" in peers._waited(
+        {"p_read_wait": wait}
+    )
+    assert peers._read_wait([{}, {}]) == {"reads": 0.0}
+    assert peers._waited({"p_read_wait": {"reads": 0.0}}) == peers._waited({}) == ""
