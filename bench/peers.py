@@ -77,7 +77,14 @@ class Arm:
 
 VLLM_ROUTER_PEER, VLLM_PROXY_PEER, VLLM_DEMO_PEER = "vllm-router", "vllm-proxy", "vllm-demo"
 ARMS = (
-    Arm("kvbaton", "defaults: reuse, affinity, pin releases", ("--stream-kv-params",), "", True),
+    Arm(
+        "kvbaton",
+        "reuse, affinity, pin releases (the defaults), and `--stream-kv-params` (a 0.33 D "
+        "streams its handle anyway)",
+        ("--stream-kv-params",),
+        "",
+        True,
+    ),
     Arm("kvbaton, reuse off", "`--no-reuse`: affinity only", ("--no-reuse",)),
     Arm(
         "vllm-router cache_aware",
