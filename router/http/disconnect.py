@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+# Where a request's scope holds the server's own `send` (put there by the outermost wrapper,
+# router/http/server.py): a relayed stream's body goes out with it, past Starlette's two
+# middleware wrappers (a coroutine call each per chunk), which only watch for the response
+# start; that one still goes through them.
+SERVER_SEND = "kvbaton.server_send"
 
 # nginx's "client closed request": logged and counted, never seen by the client.
 CLIENT_CLOSED = 499
@@ -73,15 +79,16 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, Response]
 
 
 class RelayResponse(Response):
-    """A streamed answer sent chunk by chunk as `body` makes them, the request's task cancelled
-    (and with it `body`, which cancels D's request) when the client hangs up mid-stream.
-    Starlette's StreamingResponse does the same with a task group of two more tasks per
-    response and one more generator layer per chunk."""
+    """A streamed answer whose body `relay` sends itself (each chunk as it is ready: no
+    generator between it and the server), the request's task cancelled (and with it `relay`,
+    whose cleanup cancels D's request) when the client hangs up mid-stream. Starlette's
+    StreamingResponse does the same with a task group of two more tasks per response and one
+    more generator layer per chunk."""
 
     def __init__(
-        self, body: AsyncGenerator[bytes, None], headers: dict[str, str], media_type: str
+        self, relay: Callable[[Send], Awaitable[None]], headers: dict[str, str], media_type: str
     ) -> None:
-        self._chunks = body  # no `self.body`: init_headers would send Content-Length: 0
+        self._relay = relay  # no `self.body`: init_headers would send Content-Length: 0
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -91,12 +98,11 @@ class RelayResponse(Response):
         watch = Watch(receive)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self._chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            body_send = scope.get(SERVER_SEND, send)
+            await self._relay(body_send)
+            await body_send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not watch.ours():
                 raise
         finally:
             watch.close()
-            await self._chunks.aclose()  # cut while a chunk was being sent: its cleanup now

@@ -19,6 +19,7 @@ from router.connectors.select import select
 from router.errors import ConfigError, StartupError
 from router.http import framing
 from router.http.app import create_app
+from router.http.disconnect import SERVER_SEND
 from router.http.workers import supervise
 from router.lifecycle.discovery import preflight
 from router.logs import setup_logging
@@ -72,6 +73,7 @@ class Requests:
             return
         self.active += 1
         self.idle.clear()
+        scope[SERVER_SEND] = send
         try:
             await self.app(scope, receive, send)
         finally:

@@ -4,12 +4,13 @@ then relayed (streamed or whole) with D's handle captured and the turn committed
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.responses import Response
+from starlette.types import Send
 
 from router.engines.client import EngineStream
 from router.engines.pool import Instance
@@ -102,9 +103,8 @@ async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
     svc.pool.record_success(d_inst)
     strip = not inc.wants_token_ids and turn.want_token_ids
     if inc.stream:
-        return RelayResponse(
-            _relay(turn, d_inst, resp, strip), final_headers(turn), resp.content_type
-        )
+        relay = functools.partial(_relay, turn, d_inst, resp, strip)
+        return RelayResponse(relay, final_headers(turn), resp.content_type)
     try:
         with svc.pool.busy(d_inst):
             chunks = [c async for c in resp.chunks(svc.settings.decode_idle_timeout)]
@@ -118,10 +118,9 @@ async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
     return Response(client_bytes, 200, headers=final_headers(turn), media_type="application/json")
 
 
-async def _relay(
-    turn: Turn, d_inst: Instance, resp: EngineStream, strip: bool
-) -> AsyncGenerator[bytes, None]:
-    """Relay D's SSE bytes as they come; capture D's handle; commit before `[DONE]` goes out."""
+async def _relay(turn: Turn, d_inst: Instance, resp: EngineStream, strip: bool, send: Send) -> None:
+    """Send D's SSE bytes on as they come; capture D's handle; commit before `[DONE]` goes
+    out. Cancelled (the client left): D's request is cancelled and the turn aborted."""
     relay = SseRelay(strip_token_ids=strip, responses=turn.inc.api == "responses")
     ended = False
     d_inst.outstanding += 1
@@ -133,20 +132,20 @@ async def _relay(
                 await finish(turn, relay.captured)
             if out:
                 turn.mark_first_byte()
-                yield out
+                await send({"type": "http.response.body", "body": out, "more_body": True})
         tail = relay.flush()
         if not ended:
             ended = True
             await finish(turn, relay.captured)
         if tail:
-            yield tail
+            await send(_body(tail))
     except UpstreamFailure as exc:
         # After the first byte the status is sent: end with one SSE error event, no commit.
         log.warning("decode stream from %s broke: %s", d_inst.url, exc)
         turn.svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
         ended = True
         await abort(turn, AbortReason.DECODE_BROKE)
-        yield sse_error_event(f"the decode engine failed mid-stream: {exc}")
+        await send(_body(sse_error_event(f"the decode engine failed mid-stream: {exc}")))
     except Exception as exc:
         # Design rule 8: after the first byte every failure ends the stream with one error
         # event, never a cut 200; one log line, the traceback at debug level.
@@ -154,7 +153,7 @@ async def _relay(
         log.debug("traceback of the error above", exc_info=exc)
         ended = True
         await abort(turn, AbortReason.raised(exc))
-        yield sse_error_event("internal router error", "internal_error")
+        await send(_body(sse_error_event("internal router error", "internal_error")))
     finally:
         d_inst.outstanding -= 1
         if relay.done:
@@ -163,3 +162,7 @@ async def _relay(
             resp.close()  # cancels D's request: the client left or D broke
         if not ended:
             await asyncio.shield(abort(turn, AbortReason.CLIENT_DISCONNECTED))
+
+
+def _body(chunk: bytes) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
