@@ -224,6 +224,8 @@ class LoadGen:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
         stop(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         self._log.close()
 
     def __enter__(self) -> LoadGen:

@@ -60,8 +60,9 @@ class Watch:
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
     """Run `work` (the body is already read) as a task of its own; cancel it if the client
-    goes away first. (Running it in the request's task under a `Watch` was reverted together
-    with a change that made store calls time out under bursts; not measured on its own.)"""
+    goes away first. (Running it in the request's task under a `Watch` instead, measured on its
+    own with `python -m bench.instructions`: 0.2-2% fewer instructions per JSON hit turn, within
+    the run-to-run spread; not kept.)"""
     task = asyncio.create_task(work)
     watcher = asyncio.create_task(_disconnected(request.receive))
     try:

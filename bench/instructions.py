@@ -1,0 +1,253 @@
+"""Instructions per turn under callgrind: a lever's A/B that the machine's noise cannot hide.
+
+`python -m bench.instructions [--base REV] [--kind json|stream] [--conversations N]
+[--rounds R]` runs the hit path's conversations (section 1's stack: zero-cost simulators,
+kvbaton with the hit path's flags, 4 of every 5 turns hits, 1 client) through routers under
+`valgrind --tool=callgrind` and prints the user-space instructions each arm executed per
+turn, counted only while the measured conversations ran (instrumentation is switched on and
+off around them with callgrind_control). Arms: this checkout's router; with `--base REV`,
+the router of that commit (a temporary git worktree, removed after); and the work floor
+(bench/passthrough.py with Redis: the floor plus a hit's I/O, bare). Arms alternate, R
+rounds, each in a fresh process.
+
+CPU seconds on a shared 2-core VM vary by 10-30% between identical runs (measured: the same
+router gave 62-102 us per paced chunk in five rounds); instruction counts of the same code
+vary by about 1% (background loops run by wall time, and the collector runs by allocations).
+They leave out the kernel's work (reads, writes, wake-ups), which the router and the floor
+share, so they measure the router's own work; a lever that changes the syscalls is measured
+by `make bench` instead. The router's timeouts are raised: under callgrind it runs about 30
+times slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import hitpath
+from bench.plan import FULL
+from bench.stack import LoadGen, start_stack
+from tests.support.procs import free_port
+from tests.support.router import serve_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+# Under callgrind a turn takes ~30x longer: no timeout may fire, no health probe run.
+SLOW = ["--store-timeout", "30", "--connect-timeout", "30", "--prefill-timeout", "60"]
+SLOW += ["--decode-first-byte-timeout", "60", "--decode-idle-timeout", "60"]
+SLOW += ["--health-interval", "3600"]
+READY_S = 300.0
+
+
+def available() -> bool:
+    return shutil.which("valgrind") is not None and shutil.which("callgrind_control") is not None
+
+
+def total_instructions(path: Path) -> int:
+    """The `totals:` line of a callgrind dump (its `summary:` is 0 for a dump on request)."""
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise ValueError(f"{path}: no totals line")
+
+
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """A detached checkout of `rev` in a temporary folder, removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="kvbaton-base-"))
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", "-f", str(folder), rev],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield folder
+    finally:
+        subprocess.run(
+            ["git", "worktree", "remove", "--force", str(folder)], cwd=ROOT, capture_output=True
+        )
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class Arm:
+    """One process under callgrind (a router of some tree, or the work floor)."""
+
+    def __init__(self, name: str, module_argv: Sequence[str], cwd: Path, port: int) -> None:
+        self.name, self.argv, self.cwd, self.port = name, list(module_argv), cwd, port
+        self.url = f"http://127.0.0.1:{port}"
+
+    @contextlib.contextmanager
+    def running(self, out: Path) -> Iterator[subprocess.Popen[bytes]]:
+        argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
+        argv += [f"--callgrind-out-file={out}", sys.executable, "-m", *self.argv]
+        env = dict(os.environ, PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
+        with open(out.with_suffix(".log"), "wb") as log:
+            proc = subprocess.Popen(
+                argv, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        try:
+            _wait_ready(self.url + "/health", proc)
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except urllib.error.HTTPError as exc:  # not ready yet (503): its body is open
+            exc.close()
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}: not ready within {READY_S:g} s")
+
+
+def _callgrind(action: str, pid: int) -> None:
+    subprocess.run(["callgrind_control", action, str(pid)], check=True, capture_output=True)
+
+
+def measure(
+    arm: Arm, lg: LoadGen, *, stream: bool, conversations: int, work: Path
+) -> dict[str, Any]:
+    """One fresh process of `arm`: a warm-up conversation, then `conversations` measured."""
+    slug = "".join(c if c.isalnum() else "-" for c in arm.name)
+    out = work / f"{slug}.{time.monotonic_ns()}.callgrind"
+    with arm.running(out) as proc:
+        lg.run(_job(arm.url, stream, 1, rnd=99), timeout=600)
+        _callgrind("--instr=on", proc.pid)
+        result = lg.run(_job(arm.url, stream, conversations, rnd=0), timeout=3600)
+        _callgrind("--instr=off", proc.pid)
+        _callgrind("--dump", proc.pid)
+    dumps = [p for p in work.glob(out.name + ".*") if p.suffix != ".log"]
+    if len(dumps) != 1:
+        raise RuntimeError(f"{arm.name}: expected one callgrind dump, found {dumps}")
+    turns = result["turns"]
+    failed = sum(1 for t in turns if not t["ok"])
+    reuse: dict[str, int] = {}
+    for t in turns:
+        if t["turn"] > 1:
+            reuse[t.get("reuse") or "-"] = reuse.get(t.get("reuse") or "-", 0) + 1
+    return {
+        "turns": len(turns),
+        "failed": failed,
+        "later_turns": reuse,
+        "instructions_per_turn": total_instructions(dumps[0]) / max(1, len(turns)),
+    }
+
+
+def _job(url: str, stream: bool, conversations: int, rnd: int) -> dict[str, Any]:
+    spec = hitpath.job(FULL, url, stream=stream, clients=1, rnd=rnd, ids=True)
+    spec.update(n=conversations, deadline_s=3000.0, request_timeout_s=300.0)
+    return spec
+
+
+def run(
+    *, base: str | None, stream: bool, conversations: int, rounds: int, floor: bool
+) -> dict[str, list[dict[str, Any]]]:
+    results: dict[str, list[dict[str, Any]]] = {}
+    lg = LoadGen()
+    try:
+        with (
+            start_stack(
+                prefill_args=[hitpath.P_ARGS], decode_args=[hitpath.D_ARGS], name="instructions"
+            ) as st,
+            contextlib.ExitStack() as stack,
+            tempfile.TemporaryDirectory(prefix="kvbaton-callgrind-") as tmp,
+        ):
+            assert st.redis_url is not None
+            p_url, d_url = st.ps[0].url, st.ds[0].url
+
+            def router(name: str, tree: Path) -> Arm:
+                port = free_port()
+                argv = serve_argv(
+                    [p_url], [d_url], *hitpath.ROUTER_ARGS, *SLOW, port=port, redis_url=st.redis_url
+                )
+                return Arm(name, argv, tree, port)
+
+            arms = [router("kvbaton", ROOT)]
+            if base is not None:
+                arms.append(router(f"kvbaton at {base}", stack.enter_context(worktree(base))))
+            if floor:
+                port = free_port()
+                argv = ["bench.passthrough", str(port), p_url, d_url, "uvloop", st.redis_url]
+                arms.append(Arm("work floor", argv, ROOT, port))
+            for rnd in range(rounds):
+                for arm in arms if rnd % 2 == 0 else arms[::-1]:
+                    r = measure(arm, lg, stream=stream, conversations=conversations, work=Path(tmp))
+                    results.setdefault(arm.name, []).append(r)
+                    print(
+                        f"round {rnd + 1}: {arm.name}: {r['instructions_per_turn'] / 1e6:.3f} M"
+                        f" instructions per turn ({r['turns']} turns, {r['failed']} failed,"
+                        f" later turns {r['later_turns']})",
+                        flush=True,
+                    )
+    finally:
+        lg.close()
+    return results
+
+
+def summary(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per arm the median and range of instructions per turn; each arm against the first."""
+    lines = []
+    medians = {
+        arm: statistics.median(r["instructions_per_turn"] for r in rows)
+        for arm, rows in results.items()
+    }
+    first = next(iter(medians.values()), 0.0)
+    for arm, rows in results.items():
+        values = [r["instructions_per_turn"] / 1e6 for r in rows]
+        line = f"{arm}: {medians[arm] / 1e6:.3f} M instructions per turn (median of {len(values)}"
+        line += f", {min(values):.3f}-{max(values):.3f})"
+        if arm != next(iter(results)) and medians[arm]:
+            line += f"; kvbaton is {first / medians[arm]:.3f}x this"
+        lines.append(line)
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__)
+    ap.add_argument("--base", help="also measure the router of this commit (a git revision)")
+    ap.add_argument("--kind", choices=("json", "stream"), default="json")
+    ap.add_argument("--conversations", type=int, default=20, help="measured, 5 turns each")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-floor", action="store_true", help="leave the work floor out")
+    args = ap.parse_args(argv)
+    if not available():
+        print("python -m bench.instructions needs valgrind (Debian package valgrind)")
+        return 2
+    results = run(
+        base=args.base,
+        stream=args.kind == "stream",
+        conversations=args.conversations,
+        rounds=args.rounds,
+        floor=not args.no_floor,
+    )
+    print("\n".join(summary(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
