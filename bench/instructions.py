@@ -12,7 +12,8 @@ rounds, each in a fresh process.
 
 CPU seconds on a shared 2-core VM vary by 10-30% between identical runs (measured: the same
 router gave 62-102 us per paced chunk in five rounds); instruction counts of the same code
-vary by about 1% (background loops run by wall time, and the collector runs by allocations).
+vary by 0.7% over 60 conversations (300 turns) and by up to 5% over 20 (a collection of the
+whole heap, or a background loop's tick, falls in the window or not).
 They leave out the kernel's work (reads, writes, wake-ups), which the router and the floor
 share, so they measure the router's own work; a lever that changes the syscalls is measured
 by `make bench` instead. The router's timeouts are raised: under callgrind it runs about 30
@@ -231,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__)
     ap.add_argument("--base", help="also measure the router of this commit (a git revision)")
     ap.add_argument("--kind", choices=("json", "stream"), default="json")
-    ap.add_argument("--conversations", type=int, default=20, help="measured, 5 turns each")
+    ap.add_argument("--conversations", type=int, default=60, help="measured, 5 turns each")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-floor", action="store_true", help="leave the work floor out")
     args = ap.parse_args(argv)
