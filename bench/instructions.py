@@ -31,8 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,7 @@ from typing import Any
 from bench import hitpath
 from bench.plan import FULL
 from bench.stack import LoadGen, start_stack
-from tests.support.procs import free_port
+from tests.support.procs import free_port, wait_http
 from tests.support.router import serve_argv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +97,7 @@ class Arm:
                 argv, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, env=env
             )
         try:
-            _wait_ready(self.url + "/health", proc)
+            wait_http(self.url + "/health", READY_S, proc)
             yield proc
         finally:
             proc.terminate()
@@ -108,22 +106,6 @@ class Arm:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + READY_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=5):
-                return
-        except urllib.error.HTTPError as exc:  # not ready yet (503): its body is open
-            exc.close()
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}: not ready within {READY_S:g} s")
 
 
 def _callgrind(action: str, pid: int) -> None:
