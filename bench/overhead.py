@@ -5,6 +5,7 @@ Also the router's CPU per turn and per streamed chunk, and the Redis work per tu
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -154,14 +155,16 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
             router_args=[r_args],
             name="overhead-chunks",
         ) as st:
-            paced = bool(PACED[0] in d_extra)
-            out["chunk_cpu"][name] = chunk_slope(st, lg, plan, tick, paced=paced)
-            if name == "stock, paced":
-                # The same paced chunks through the stack's floor (bench/passthrough.py).
+            if PACED[0] not in d_extra:
+                out["chunk_cpu"][name] = chunk_slope(st, lg, plan, tick)
+            else:
+                # The same paced chunks through the stack's floor (bench/passthrough.py) on
+                # these engines, in rounds alternating with the router's.
                 with passthrough(st.ps[0].url, st.ds[0].url, "chunks-floor") as app:
-                    out["chunk_passthrough"] = chunk_slope(
-                        st, lg, plan, tick, paced=True, floor_app=app
-                    )
+                    paired = paired_slope(st, lg, plan, tick, app, paced=True)
+                out["chunk_cpu"][name] = paired
+                if name == "stock, paced":
+                    out["chunk_passthrough"] = paired["floor"]
             out["commands"][f"chunks: {name}"] = st.commands
     tick("chunk cost of a bare relay (floor)")
     out["chunk_floor"] = floor.measure(connections=plan.chunk_runs)
@@ -182,17 +185,19 @@ def long_streams(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         name="overhead-long",
     ) as st:
         n = plan.long_streams
-        out = chunk_slope(
-            st,
-            lg,
-            plan,
-            tick,
-            paced=pace > 0,
-            lengths=(8, *LONG_TOKENS),
-            count=n,
-            concurrency=n,
-            what="long streams",
-        )
+        with passthrough(st.ps[0].url, st.ds[0].url, "long-floor") as app:
+            out = paired_slope(
+                st,
+                lg,
+                plan,
+                tick,
+                app,
+                paced=pace > 0,
+                lengths=(8, *LONG_TOKENS),
+                count=n,
+                concurrency=n,
+                what="long streams",
+            )
         out["streams"] = n
         out["ms_per_token"] = pace
         out["commands"] = st.commands
@@ -269,6 +274,60 @@ def add_delta(
         slot = out.setdefault(cmd, {"calls": 0.0, "usec": 0.0})
         slot["calls"] += v["calls"]
         slot["usec"] += v["usec"]
+    return out
+
+
+def paired_slope(
+    st: Stack, lg: LoadGen, plan: Plan, tick: Tick, floor_app: RouterProc, **slope: Any
+) -> dict[str, Any]:
+    """The router's per-chunk slope (`chunk_slope`) and the floor's on the same engines, in
+    `plan.chunk_rounds` rounds of both in alternating order. CPU time here drifts by 10-30%
+    between runs, which moves both arms of a round alike: the router's work per chunk above
+    the floor's is the median of the rounds' differences (`above_floor_us_at`), each arm's
+    figures the medians of its rounds."""
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for rnd in range(plan.chunk_rounds):
+        arms = ((ROUTER, None), (FLOOR, floor_app))
+        got = {
+            arm: chunk_slope(st, lg, plan, tick, floor_app=app, **slope)
+            for arm, app in (arms if rnd % 2 == 0 else arms[::-1])
+        }
+        rounds.append(got)
+    out = _median_slope([r[ROUTER] for r in rounds])
+    out["floor"] = _median_slope([r[FLOOR] for r in rounds])
+    out["above_floor_us_at"] = {
+        n: _median(
+            [r[ROUTER]["us_per_chunk_at"][n] - r[FLOOR]["us_per_chunk_at"][n] for r in rounds]
+        )
+        for n in out["us_per_chunk_at"]
+    }
+    out["above_floor_us"] = list(out["above_floor_us_at"].values())[-1]
+    out["rounds"] = [{arm: r[arm]["us_per_chunk_at"] for arm in (ROUTER, FLOOR)} for r in rounds]
+    return out
+
+
+ROUTER, FLOOR = "router", "floor"
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _median_slope(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per stream length the median of several `chunk_slope` results (CPU per turn, events,
+    slope)."""
+    first = runs[0]
+    out: dict[str, Any] = {
+        "runs": {
+            n: {key: _median([r["runs"][n][key] for r in runs]) for key in first["runs"][n]}
+            for n in first["runs"]
+        },
+        "us_per_chunk_at": {
+            n: _median([r["us_per_chunk_at"][n] for r in runs]) for n in first["us_per_chunk_at"]
+        },
+    }
+    out["us_per_chunk"] = list(out["us_per_chunk_at"].values())[-1]
     return out
 
 

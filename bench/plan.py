@@ -77,6 +77,7 @@ class Plan:
     overhead_warmup: int
     overhead_rounds: int  # alternating direct/kvbaton rounds per cell
     chunk_runs: int  # requests per run of the per-chunk CPU slope
+    chunk_rounds: int  # alternating router/floor rounds of each paced per-chunk slope
     long_streams: int  # streams per length of the long-stream chunk cost (all at once)
     long_ms_per_token: float  # D's pace for them (0: back to back; 16,000 x 1 ms = 16 s+)
     # 2. throughput: open-loop rate sweep
@@ -132,6 +133,7 @@ FULL = Plan(
     overhead_warmup=50,
     overhead_rounds=4,
     chunk_runs=600,
+    chunk_rounds=3,
     long_streams=8,
     long_ms_per_token=1.0,
     sweep_start=100.0,
@@ -171,6 +173,7 @@ QUICK = Plan(
     overhead_warmup=10,
     overhead_rounds=1,
     chunk_runs=64,
+    chunk_rounds=1,
     long_streams=2,
     long_ms_per_token=0.0,  # paced, the 16,000-token stream alone takes 16-30 s
     sweep_start=100.0,

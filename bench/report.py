@@ -365,6 +365,8 @@ def slope_row(name: str, c: dict[str, Any]) -> list[str]:
             for n in ("8", "128")
         ),
         fmt(c["us_per_chunk"], 1),
+        fmt(c["floor"]["us_per_chunk"], 1) if "floor" in c else "-",
+        fmt(c["above_floor_us"], 1) if "above_floor_us" in c else "-",
     ]
 
 
@@ -381,7 +383,10 @@ def chunk_table(res: dict[str, Any]) -> list[str]:
         "chunk, the handle on the finish chunk): token ids asked for from the first turn.",
         "Zero-cost D sends its chunks back to back, so the router reads several per wake-up;",
         "*paced* D sleeps 5 ms between tokens, as a GPU paces them, so every chunk costs its",
-        "own read, event-loop wake-up and write: the realistic case.",
+        "own read, event-loop wake-up and write: the realistic case. Each paced configuration",
+        "is measured with the floor (`bench/passthrough.py`, no parsing) on the same engines,",
+        "in rounds alternating with the router's: the table gives each arm's median, and",
+        "*above floor* the median of the rounds' differences (drift moves both arms alike).",
         "",
     ]
     rows = [slope_row(name, c) for name, c in res["chunk_cpu"].items()]
@@ -399,18 +404,26 @@ def chunk_table(res: dict[str, Any]) -> list[str]:
                 f"{fmt(per['8'] / 1000, 3)} (8 chunks)",
                 f"{fmt(per['128'] / 1000, 3)} (128 chunks)",
                 fmt(relay_floor["us_per_chunk"], 1),
+                "-",
+                "-",
             ]
         )
     lines += table(
-        ["configuration", "CPU ms/turn, 8 tokens", "CPU ms/turn, 128 tokens", "us per chunk"],
+        [
+            "configuration",
+            "CPU ms/turn, 8 tokens",
+            "CPU ms/turn, 128 tokens",
+            "us per chunk",
+            "floor's us per chunk",
+            "above floor",
+        ],
         rows,
     )
     if through:
         lines += [
             "The *passthrough* row is `bench/passthrough.py` (section 1's floor arm) on the",
             "paced engines: the stack the design names relaying the same chunks with no parsing,",
-            "no capture and no metrics. kvbaton's own work per chunk is its *stock, paced* figure",
-            "minus this one.",
+            "no capture and no metrics (the floor of the *stock, paced* rounds).",
             "",
         ]
     if relay_floor:
@@ -434,6 +447,8 @@ def long_stream_table(long: dict[str, Any]) -> list[str]:
     runs = long["runs"]
     lengths = [n for n in runs if n in at]
     pace = long.get("ms_per_token", 1.0)
+    floor = long.get("floor", {}).get("us_per_chunk_at", {})
+    above = long.get("above_floor_us_at", {})
     paced = (
         f"D paced {pace:g} ms per token, so every chunk is its own read"
         if pace
@@ -445,13 +460,23 @@ def long_stream_table(long: dict[str, Any]) -> list[str]:
         f"{long['streams']} streaming turns of each length at a time through the router (stock",
         f"engines; {paced}). Each length's router CPU per turn against that of 8-token",
         "streams: the CPU a chunk costs, the turn's fixed cost left out. The same figure at",
-        "both lengths means a chunk costs the same however far into a stream it is.",
+        "both lengths means a chunk costs the same however far into a stream it is. The",
+        "floor (`bench/passthrough.py`) relays the same streams in rounds alternating with the",
+        "router's; *above the floor* is the median of the rounds' differences.",
         "",
     ]
     lines += table(
         ["per stream length", *(f"{int(n):,} tokens" for n in lengths)],
         [
             ["router CPU per chunk (us)", *(fmt(at[n], 1) for n in lengths)],
+            *(
+                [
+                    ["the floor's, same streams (us)", *(fmt(floor[n], 1) for n in lengths)],
+                    ["router above the floor (us)", *(fmt(above[n], 1) for n in lengths)],
+                ]
+                if floor and above
+                else []
+            ),
             ["router CPU per turn (ms)", *(fmt(runs[n]["cpu_ms_per_turn"], 1) for n in lengths)],
             ["SSE events per turn", *(f"{runs[n]['events']:.0f}" for n in lengths)],
         ],
