@@ -1,0 +1,59 @@
+"""The per-chunk figures of bench section 1: each paced configuration's router slope against
+the floor's measured on the same engines in alternating rounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench import overhead, targets
+
+
+def slope(at8: float, at128: float, us: float) -> dict[str, Any]:
+    return {
+        "runs": {
+            "8": {"cpu_ms_per_turn": at8, "events": 10.0},
+            "128": {"cpu_ms_per_turn": at128, "events": 130.0},
+        },
+        "us_per_chunk_at": {"128": us},
+        "us_per_chunk": us,
+    }
+
+
+def test_an_arm_is_the_median_of_its_rounds() -> None:
+    got = overhead._median_slope(
+        [slope(1.0, 4.0, 30.0), slope(3.0, 9.0, 50.0), slope(2.0, 5.0, 20.0)]
+    )
+    assert got["runs"]["8"] == {"cpu_ms_per_turn": 2.0, "events": 10.0}
+    assert got["runs"]["128"]["cpu_ms_per_turn"] == 5.0
+    assert got["us_per_chunk_at"] == {"128": 30.0} and got["us_per_chunk"] == 30.0
+
+
+def test_a_slope_that_could_not_be_taken_is_left_out_of_the_median() -> None:
+    none = slope(1.0, 1.0, 0.0)
+    none["us_per_chunk_at"]["128"] = None
+    assert overhead._median_slope([none, slope(1.0, 2.0, 40.0)])["us_per_chunk"] == 40.0
+    assert overhead._median([None, None]) is None
+
+
+def test_the_target_uses_each_configurations_own_floor_and_paired_difference() -> None:
+    # Round differences 6, 9, 12: the median 9 is under 10 us, although the router's median
+    # (41) minus the floor's (30) is 11: drift between rounds moved both arms.
+    ov = {
+        "chunk_cpu": {
+            "vllm 0.33, paced": {
+                "us_per_chunk": 41.0,
+                "floor": {"us_per_chunk": 30.0},
+                "above_floor_us": 9.0,
+                "rounds": [{}, {}, {}],
+            },
+            # a run's results from before the paired rounds: the one floor it measured
+            "stock, paced": {"us_per_chunk": 50.0},
+        },
+        "chunk_passthrough": {"us_per_chunk": 35.0},
+    }
+    rows = {row[0]: row for row in targets.chunk_rows(ov)}
+    stock = rows["router CPU per paced SSE chunk (stock, paced): <= 10 us above the floor's"]
+    assert stock[1:] == ("floor, the same chunks: 35.0 us", "50.0 us: 15.0 above", False)
+    v033 = rows["router CPU per paced SSE chunk (vllm 0.33, paced): <= 10 us above the floor's"]
+    assert v033[1] == "floor, the same chunks: 30.0 us (medians of 3 alternating rounds)"
+    assert v033[2] == "41.0 us: 9.0 above" and v033[3] is True
