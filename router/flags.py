@@ -223,8 +223,8 @@ FLAGS: tuple[Flag, ...] = (
         "header_timeout",
         "seconds a connection may take to send a complete request head (request line and "
         "headers), counted from its opening or from the end of its previous response; it is "
-        "also how long an idle kept-alive connection stays open (Hypercorn has one timer for "
-        "both)",
+        "also how long an idle kept-alive connection stays open (one timer for both, "
+        "`router/http/idle.py`); idle connections are closed as a shutdown begins",
         float,
     ),
     Flag(

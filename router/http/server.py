@@ -17,7 +17,7 @@ from hypercorn.config import Config
 from router.config import Settings, WorkerSlot, load_settings, worker_slot
 from router.connectors.select import select
 from router.errors import ConfigError, StartupError
-from router.http import framing
+from router.http import framing, idle
 from router.http.app import create_app
 from router.http.disconnect import SERVER_SEND
 from router.http.workers import supervise
@@ -115,6 +115,7 @@ async def run(settings: Settings, slot: WorkerSlot | None = None) -> None:
     parent = os.getppid()
     await preflight(settings)
     framing.install()  # unparseable requests get an OpenAI-format 400
+    idle.install()  # a connection's idle watch on a timer, not a task per request
     app = create_app(settings)
     requests = Requests(app, report_ready(slot))
     config = hypercorn_config(settings, slot)

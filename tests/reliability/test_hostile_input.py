@@ -5,6 +5,7 @@ requests D would refuse after P pinned their KV, and slow clients. Each gets a c
 
 from __future__ import annotations
 
+import http.client
 import json
 import select
 import socket
@@ -256,6 +257,26 @@ def test_a_client_sending_a_header_line_every_so_often_is_cut(strict: RouterProc
         elapsed = time.monotonic() - started
     assert closed, "the connection was held past the header timeout"
     assert elapsed < SLOW_TIMEOUT + 3.0, elapsed
+
+
+def test_a_kept_alive_connection_idle_past_the_header_timeout_is_closed(
+    strict: RouterProc,
+) -> None:
+    """Between requests the header timeout is the keep-alive (router/http/idle.py's timer):
+    a connection that served two requests back to back is closed once idle that long."""
+    conn = http.client.HTTPConnection("127.0.0.1", strict.port, timeout=10)
+    try:
+        for _ in range(2):
+            conn.request("GET", "/health")
+            assert conn.getresponse().read() == b'{"status":"ok"}'
+        assert conn.sock is not None
+        idle_from = time.monotonic()
+        rest = answer(conn.sock, SLOW_TIMEOUT + 5.0)  # returns when the router closes it
+        idle_for = time.monotonic() - idle_from
+    finally:
+        conn.close()
+    assert rest == b"", rest[:200]
+    assert SLOW_TIMEOUT * 0.8 < idle_for < SLOW_TIMEOUT + 3.0, idle_for
 
 
 def test_a_slow_body_gets_408(strict: RouterProc, stack: Stack) -> None:

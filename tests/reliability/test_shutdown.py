@@ -122,3 +122,33 @@ def test_a_second_sigterm_stops_at_once(slow: Slow) -> None:
     print(f"exited {took:.2f} s after the second signal")
     assert took < 5, f"the second signal took {took:.1f} s"
     wait_until(lambda: running(slow.d) == 0, "D still decodes the cut stream")
+
+
+@pytest.mark.timeout(60)
+def test_idle_kept_alive_connections_do_not_hold_the_shutdown(slow: Slow) -> None:
+    """Connections idle between requests (the router's idle watch is a timer, not Hypercorn's
+    task: router/http/idle.py) are closed as the shutdown begins, not after the grace."""
+    with router(
+        [slow.p.url],
+        [slow.d.url],
+        "--shutdown-grace",
+        "30",
+        redis_url=slow.redis_url,
+        name="rel-shutdown-idle",
+    ) as r:
+        idle = []
+        for _ in range(3):
+            conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=10)
+            conn.request("GET", "/health")
+            assert conn.getresponse().read()
+            idle.append(conn)
+        signalled = time.monotonic()
+        r.proc.send_signal(signal.SIGTERM)
+        assert r.proc.wait(20) == 0
+        took = time.monotonic() - signalled
+        closed = [conn.sock is not None and conn.sock.recv(1) == b"" for conn in idle]
+        for conn in idle:
+            conn.close()
+    print(f"exited {took:.2f} s after SIGTERM with 3 idle kept-alive connections")
+    assert took < 5, f"the idle connections held the shutdown for {took:.1f} s"
+    assert all(closed), closed
