@@ -189,9 +189,10 @@ def run(
                 arms.append(Arm("work floor", argv, ROOT, port))
             for rnd in range(rounds):
                 for arm in arms if rnd % 2 == 0 else arms[::-1]:
-                    # Every measurement runs the same conversations on an empty store: left
-                    # in it, an earlier one's sessions meet each first turn (measured: the
-                    # first measurement of a run read ~1.5% under the same code's later ones).
+                    # Every measurement starts on an empty store, as the first of a run did:
+                    # with the earlier ones' sessions and D's pin ledger left in it, the first
+                    # read ~1.5% under the same code's later ones (measured; emptied, the
+                    # same code's rounds agree within 0.6%).
                     empty_store(st.redis_url)
                     r = measure(arm, lg, stream=stream, conversations=conversations, work=Path(tmp))
                     results.setdefault(arm.name, []).append(r)
