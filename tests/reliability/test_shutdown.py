@@ -3,6 +3,7 @@ bounded by --shutdown-grace, while new requests are refused; the router exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import signal
@@ -14,6 +15,7 @@ from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
 from tests.reliability.helpers import new_cid, reference, router, running, session
 from tests.support.chat import JSON, chat_body
 from tests.support.procs import wait_until
+from tests.support.router import RouterProc
 
 GRACE = 10.0
 TOKENS = 6  # 3 s of decoding on the slow D: it spans the SIGTERM
@@ -50,6 +52,13 @@ def start_stream(
     while b"data: " not in head:
         head += resp.read1(65536)
     return conn, resp, head
+
+
+def long_grace(slow: Slow, name: str) -> contextlib.AbstractContextManager[RouterProc]:
+    """A router on the slow engines whose shutdown would wait 30 s for work in flight."""
+    return router(
+        [slow.p.url], [slow.d.url], "--shutdown-grace", "30", redis_url=slow.redis_url, name=name
+    )
 
 
 @pytest.mark.timeout(60)
@@ -102,14 +111,7 @@ def test_a_second_sigterm_stops_at_once(slow: Slow) -> None:
     tokens = 40  # 20 s of decoding: far past the test's patience
     cid = new_cid("shutdown-twice")
     messages = [{"role": "user", "content": f"Tell me the longest story ({cid})."}]
-    with router(
-        [slow.p.url],
-        [slow.d.url],
-        "--shutdown-grace",
-        "30",
-        redis_url=slow.redis_url,
-        name="rel-shutdown-twice",
-    ) as r:
+    with long_grace(slow, "rel-shutdown-twice") as r:
         conn, _, _ = start_stream(r.port, messages, cid, tokens)
         r.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
@@ -128,14 +130,7 @@ def test_a_second_sigterm_stops_at_once(slow: Slow) -> None:
 def test_idle_kept_alive_connections_do_not_hold_the_shutdown(slow: Slow) -> None:
     """Connections idle between requests (the router's idle watch is a timer, not Hypercorn's
     task: router/http/idle.py) are closed as the shutdown begins, not after the grace."""
-    with router(
-        [slow.p.url],
-        [slow.d.url],
-        "--shutdown-grace",
-        "30",
-        redis_url=slow.redis_url,
-        name="rel-shutdown-idle",
-    ) as r:
+    with long_grace(slow, "rel-shutdown-idle") as r:
         idle = []
         for _ in range(3):
             conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=10)
