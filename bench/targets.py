@@ -132,7 +132,10 @@ def chunk_rows(ov: dict[str, Any]) -> list[Row]:
             # results of a run before the paired rounds: one floor, measured once
             c["floor"] = ov["chunk_passthrough"]
             c["above_floor_us"] = c["us_per_chunk"] - c["floor"]["us_per_chunk"]
-        row = _above_floor(c, c.get("above_floor_us"), c.get("us_per_chunk"))
+        floor = c.get("floor", {}).get("us_per_chunk")
+        row = _above_floor(
+            floor, len(c.get("rounds", [])), c.get("above_floor_us"), c.get("us_per_chunk")
+        )
         if row is None:
             continue
         ref, measured, above = row
@@ -145,12 +148,8 @@ def chunk_rows(ov: dict[str, Any]) -> list[Row]:
         for n in overhead.LONG_TOKENS:
             key = str(n)
             row = _above_floor(
-                {
-                    "floor": {
-                        "us_per_chunk": long.get("floor", {}).get("us_per_chunk_at", {}).get(key)
-                    },
-                    "rounds": long.get("rounds", []),
-                },
+                long.get("floor", {}).get("us_per_chunk_at", {}).get(key),
+                len(long.get("rounds", [])),
                 long.get("above_floor_us_at", {}).get(key),
                 long["us_per_chunk_at"].get(key),
             )
@@ -170,12 +169,11 @@ def chunk_rows(ov: dict[str, Any]) -> list[Row]:
 
 
 def _above_floor(
-    c: dict[str, Any], above: float | None, us: float | None
+    floor: float | None, rounds: int, above: float | None, us: float | None
 ) -> tuple[str, str, float] | None:
-    floor = c.get("floor", {}).get("us_per_chunk")
+    """(reference, measured, us above the floor) of one per-chunk row, or None."""
     if above is None or us is None or floor is None:
         return None
-    rounds = len(c.get("rounds", []))
     ref = f"floor, the same chunks: {fmt(floor, 1)} us"
     ref += f" (medians of {rounds} alternating rounds)" if rounds > 1 else ""
     return ref, f"{fmt(us, 1)} us: {fmt(above, 1)} above", above

@@ -126,7 +126,7 @@ def text_heads(api: str, text: str, step: int, limit: int) -> list[tuple[int, st
     return heads[::-1]
 
 
-def _pack(token_ids: Sequence[int]) -> bytes:
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int64, so digests agree across router hosts. One
     struct.pack call: array("q") parses each id as a call's argument would be (1.7% of the
     router's instructions per hit turn); an id out of int64's range is an OverflowError."""
@@ -141,7 +141,7 @@ def iter_block_digests(token_ids: Sequence[int], block_size: int, limit: int) ->
     if block_size <= 0:
         return
     count = min(limit, len(token_ids) // block_size)
-    data = _pack(token_ids[: count * block_size])
+    data = pack_token_ids(token_ids[: count * block_size])
     step = block_size * _TOKEN_BYTES
     head = b""
     for start in range(0, count * step, step):
@@ -159,5 +159,5 @@ def block_digests(token_ids: Sequence[int], block_size: int) -> tuple[str, ...]:
 def sequence_digest(token_ids: Sequence[int]) -> str:
     """Digest of a whole token sequence (its length included)."""
     return hashlib.blake2b(
-        _pack(token_ids), digest_size=_CONV_SIZE, person=b"kvbaton-seq"
+        pack_token_ids(token_ids), digest_size=_CONV_SIZE, person=b"kvbaton-seq"
     ).hexdigest()

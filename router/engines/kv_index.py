@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from sessions.digests import pack_token_ids
 
 ROOT = 0  # the parent digest of a sequence's first block
 
@@ -33,7 +34,7 @@ def block_digests(tokens: Sequence[int], block_size: int, limit: int | None = No
 
 def _chain(parent: int, tokens: Sequence[int]) -> int:
     raw = hashlib.blake2b(
-        parent.to_bytes(8, "big") + array("q", tokens).tobytes(), digest_size=8
+        parent.to_bytes(8, "big") + pack_token_ids(tokens), digest_size=8
     ).digest()
     return int.from_bytes(raw, "big")
 

@@ -21,7 +21,6 @@ from typing import Any
 import hypercorn.asyncio.tcp_server as tcp_server
 from hypercorn.asyncio.worker_context import AsyncioSingleTask
 
-_Armed = dict["IdleTimer", Callable[[], None]]
 _ENDING = "_kvbaton_idle_ending"  # where a server's `_Ending` is kept: on its WorkerContext
 
 
@@ -29,64 +28,69 @@ class _Ending:
     """One task per server: when it begins to shut down, every armed timer fires at once."""
 
     def __init__(self, terminated: Any) -> None:
-        self.armed: _Armed = {}
+        self.armed: set[IdleTimer] = set()
         self.task = asyncio.get_running_loop().create_task(self._wait(terminated))
 
     async def _wait(self, terminated: Any) -> None:
         await terminated.wait()
-        armed, self.armed = self.armed, {}
-        for timer, fire in armed.items():
-            timer.cancel()
-            fire()
+        armed, self.armed = self.armed, set()
+        for timer in armed:
+            timer.fire()
 
 
 class IdleTimer:
-    """Hypercorn's `SingleTask` for a TCP connection's idle watch (`restart`, `stop`)."""
+    """Hypercorn's `SingleTask` for a TCP connection's idle watch (`restart`, `stop`). One per
+    connection: what it closes is found on the first `restart`, so each later one (every
+    response's end) only arms a timer."""
 
     def __init__(self) -> None:
         self._handle: asyncio.TimerHandle | None = None
+        self._close: Callable[[], None] | None = None
         self._ending: _Ending | None = None
+        self._timeout = 0.0
         self._fallback: AsyncioSingleTask | None = None
 
     async def restart(self, task_group: Any, action: Callable[[], Any]) -> None:
-        server: Any = getattr(action, "__self__", None)
-        close = getattr(server, "_initiate_server_close", None)
-        if server is None or close is None or getattr(action, "__name__", "") != "_idle_timeout":
-            # Not the watch this stands in for (another Hypercorn): Hypercorn's own way.
-            self._fallback = self._fallback or AsyncioSingleTask()
+        if self._close is None and self._fallback is None:
+            self._bind(task_group, action)
+        if self._fallback is not None:
             await self._fallback.restart(task_group, action)
             return
         self.cancel()
-        context = server.context
-
-        def fire() -> None:
-            self._handle = None
-            task_group._task_group.create_task(close())
-
-        if context.terminated.is_set():  # shutting down: an idle connection closes now
-            fire()
+        assert self._ending is not None
+        if self._ending.task.done():  # shutting down: an idle connection closes now
+            self.fire()
             return
+        self._ending.armed.add(self)
+        self._handle = asyncio.get_running_loop().call_later(self._timeout, self.fire)
+
+    def _bind(self, task_group: Any, action: Callable[[], Any]) -> None:
+        server: Any = getattr(action, "__self__", None)
+        close = getattr(server, "_initiate_server_close", None)
+        if close is None or getattr(action, "__name__", "") != "_idle_timeout":
+            # Not the watch this stands in for (another Hypercorn): Hypercorn's own way.
+            self._fallback = AsyncioSingleTask()
+            return
+        context = server.context
         ending = getattr(context, _ENDING, None)
         if ending is None:
             ending = _Ending(context.terminated)
             setattr(context, _ENDING, ending)
-        self._ending = ending
-        ending.armed[self] = fire
-        loop = asyncio.get_running_loop()
-        self._handle = loop.call_later(server.config.keep_alive_timeout, self._fired, fire)
+        self._ending, self._timeout = ending, server.config.keep_alive_timeout
+        self._close = lambda: task_group._task_group.create_task(close())
 
-    def _fired(self, fire: Callable[[], None]) -> None:
-        if self._ending is not None:
-            self._ending.armed.pop(self, None)
-        fire()
+    def fire(self) -> None:
+        """Close the connection (the timer ran out, or the server is shutting down)."""
+        self.cancel()
+        assert self._close is not None
+        self._close()
 
     def cancel(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
         if self._ending is not None:
-            self._ending.armed.pop(self, None)
-            self._ending = None
+            self._ending.armed.discard(self)
 
     async def stop(self) -> None:
         self.cancel()

@@ -10,6 +10,7 @@ from sessions.digests import (
     block_digests,
     canonical_message,
     conversation_digest,
+    pack_token_ids,
     sequence_digest,
     text_digest,
 )
@@ -153,3 +154,12 @@ def test_sequence_digest() -> None:
     assert sequence_digest([]) != sequence_digest([0])
     assert sequence_digest([2**40, -1]) == sequence_digest((2**40, -1))
     assert len(sequence_digest(range(1000))) == 32
+
+
+def test_token_ids_pack_as_little_endian_int64_and_refuse_what_does_not_fit() -> None:
+    assert pack_token_ids([1, -1, 2**63 - 1]) == (
+        b"\x01" + b"\x00" * 7 + b"\xff" * 8 + b"\xff" * 7 + b"\x7f"
+    )
+    assert pack_token_ids([]) == b""
+    with pytest.raises(OverflowError, match="not int64"):
+        pack_token_ids([2**63])  # a uint64 that msgspec's list[int] lets through
