@@ -26,7 +26,10 @@ Tick = Callable[[str], None]
 # Each sample is charged to the innermost frame of a known group (stdlib frames such as
 # asyncio's socket writes are charged to their caller); the shares add up to 100%.
 GROUPS = (
-    ("SSE relay and capture (router/turn/sse.py)", ("router/turn/sse.py",)),
+    (
+        "SSE relay and capture (router/turn/sse.py, strip.py)",
+        ("router/turn/sse.py", "router/turn/strip.py"),
+    ),
     ("session store client (redis-py)", ("redis/",)),
     ("session model, digests (sessions/)", ("sessions/",)),
     ("router turn logic (other router/ modules)", ("router/",)),

@@ -8,8 +8,6 @@ passes as it came; token ids the client did not ask for are cut out of the bytes
 from __future__ import annotations
 
 import contextlib
-import re
-from typing import Any
 
 import msgspec
 
@@ -21,59 +19,18 @@ from router.turn.capture import (
     decode_chunk,
     responses_output,
 )
+from router.turn.strip import (
+    KV_KEY,
+    NULL_KV,
+    RAW_MESSAGES,
+    TOKEN_IDS_KEY,
+    cut_ids,
+    strip_fields,
+    strippable_kv,
+)
 
-KV_KEY = b'"kv_transfer_params"'
-TOKEN_IDS_KEY = b'token_ids"'  # matches "token_ids" and "prompt_token_ids"
-# A Responses object's input_messages/output_messages with token ids (enable_response_messages).
-RAW_MESSAGES = b'"raw_message_tokens"'
-_MESSAGES = ("input_messages", "output_messages")
-# vLLM 0.33 (PR #40186): every content chunk carries the key, null (compact JSON, as vLLM's
-# serializer writes it).
-NULL_KV = b'"kv_transfer_params":null'
-# A token-id member as vLLM writes it (compact, after another member). In valid JSON `,"`
-# never occurs inside a string, so a match is always a member; any other spelling is left
-# for the decode below.
-_IDS_MEMBER = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[0-9,]*\]|null)')
 _LF = b"\n\n"
 _CRLF = b"\r\n\r\n"
-
-
-def _strip(obj: dict[str, Any], strip_token_ids: bool) -> bool:
-    """Remove our fields from a freshly decoded (owned) object; True if anything changed."""
-    changed = "kv_transfer_params" in obj
-    obj.pop("kv_transfer_params", None)
-    response = obj.get("response")
-    if isinstance(response, dict) and "kv_transfer_params" in response:
-        del response["kv_transfer_params"]
-        changed = True
-    if not strip_token_ids:
-        return changed
-    # A Responses body, or an event carrying one: null, as vLLM answers without the flag.
-    changed = _null_messages(obj) | _null_messages(response) | changed
-    if "prompt_token_ids" in obj:
-        del obj["prompt_token_ids"]
-        changed = True
-    choices = obj.get("choices")
-    if isinstance(choices, list):
-        for choice in choices:
-            if isinstance(choice, dict):
-                for key in ("token_ids", "prompt_token_ids"):
-                    if key in choice:
-                        del choice[key]
-                        changed = True
-    return changed
-
-
-def _null_messages(resp: object) -> bool:
-    """A Responses object's input_messages/output_messages set to null; True if any was not."""
-    if not isinstance(resp, dict):
-        return False
-    changed = False
-    for key in _MESSAGES:
-        if resp.get(key) is not None:
-            resp[key] = None
-            changed = True
-    return changed
 
 
 def _data_of(block: bytes) -> bytes | None:
@@ -165,20 +122,30 @@ class SseRelay:
 
     def feed(self, data: bytes) -> bytes:
         """The bytes to forward now: every complete event, rewritten only where needed."""
-        # `find`, not `in`: bytes.__contains__ tries its argument as an int first, and raises
-        # and clears a TypeError for every bytes one.
-        if not self._held and data.endswith(_LF) and data.find(b"\r") < 0:
-            fast = self._whole_events(data)
-            if fast is not None:
-                return fast
-        if self._held:
-            held = self._held
-            held += data
-            if self._end_of_event(held, self._scan_from)[0] < 0:
-                self._scan_from = max(0, len(held) - 3)
-                return b""
-            data = bytes(held)
-            self._held = bytearray()
+        if not self._held:
+            line, _, rest = data.partition(b"\n")
+            if rest == b"\n":  # one one-line event: every read of a paced D
+                one = self._one_event(data, line)
+                if one is not None:
+                    return one
+            # `find`, not `in`: bytes.__contains__ tries its argument as an int first, and
+            # raises and clears a TypeError for every bytes one.
+            elif data.endswith(_LF) and data.find(b"\r") < 0:
+                fast = self._whole_events(data)
+                if fast is not None:
+                    return fast
+            return self._events(data)
+        held = self._held
+        held += data
+        if self._end_of_event(held, self._scan_from)[0] < 0:
+            self._scan_from = max(0, len(held) - 3)
+            return b""
+        self._held = bytearray()
+        return self._events(bytes(held))
+
+    def _events(self, data: bytes) -> bytes:
+        """Event by event: the complete ones forwarded (rewritten where needed), the rest
+        held."""
         self._scan_from = 0
         out: list[bytes] = []
         emitted = start = 0
@@ -208,14 +175,41 @@ class SseRelay:
         new = self._event(rest, b"")
         return rest if new is None else new
 
+    def _one_event(self, data: bytes, line: bytes) -> bytes | None:
+        """A read of one one-line event (`line`, and `data` with its blank line): the bytes
+        to forward, token ids cut; None for a handle to strip, ids written otherwise, or not
+        a data line (then the general path). The event's data is only kept for the batched
+        capture.
+
+        Measured, this work is the whole of the router's CPU per paced chunk above the
+        floor's, so it searches with `partition`: it takes its one argument as it is, where
+        find, count and startswith parse theirs (PyArg_ParseTuple, ~500 instructions a call
+        under callgrind) and a regex search tries a match at every `,"` of the chunk."""
+        body = line.removeprefix(b"data: ")  # the line itself when it is no data line
+        if body is line or line.partition(b"\r")[1]:  # a CR ends a line too (SSE)
+            return None
+        if body == b"[DONE]":
+            self._done = True
+            return data
+        _, kv, after = body.partition(KV_KEY)
+        if kv and (after[:5] != b":null" or after.partition(KV_KEY)[1]):
+            return None  # a handle to strip (the null key of vLLM 0.33 passes)
+        if self._strip_raw and body.partition(RAW_MESSAGES)[1]:
+            return None
+        out = cut_ids(data) if self._strip_ids else data
+        if out is None:
+            return None
+        self._pending.append(body)
+        if len(self._pending) >= CAPTURE_BATCH:
+            self._capture_pending()
+        return out
+
     def _whole_events(self, data: bytes) -> bytes | None:
-        """A read of whole one-line `data: ...` events (what D sends, one token or several
-        per read): the bytes to forward, with no handle among them and token ids cut from
-        the whole read at once; None for anything else (then event by event). Each event's
-        data is only kept for the batched capture."""
-        # One event (a paced D's every read) is not split: measured, the relay's own work is
-        # the whole of the router's CPU per paced chunk above the floor's.
-        events = [data[:-2]] if data.find(b"\n") == len(data) - 2 else data[:-2].split(_LF)
+        """A read of several whole one-line `data: ...` events (a D faster than its reader):
+        the bytes to forward, with no handle among them and token ids cut from the whole read
+        at once; None for anything else (then event by event). Each event's data is only
+        kept for the batched capture."""
+        events = data[:-2].split(_LF)
         for event in events:
             if not event.startswith(b"data: ") or event.find(b"\n") >= 0:
                 return None
@@ -223,11 +217,9 @@ class SseRelay:
             return None
         if self._strip_raw and data.find(RAW_MESSAGES) >= 0:
             return None
-        out = data
-        if self._strip_ids and data.find(TOKEN_IDS_KEY) >= 0:
-            out = _IDS_MEMBER.sub(b"", data)
-            if out.find(TOKEN_IDS_KEY) >= 0:  # ids spelled otherwise: decoded event by event
-                return None
+        out = cut_ids(data) if self._strip_ids else data
+        if out is None:  # ids spelled otherwise: decoded event by event
+            return None
         for event in events:
             if event == b"data: [DONE]":
                 self._done = True
@@ -258,15 +250,15 @@ class SseRelay:
             self._capture_pending()
         # A handle to strip, or (Responses) token ids in input_messages/output_messages: a
         # decode and re-encode.
-        if _strippable_kv(data) or (self._strip_raw and RAW_MESSAGES in data):
+        if strippable_kv(data) or (self._strip_raw and RAW_MESSAGES in data):
             return False
         return None if self._strip_ids and TOKEN_IDS_KEY in data else True
 
     def _cut(self, block: bytes, data: bytes, sep: bytes) -> bytes | None:
         """The event without its token-id members (cut out of the bytes where they are
         written as vLLM writes them, else by `_rewrite`)."""
-        cut = _IDS_MEMBER.sub(b"", data)
-        if TOKEN_IDS_KEY not in cut:
+        cut = cut_ids(data)
+        if cut is not None:
             return _with_data(block, cut, b"\r\n" if sep == _CRLF else b"\n") + sep
         return self._rewrite(block, data, sep)
 
@@ -277,7 +269,7 @@ class SseRelay:
             obj = _decode_any(data)
         except msgspec.DecodeError:
             return None
-        if not isinstance(obj, dict) or not _strip(obj, self._strip_ids):
+        if not isinstance(obj, dict) or not strip_fields(obj, self._strip_ids):
             return None
         eol = b"\r\n" if sep == _CRLF else b"\n"
         return _with_data(block, _encode(obj), eol) + sep
@@ -288,13 +280,6 @@ def _chunk_or_none(data: bytes) -> Chunk | None:
         return decode_chunk(data)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None  # JSON of another shape, or not JSON: nothing to capture
-
-
-def _strippable_kv(data: bytes) -> bool:
-    """The event has a kv_transfer_params key to strip: any but a lone 0.33 null one (one pass
-    over the chunk in the usual cases: no key, or the null one)."""
-    keys = data.count(KV_KEY)
-    return keys > 1 or (keys == 1 and NULL_KV not in data)
 
 
 def capture_body(body: bytes, *, strip_token_ids: bool) -> tuple[bytes, Captured]:
@@ -315,6 +300,6 @@ def capture_body(body: bytes, *, strip_token_ids: bool) -> tuple[bytes, Captured
         if obj.get("object") == "response":  # a Responses API body
             capture.response(msgspec.convert(obj, Response))
             responses_output(capture, obj.get("output"))
-    if not _strip(obj, strip_token_ids):
+    if not strip_fields(obj, strip_token_ids):
         return body, capture.result()
     return _encode(obj), capture.result()

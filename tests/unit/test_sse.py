@@ -245,6 +245,51 @@ def test_one_event_per_read_is_cut_like_a_whole_stream(raw: bytes, sent: bytes) 
     assert r.captured.output_text in ("a", "")
 
 
+ONE_EVENT_READS = [
+    # vLLM 0.33's chunks: the null key passes, the one id list is cut
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[7]}],'
+    b'"kv_transfer_params":null}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[]}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[7,8]}]}\n\n',
+    b'data: {"prompt_token_ids":[1,2],"choices":[{"index":0,"delta":{"content":"a"},'
+    b'"token_ids":[7]}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[7]},'
+    b'{"index":1,"delta":{"content":"b"},"token_ids":[8]}]}\n\n',
+    # the member's name inside a string, ids spelled otherwise, a handle, two keys
+    b'data: {"choices":[{"index":0,"delta":{"content":"\\",\\"token_ids\\":[1]"}}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[ 7]}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[7}]}\n\n',
+    b'data: {"choices":[],"kv_transfer_params":{"remote_engine_id":"d"}}\n\n',
+    b'data: {"kv_transfer_params":null,"choices":[],"kv_transfer_params":{"a":1}}\n\n',
+    b'data: {"choices":[],"kv_transfer_params":nul}\n\n',
+    # CRs end lines (SSE); other fields; no space after the colon; not JSON; [DONE]
+    b"data: [DONE]\r\n\n",
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\rdata: x\n\n',
+    b'event: x\ndata: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
+    b'data:{"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[7]}]}\n\n',
+    b"data: not json\n\n",
+    b": a comment\n\n",
+    b"data: [DONE]\n\n",
+]
+
+
+@pytest.mark.parametrize("strip", [True, False])
+@pytest.mark.parametrize("raw", ONE_EVENT_READS)
+def test_a_read_of_one_event_is_relayed_as_the_general_path_relays_it(
+    raw: bytes, strip: bool
+) -> None:
+    """A read of one whole event (every read of a paced D) takes a shorter path; a read of
+    part of it takes the general one. Both forward and capture the same."""
+    r = SseRelay(strip_token_ids=strip)
+    out = r.feed(raw)
+    assert out  # a whole event leaves at once
+    out += r.flush()
+    general = SseRelay(strip_token_ids=strip)
+    parts = general.feed(raw[:3]) + general.feed(raw[3:]) + general.flush()
+    assert out == parts
+    assert (r.done, r.captured) == (general.done, general.captured)
+
+
 def test_crlf_stream() -> None:
     chunks = chat_chunks(["x", "ÿ"])
     whole = b"".join(stream(chunks, b"\r\n\r\n"))
