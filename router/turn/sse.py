@@ -107,8 +107,7 @@ class SseRelay:
             chunks = []
         if len(chunks) != len(pending):  # an event of another shape, or not JSON: one by one
             chunks = [c for c in map(_chunk_or_none, pending) if c is not None]
-        for chunk in chunks:
-            self._capture.chunk(chunk)
+        self._capture.chunks(chunks)
 
     def _end_of_event(self, data: bytes | bytearray, start: int) -> tuple[int, int]:
         """(index of the blank line that ends the event at `start`, its length) or (-1, 0)."""

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.turn.capture import Captured
+from router.turn.capture import Capture, Captured, decode_chunk
 from router.turn.sse import SseRelay, capture_body
 
 # D's own handle as vLLM returns it (vllm-cpu README section 4).
@@ -806,3 +806,75 @@ def test_a_long_stream_is_captured_in_batches_and_odd_events_alone(odd_at: int |
     assert relay(b"".join(events), strip=True) == (out, cap)
     if odd_at is not None:
         assert b"data: not json\n\n" in out and b'"not a list"' in out
+
+
+def _choice(**fields: Any) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "delta": {"content": "a"},
+        "logprobs": None,
+        "finish_reason": None,
+        **fields,
+    }
+
+
+# A streamed token's chunk, and chunks that differ from it in one field each.
+CAPTURED_CHUNKS: list[dict[str, Any]] = [
+    {**HEAD, "choices": [_choice(token_ids=[7])], "kv_transfer_params": None},
+    {**HEAD, "choices": [_choice(token_ids=None)]},
+    {**HEAD, "choices": [_choice()]},
+    {**HEAD, "choices": [_choice(token_ids=[7, 8])]},
+    {**HEAD, "choices": [_choice(token_ids=[True])]},
+    {**HEAD, "choices": [_choice(token_ids=["7"])]},
+    {**HEAD, "choices": [_choice(token_ids=[])]},
+    {**HEAD, "choices": [_choice(token_ids=[9], finish_reason="stop")], "kv_transfer_params": KV},
+    {**HEAD, "choices": [_choice(token_ids=[9], finish_reason="length")]},
+    {**HEAD, "choices": [_choice(token_ids=[9])], "kv_transfer_params": KV},
+    {**HEAD, "choices": [_choice(text="t", token_ids=[9])]},
+    {"object": "error", "message": "m", "choices": [_choice(token_ids=[9])]},
+    {"type": "error", "message": "m", "choices": [_choice(token_ids=[9])]},
+    {**HEAD, "choices": [_choice(index=1, token_ids=[5])]},
+    {**HEAD, "choices": [_choice(token_ids=[6]), _choice(index=1, token_ids=[5])]},
+    {**HEAD, "choices": [_choice(token_ids=[4], prompt_token_ids=[1, 2])]},
+    {**HEAD, "choices": [{"index": 0, "text": "b", "token_ids": [3]}]},
+    {**HEAD, "choices": [_choice(delta={"reasoning": "r"}, token_ids=[2])]},
+    {**HEAD, "choices": [_choice(delta={"reasoning_content": ""}, token_ids=[2])]},
+    {**HEAD, "choices": [_choice(delta={"tool_calls": [{"id": "t"}]}, token_ids=[2])]},
+    {**HEAD, "choices": [_choice(delta={"content": 5}, token_ids=[2])]},
+    {**HEAD, "choices": [_choice(delta=None, message={"content": "m"})]},
+    {**HEAD, "choices": [_choice(token_ids=[1])], "prompt_token_ids": PROMPT_IDS},
+    {**HEAD, "choices": [], "usage": USAGE},
+    {**HEAD, "choices": [_choice(token_ids=[1])], "usage": "odd"},
+    {"object": "error", "message": "m", "type": "t", "code": 1},
+    {"error": {"message": "e"}},
+    {"type": "response.output_text.delta", "delta": "x"},
+    {
+        "type": "response.completed",
+        "response": {
+            "status": "completed",
+            "input_messages": [{"type": "raw_message_tokens", "tokens": [1, 2]}],
+            "output_messages": [{"type": "raw_message_tokens", "tokens": [3]}],
+        },
+    },
+]
+
+
+def test_every_pair_of_chunks_is_captured_in_a_batch_as_chunk_by_chunk() -> None:
+    for pair in itertools.product(CAPTURED_CHUNKS, repeat=2):
+        _batch_equals_single(list(pair))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(CAPTURED_CHUNKS), max_size=12))
+def test_a_batch_of_chunks_is_captured_as_chunk_by_chunk(picked: list[dict[str, Any]]) -> None:
+    _batch_equals_single(picked)
+
+
+def _batch_equals_single(picked: list[dict[str, Any]]) -> None:
+    """The batch capture's shorter path for a streamed token's chunk reads what the
+    general one reads, whatever comes before and after it."""
+    batch, single = Capture(), Capture()
+    batch.chunks([decode_chunk(enc(c)) for c in picked])
+    for c in picked:  # decoded again: a capture may keep (and extend) a decoded list
+        single.chunk(decode_chunk(enc(c)))
+    assert batch.result() == single.result()
