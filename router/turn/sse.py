@@ -24,6 +24,7 @@ from router.turn.strip import (
     NULL_KV,
     RAW_MESSAGES,
     TOKEN_IDS_KEY,
+    cut_every_id,
     cut_ids,
     strip_fields,
     strippable_kv,
@@ -216,7 +217,7 @@ class SseRelay:
             return None
         if self._strip_raw and data.find(RAW_MESSAGES) >= 0:
             return None
-        out = cut_ids(data) if self._strip_ids else data
+        out = cut_every_id(data) if self._strip_ids else data
         if out is None:  # ids spelled otherwise: decoded event by event
             return None
         for event in events:
