@@ -29,15 +29,49 @@ def test_the_summary_gives_medians_ranges_and_ratios() -> None:
     assert lines[1].endswith("(median of 3, 3.100-3.100); kvbaton is 2.000x this")
 
 
+def test_per_chunk_the_summary_gives_thousands_and_the_difference() -> None:
+    rows = {
+        "kvbaton": [{"instructions_per_turn": v} for v in (134.0e3, 133.0e3)],
+        "floor": [{"instructions_per_turn": v} for v in (106.0e3, 107.0e3)],
+    }
+    lines = instructions.summary(rows, "chunk")
+    assert lines[0] == "kvbaton: 133.5 k instructions per chunk (median of 2, 133.0-134.0)"
+    assert lines[1] == (
+        "floor: 106.5 k instructions per chunk (median of 2, 106.0-107.0);"
+        " kvbaton is 1.254x this, 27.0 k above it"
+    )
+
+
+def test_the_chunk_slope_is_per_event_between_the_lengths() -> None:
+    assert instructions.chunk_slope([1_000_000.0, 13_000_000.0], [10.0, 130.0]) == 100_000.0
+    with pytest.raises(ValueError, match="no more events"):
+        instructions.chunk_slope([1.0, 2.0], [10.0, 10.0])
+
+
 @pytest.mark.skipif(not instructions.available(), reason="valgrind is not installed")
 @pytest.mark.timeout(600)
 def test_a_router_under_callgrind_counts_its_measured_turns_only() -> None:
     """One conversation of five turns through this checkout's router and the work floor: the
     four later turns hit, and each arm's count is of the turns alone (a router's start-up
     alone is hundreds of millions of instructions)."""
-    results = instructions.run(base=None, stream=False, conversations=1, rounds=1, floor=True)
+    results = instructions.run(base=None, kind="json", conversations=1, rounds=1, floor=True)
     (kvbaton,), (floor,) = results["kvbaton"], results["work floor"]
     assert (kvbaton["turns"], kvbaton["failed"], kvbaton["later_turns"]) == (5, 0, {"hit": 4})
     assert (floor["turns"], floor["failed"]) == (5, 0)
     # A turn is millions of instructions, not the hundreds of millions of an import.
     assert 1e6 < floor["instructions_per_turn"] < kvbaton["instructions_per_turn"] < 5e7
+
+
+@pytest.mark.skipif(not instructions.available(), reason="valgrind is not installed")
+@pytest.mark.timeout(600)
+def test_per_chunk_the_router_and_the_floor_are_counted_per_relayed_chunk() -> None:
+    """Four paced 0.33 streams of each length through this checkout's router and the floor:
+    every stream answered, the longer ones carry ~120 more events, and each arm's slope is
+    tens of thousands of instructions a chunk (the router's above the floor's: it also cuts
+    token ids and captures the handle), not the millions of a turn."""
+    results = instructions.run(base=None, kind="chunk-0.33", conversations=4, rounds=1, floor=True)
+    (kvbaton,), (floor,) = results["kvbaton"], results["floor"]
+    for arm in (kvbaton, floor):
+        assert (arm["turns"], arm["failed"]) == (8, 0)
+        assert 100 < arm["events"][1] - arm["events"][0] < 140
+    assert 2e4 < floor["instructions_per_turn"] < kvbaton["instructions_per_turn"] < 1e6
