@@ -28,14 +28,21 @@ def _module(name: str) -> Any | None:
         return None
 
 
-@contextlib.contextmanager
-def span(name: str, **attrs: AttrValue | None) -> Iterator[Any]:
+_NO_SPAN = contextlib.nullcontext()
+
+
+def span(name: str, **attrs: AttrValue | None) -> contextlib.AbstractContextManager[Any]:
     """A span named `name` around the block (None-valued attributes are left out); yields the
-    span, or None without OpenTelemetry. An exception is recorded on the span and re-raised."""
+    span, or None without OpenTelemetry (one shared no-op then: a turn opens several). An
+    exception is recorded on the span and re-raised."""
     trace = _module("opentelemetry.trace")
     if trace is None:
-        yield None
-        return
+        return _NO_SPAN
+    return _span(trace, name, attrs)
+
+
+@contextlib.contextmanager
+def _span(trace: Any, name: str, attrs: dict[str, AttrValue | None]) -> Iterator[Any]:
     attributes = {key: value for key, value in attrs.items() if value is not None}
     tracer = trace.get_tracer(SERVICE_NAME)
     with tracer.start_as_current_span(name, attributes=attributes) as current:

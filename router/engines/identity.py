@@ -4,6 +4,7 @@ the health loop and the turn feed it what they saw."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ def kv_discarded(metrics: bytes) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=4096)  # a few ids per engine process: a regex sub saved per call
 def engine_family(engine_id: str) -> str:
     """The part of an engine id that all data-parallel ranks of one process share: handles from
     a D with internal data parallelism carry one id per rank, all of the same process."""
