@@ -5,6 +5,7 @@ Also its Redis HASH encoding, readable with `redis-cli HGETALL`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -17,7 +18,7 @@ from sessions.digests import block_digests as block_digests
 from sessions.digests import canonical_message as canonical_message
 from sessions.digests import conversation_digest as conversation_digest
 from sessions.digests import conversation_heads as conversation_heads
-from sessions.digests import iter_block_digests
+from sessions.digests import extend_block_digests, iter_block_digests
 from sessions.digests import sequence_digest as sequence_digest
 from sessions.digests import text_digest as text_digest
 from sessions.vocabulary import Reason
@@ -150,6 +151,29 @@ def _remote_num_tokens(params: Mapping[str, Any] | None) -> int:
     return 0
 
 
+def _block_digests(
+    prev: SessionState | None, token_ids: Sequence[int], seq: str, block_size: int
+) -> tuple[str, ...]:
+    """The block digests of D's new sequence (`seq` its sequence digest). Where it starts with
+    the previous turn's (the digest of its first prev.token_count tokens is prev's), the
+    digests of those blocks are prev's and only the new blocks are hashed: one pass over the
+    shared tokens in C instead of a digest per block (a 300-token prompt 5 us against 13)."""
+    if (
+        prev is not None
+        and prev.block_digests
+        and prev.block_size == block_size
+        and prev.seq_digest
+        and 0 < prev.token_count <= len(token_ids)
+    ):
+        shared = len(token_ids) == prev.token_count
+        same = seq if shared else sequence_digest(token_ids[: prev.token_count])
+        if same == prev.seq_digest:
+            with contextlib.suppress(ValueError):  # a stored digest that is not hex
+                known = prev.block_digests[: prev.token_count // block_size]
+                return extend_block_digests(known, token_ids, block_size)
+    return block_digests(token_ids, block_size)
+
+
 def next_state(
     prev: SessionState | None,
     *,
@@ -183,8 +207,8 @@ def next_state(
     blocks: tuple[str, ...] = ()
     seq = ""
     if token_ids is not None and held and len(token_ids) >= held:
-        blocks = block_digests(token_ids[:held], block_size)
         seq = sequence_digest(token_ids[:held])
+        blocks = _block_digests(prev, token_ids[:held], seq, block_size)
     return SessionState(
         turn=(prev.turn if prev else 0) + 1,
         api=api,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from sessions.digests import (
     block_digests,
     canonical_message,
     conversation_digest,
+    extend_block_digests,
     pack_token_ids,
     sequence_digest,
     text_digest,
@@ -23,6 +25,10 @@ GOLDEN = [
     (lambda: conversation_digest("chat", [USER]), "1988fa398134cf165b5d7ccf9c267e21"),
     (lambda: text_digest("completions", "hello"), "959036481d10005d76050c7bfbf53be7"),
     (lambda: block_digests(list(range(8)), 4), ("2818b2c042ce0e3c", "cf68f5f93b1a8c26")),
+    (
+        lambda: extend_block_digests(("2818b2c042ce0e3c",), list(range(8)), 4),
+        ("2818b2c042ce0e3c", "cf68f5f93b1a8c26"),
+    ),
     (lambda: sequence_digest([1, 2, 3]), "9a41751a058abca9cd551974b6b7af79"),
 ]
 
@@ -163,3 +169,31 @@ def test_token_ids_pack_as_little_endian_int64_and_refuse_what_does_not_fit() ->
     assert pack_token_ids([]) == b""
     with pytest.raises(OverflowError, match="not int64"):
         pack_token_ids([2**63])  # a uint64 that msgspec's list[int] lets through
+
+
+@pytest.mark.parametrize("size", [1, 3, 16])
+def test_extending_known_block_digests_gives_them_all(size: int) -> None:
+    rng = random.Random(size)
+    for _ in range(40):
+        tokens = [rng.randrange(1 << 40) for _ in range(rng.randrange(0, 100))]
+        full = block_digests(tokens, size)
+        for known in range(len(full) + 1):
+            assert extend_block_digests(full[:known], tokens, size) == full
+        assert extend_block_digests((*full, "0123456789abcdef"), tokens, size) == full
+
+
+def test_extending_goes_on_from_the_last_known_digest() -> None:
+    """The known digests are taken as they are (the caller vouches for them), not hashed
+    again: the chain goes on from the last of them."""
+    tokens = list(range(12))
+    other = block_digests([7, *tokens[1:]], 4)  # another first block: every digest differs
+    assert other[0] != block_digests(tokens, 4)[0]
+    extended = extend_block_digests(other[:2], tokens, 4)
+    assert extended[:2] == other[:2] and extended[2] == other[2]  # same third block, same chain
+    assert extend_block_digests(other[:1], tokens, 4)[1] == other[1]
+
+
+@pytest.mark.parametrize("known", [("zz",), ("abcd",), ("2818b2c042ce0e3c00",)])
+def test_extending_refuses_what_is_not_a_block_digest(known: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError):
+        extend_block_digests(known, list(range(8)), 4)

@@ -268,3 +268,44 @@ def test_next_state_without_handle_reports_why() -> None:
     state = advance(None, kv_transfer_params=None, no_handle_reason="stream-no-kv-params")
     assert state.kv_transfer_params is None and state.decode_engine_id == ""
     assert handle_unusable_reason(state, "chat", NOW) == "stream-no-kv-params"
+
+
+def _held(n: int) -> dict[str, Any]:
+    return {**PARAMS, "remote_num_tokens": n}
+
+
+def test_next_state_takes_the_shared_blocks_digests_from_the_previous_turn() -> None:
+    tokens = list(range(100, 140))
+    prev = advance(None, kv_transfer_params=_held(20), token_ids=tokens[:21])
+    state = advance(prev, kv_transfer_params=_held(36), token_ids=tokens[:37])
+    assert state.block_digests == block_digests(tokens[:36], BS)
+    assert state.seq_digest == sequence_digest(tokens[:36])
+    # Taken, not hashed again: a previous state's digests (of its sequence, by its sequence
+    # digest) are passed on, and the chain goes on from its last one.
+    marked = msgspec.structs.replace(prev, block_digests=block_digests([0] * 20, BS))
+    state = advance(marked, kv_transfer_params=_held(36), token_ids=tokens[:37])
+    known = len(marked.block_digests)
+    assert known == 5 and len(state.block_digests) == 9
+    assert state.block_digests[:known] == marked.block_digests
+    assert state.block_digests[known:] != block_digests(tokens[:36], BS)[known:]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"token_ids": [*range(100, 119), 7, 120]},  # D's sequence is not the previous one's
+        {"block_digests": ("a", "b")},  # a stored digest that is not one
+        {"block_size": BS * 2, "block_digests": block_digests(range(100, 120), BS * 2)},
+        {"token_count": 41},  # held more than the new sequence has
+    ],
+)
+def test_next_state_hashes_every_block_when_the_previous_ones_do_not_apply(
+    change: dict[str, Any],
+) -> None:
+    tokens = list(range(100, 140))
+    made = {"token_ids": change.pop("token_ids", tokens[:21])}
+    prev = advance(None, kv_transfer_params=_held(20), **made)
+    change.setdefault("block_digests", prev.block_digests)
+    prev = msgspec.structs.replace(prev, **change)
+    state = advance(prev, kv_transfer_params=_held(36), token_ids=tokens[:37])
+    assert state.block_digests == block_digests(tokens[:36], BS)
