@@ -25,6 +25,7 @@ _RENDERED_FIELDS = (
     "reasoning",
     "thinking",
 )
+_PLAIN = frozenset(("role", "content"))
 _ENCODER = msgspec.json.Encoder(order="sorted")
 _CONV_SIZE = 16  # bytes: 32 hex chars
 _BLOCK_SIZE = 8  # bytes: 16 hex chars
@@ -33,6 +34,8 @@ _TOKEN_BYTES = 8
 
 def _prune(value: Any) -> Any:
     """A copy of a JSON value with every None-valued mapping entry removed, at any depth."""
+    if type(value) is str:  # most values: no ABC check (isinstance of Mapping) for them
+        return value
     if isinstance(value, Mapping):
         return {k: _prune(v) for k, v in value.items() if v is not None}
     if isinstance(value, list | tuple):
@@ -47,6 +50,9 @@ def canonical_message(message: Mapping[str, Any]) -> dict[str, Any]:
     the openai content format, but nothing for a missing one), and a string is never made equal
     to a list of text parts, since the two take different paths through the renderer.
     """
+    role, content = message.get("role"), message.get("content")
+    if type(content) is str and type(role) is str and role and message.keys() <= _PLAIN:
+        return {"role": role, "content": content}  # most messages: what the loop makes of them
     out: dict[str, Any] = {}
     for name in _RENDERED_FIELDS:
         value = message.get(name)
@@ -67,13 +73,19 @@ def _canonical_item(api: str, item: Any) -> Any:
     return _prune(item)
 
 
+# Each item's digest starts from a copy of this one (cheaper than building one per item).
+_CONV_START = hashlib.blake2b(digest_size=_CONV_SIZE)
+
+
 def _seed(api: str) -> bytes:
     return hashlib.blake2b(api.encode(), digest_size=_CONV_SIZE, person=b"kvbaton-conv").digest()
 
 
 def _chain(api: str, head: bytes, item: Any) -> bytes:
-    body = _ENCODER.encode(_canonical_item(api, item))
-    return hashlib.blake2b(head + body, digest_size=_CONV_SIZE).digest()
+    digest = _CONV_START.copy()
+    digest.update(head)
+    digest.update(_ENCODER.encode(_canonical_item(api, item)))
+    return digest.digest()
 
 
 def conversation_digest(api: str, items: Sequence[Any]) -> str:

@@ -80,6 +80,15 @@ def test_digests_are_pinned(compute: Any, expected: object) -> None:
             {"role": "user", "content": "x", "name": "", "reasoning": ""},
             {"role": "user", "content": "x"},
         ),
+        # A role and a text content only (the short path) read as the rest do.
+        ({"role": "", "content": "x"}, {"content": "x"}),
+        ({"content": "x"}, {"content": "x"}),
+        ({"role": None, "content": "x"}, {"content": "x"}),
+        ({"role": "user", "content": "x", "extra": 1}, {"role": "user", "content": "x"}),
+        (
+            {"role": "user", "content": "x", "name": "n"},
+            {"role": "user", "content": "x", "name": "n"},
+        ),
     ],
 )
 def test_canonical_message(message: dict[str, Any], expected: dict[str, Any]) -> None:
