@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from router.errors import BadRequest, NotFound, PayloadTooLarge, RouterError, UnsupportedMediaType
-from router.turn.incoming import Api, read_incoming
+from router.turn.incoming import Api, check_depth, read_incoming
 
 JSON = {"content-type": "application/json"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -183,3 +183,22 @@ def test_depth_limit_is_checked_without_recursion() -> None:
     deep = b'{"x": ' + b"[" * 990 + b"]" * 990 + b"}"
     with _pytest.raises(BadRequest):
         decode_json(deep, 1 << 20)
+
+
+def _nested(levels: int, inner: Any = "x") -> Any:
+    """`levels` containers deep, objects and arrays by turns, each with a plain sibling."""
+    value = inner
+    for level in range(levels):
+        value = {"k": value, "s": "v"} if level % 2 else [1, value, None]
+    return value
+
+
+@pytest.mark.parametrize("levels", [2, 3, 7, 8])
+def test_check_depth_counts_objects_and_arrays_to_the_limit(levels: int) -> None:
+    check_depth(_nested(levels), levels)  # exactly at the limit: fine
+    with pytest.raises(BadRequest, match=f"nested more than {levels - 1} levels"):
+        check_depth(_nested(levels), levels - 1)
+    # The deepest of several branches counts, wherever it is (an object, an array, then it).
+    check_depth({"a": _nested(1), "b": [_nested(levels - 2)], "c": 3}, levels)
+    with pytest.raises(BadRequest):
+        check_depth({"a": _nested(1), "b": [_nested(levels - 1)], "c": 3}, levels)
