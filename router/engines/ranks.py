@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import re
 
+from router.engines.identity import matches
 from router.engines.pool import Instance
 
 HEADER = "X-data-parallel-rank"
@@ -33,12 +34,15 @@ def sizes(specs: tuple[str, ...]) -> dict[str, int]:
 
 # vLLM labels its per-engine series with the engine index, one per data-parallel rank of the
 # process (v1/metrics/loggers.py: labelnames ["model_name", "engine"], read in 0.32's code).
-_RUNNING = re.compile(rb'^vllm:num_requests_running\{[^}]*\bengine="(\d+)"', re.MULTILINE)
+_RUNNING = (
+    b"vllm:num_requests_running{",
+    re.compile(rb'vllm:num_requests_running\{[^}]*\bengine="(\d+)"'),
+)
 
 
 def learned_size(metrics: bytes) -> int:
     """The number of engines (data-parallel ranks) an engine's /metrics text shows (0: none)."""
-    return len(set(_RUNNING.findall(metrics)))
+    return len({m.group(1) for m in matches(_RUNNING, metrics, whole=False)})
 
 
 def size_of(configured: tuple[str, ...], inst: Instance) -> int:

@@ -12,7 +12,7 @@ from router.config import Settings
 from router.connectors.select import select
 from router.engines import ranks
 from router.engines.client import Upstream
-from router.engines.identity import process_started
+from router.engines.identity import matches, process_started
 from router.engines.pool import Instance, Pool
 from router.errors import StartupError, UpstreamFailure
 from router.lifecycle.health import read_version
@@ -23,7 +23,10 @@ from sessions.memory_store import MemorySessionStore
 log = logging.getLogger("kvbaton.discovery")
 
 # vLLM exports its cache config as labels of an info metric (measured on 0.32).
-_BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+_BLOCK_SIZE = (
+    b"vllm:cache_config_info{",
+    re.compile(rb'vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"'),
+)
 
 
 async def inspect(svc: Services, inst: Instance) -> None:
@@ -42,7 +45,7 @@ async def inspect(svc: Services, inst: Instance) -> None:
         inst.last_error = f"check failed: {exc}"
         log.warning("%s instance %s is not answering: %s", inst.role, inst.url, exc)
         return
-    match = _BLOCK_SIZE.search(metrics) if status == 200 else None
+    match = next(matches(_BLOCK_SIZE, metrics, whole=False), None) if status == 200 else None
     inst.block_size = int(match.group(1)) if match else 0
     if status == 200:
         inst.ident.note_started(process_started(metrics))
