@@ -53,9 +53,7 @@ INSTANCE = ["role", "instance"]
 
 
 class _Children:
-    """A labelled metric whose children are looked up by their label values in one dict get:
-    prometheus_client's `labels` checks and converts the values and takes a lock on every call
-    (~0.9 us; a turn makes ~8). No series is ever removed here, so a child stays valid."""
+    """Children found in one dict get (`labels` checks, converts, locks: ~0.9 us, ~8 a turn)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

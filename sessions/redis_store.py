@@ -19,17 +19,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from sessions import connect, scripts
+from sessions.codec import StateDecodeError, from_fields, to_fields
 from sessions.connect import RedisClient
 from sessions.keys import pin_sizes_key, pins_key
-from sessions.model import (
-    UNKNOWN_SIZE,
-    PinSize,
-    PinTotals,
-    SessionState,
-    StateDecodeError,
-    from_fields,
-    to_fields,
-)
+from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
 from sessions.store import CorruptState, PinNote, StoreError
 from sessions.vocabulary import Reason
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import re
 
-from router.engines.identity import matches
+from router.engines.metrics_text import matches
 from router.engines.pool import Instance
 
 HEADER = "X-data-parallel-rank"

@@ -12,7 +12,7 @@ from router.config import Settings
 from router.connectors.select import select
 from router.engines import ranks
 from router.engines.client import Upstream
-from router.engines.identity import matches, process_started
+from router.engines.metrics_text import matches, process_started
 from router.engines.pool import Instance, Pool
 from router.errors import StartupError, UpstreamFailure
 from router.lifecycle.health import read_version

@@ -13,7 +13,7 @@ import time
 import msgspec
 
 from router.engines.client import EngineClient
-from router.engines.identity import engine_requests, kv_discarded, kv_usage, process_started
+from router.engines.metrics_text import engine_requests, kv_discarded, kv_usage, process_started
 from router.engines.pool import Instance, Pool
 from router.engines.versions import parse
 from router.errors import UpstreamFailure

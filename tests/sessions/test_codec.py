@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sessions.model import SessionState, StateDecodeError, from_fields, to_fields
+from sessions.codec import StateDecodeError, from_fields, to_fields
+from sessions.model import SessionState
 
 STATE = SessionState(
     turn=3,

@@ -13,9 +13,10 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from sessions.codec import to_fields
 from sessions.guard import StoreGuard
 from sessions.keys import conversation_key, pin_sizes_key, pins_key
-from sessions.model import PinSize, SessionState, to_fields
+from sessions.model import PinSize, SessionState
 from sessions.redis_store import RedisSessionStore
 from sessions.store import CorruptState, StoreError
 from tests.support.procs import free_port

@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from sessions.model import SessionState, from_fields, handle_unusable_reason, to_fields
+from sessions.codec import from_fields, to_fields
+from sessions.model import SessionState, handle_unusable_reason
 from sessions.vocabulary import AbortReason, Reason
 
 

@@ -17,9 +17,8 @@ from router.engines.identity import (
     PAUSE_MAX_S,
     REFUSALS_TO_PAUSE,
     EngineIdentity,
-    engine_requests,
-    process_started,
 )
+from router.engines.metrics_text import engine_requests, process_started
 from router.engines.pool import AFFINITY_SLACK, Pool
 from router.errors import Unavailable, UpstreamFailure
 from router.lifecycle.health import check

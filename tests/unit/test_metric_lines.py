@@ -10,7 +10,7 @@ import re
 import pytest
 
 from router.engines import ranks
-from router.engines.identity import (
+from router.engines.metrics_text import (
     engine_requests,
     kv_discarded,
     kv_usage,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from router.connectors.nixl.params import release_body
-from router.engines.identity import kv_usage
+from router.engines.metrics_text import kv_usage
 from router.engines.pool import Instance, Pool
 from router.engines.release import DEFAULT_DELAY_S, MIN_DELAY_S, Gaps, Job, Releaser
 from router.lifecycle import pins

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from router.engines.client import EngineClient
-from router.engines.identity import kv_discarded
+from router.engines.metrics_text import kv_discarded
 from router.engines.pool import Pool
 from router.engines.versions import EngineVersion, engine_paused, parse, registration_generation
 from router.errors import Unavailable
