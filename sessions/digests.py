@@ -196,8 +196,20 @@ def extend_block_digests(
     return (*known[:done], *_chain_blocks(data, block_size * _TOKEN_BYTES, head))
 
 
+_SEQ_START = hashlib.blake2b(digest_size=_CONV_SIZE, person=b"kvbaton-seq")
+
+
 def sequence_digest(token_ids: Sequence[int]) -> str:
     """Digest of a whole token sequence (its length included)."""
-    return hashlib.blake2b(
-        pack_token_ids(token_ids), digest_size=_CONV_SIZE, person=b"kvbaton-seq"
-    ).hexdigest()
+    digest = _SEQ_START.copy()
+    digest.update(pack_token_ids(token_ids))
+    return digest.hexdigest()
+
+
+def sequence_digests(token_ids: Sequence[int], at: int) -> tuple[str, str]:
+    """(`sequence_digest(token_ids[:at])`, `sequence_digest(token_ids)`) in one pass."""
+    digest = _SEQ_START.copy()
+    digest.update(pack_token_ids(token_ids[:at]))
+    head = digest.hexdigest()
+    digest.update(pack_token_ids(token_ids[at:]))
+    return head, digest.hexdigest()

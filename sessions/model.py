@@ -145,27 +145,27 @@ def _remote_num_tokens(params: Mapping[str, Any] | None) -> int:
     return 0
 
 
-def _block_digests(
-    prev: SessionState | None, token_ids: Sequence[int], seq: str, block_size: int
-) -> tuple[str, ...]:
-    """The block digests of D's new sequence (`seq` its sequence digest). Where it starts with
-    the previous turn's (the digest of its first prev.token_count tokens is prev's), the
-    digests of those blocks are prev's and only the new blocks are hashed: one pass over the
-    shared tokens in C instead of a digest per block (a 300-token prompt 5 us against 13)."""
-    if (
+def _sequence_digests(
+    prev: SessionState | None, token_ids: Sequence[int], block_size: int
+) -> tuple[str, tuple[str, ...]]:
+    """D's new sequence's digest and its block digests. Where the sequence starts with the
+    previous turn's (the digest of its first prev.token_count tokens is prev's, taken in the
+    same pass as the whole one's), those blocks' digests are prev's and only the new blocks
+    are hashed (a 300-token prompt's digests 5 us against 19)."""
+    if not (
         prev is not None
         and prev.block_digests
         and prev.block_size == block_size
         and prev.seq_digest
         and 0 < prev.token_count <= len(token_ids)
     ):
-        shared = len(token_ids) == prev.token_count
-        same = seq if shared else sequence_digest(token_ids[: prev.token_count])
-        if same == prev.seq_digest:
-            with contextlib.suppress(ValueError):  # a stored digest that is not hex
-                known = prev.block_digests[: prev.token_count // block_size]
-                return extend_block_digests(known, token_ids, block_size)
-    return block_digests(token_ids, block_size)
+        return sequence_digest(token_ids), block_digests(token_ids, block_size)
+    shared, seq = digests.sequence_digests(token_ids, prev.token_count)
+    if shared == prev.seq_digest:
+        with contextlib.suppress(ValueError):  # a stored digest that is not hex
+            known = prev.block_digests[: prev.token_count // block_size]
+            return seq, extend_block_digests(known, token_ids, block_size)
+    return seq, block_digests(token_ids, block_size)
 
 
 def next_state(
@@ -201,8 +201,7 @@ def next_state(
     blocks: tuple[str, ...] = ()
     seq = ""
     if token_ids is not None and held and len(token_ids) >= held:
-        seq = sequence_digest(token_ids[:held])
-        blocks = _block_digests(prev, token_ids[:held], seq, block_size)
+        seq, blocks = _sequence_digests(prev, token_ids[:held], block_size)
     return SessionState(
         turn=(prev.turn if prev else 0) + 1,
         api=api,

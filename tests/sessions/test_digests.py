@@ -14,6 +14,7 @@ from sessions.digests import (
     extend_block_digests,
     pack_token_ids,
     sequence_digest,
+    sequence_digests,
     text_digest,
 )
 
@@ -206,3 +207,12 @@ def test_extending_goes_on_from_the_last_known_digest() -> None:
 def test_extending_refuses_what_is_not_a_block_digest(known: tuple[str, ...]) -> None:
     with pytest.raises(ValueError):
         extend_block_digests(known, list(range(8)), 4)
+
+
+def test_sequence_digests_give_a_prefix_and_the_whole_in_one_pass() -> None:
+    tokens = list(range(40, 80))
+    for at in range(len(tokens) + 1):
+        assert sequence_digests(tokens, at) == (
+            sequence_digest(tokens[:at]),
+            sequence_digest(tokens),
+        )
