@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Self, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -59,13 +59,13 @@ class _Children:
         super().__init__(*args, **kwargs)
         self._children: dict[tuple[Any, ...], Any] = {}
 
-    def labels(self, *values: Any, **by_name: Any) -> Any:
+    def labels(self, *values: Any, **by_name: Any) -> Self:
         if by_name:
-            return super().labels(*values, **by_name)  # type: ignore[misc]
+            return cast(Self, super().labels(*values, **by_name))  # type: ignore[misc]
         child = self._children.get(values)
         if child is None:
             child = self._children[values] = super().labels(*values)  # type: ignore[misc]
-        return child
+        return cast(Self, child)
 
 
 class _Counter(_Children, Counter):
