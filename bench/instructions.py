@@ -170,14 +170,15 @@ CHUNK_CONCURRENCY = 4
 
 
 def measure_chunks(arm: Arm, lg: LoadGen, *, streams: int, work: Path) -> dict[str, Any]:
-    """One fresh process of `arm`: a warm-up, then `streams` one-turn streams of each of
+    """One fresh process of `arm`: a warm-up of each length, then `streams` one-turn streams of
     CHUNK_LENGTHS tokens, each length's instructions dumped on its own. The result's
     `instructions_per_turn` is the slope per chunk (the summary's figure)."""
     slug = "".join(c if c.isalnum() else "-" for c in arm.name)
     out = work / f"{slug}.{time.monotonic_ns()}.callgrind"
     runs = []
     with arm.running(out) as proc:
-        lg.run(_chunk_job(arm.url, CHUNK_LENGTHS[0], CHUNK_CONCURRENCY), timeout=600)
+        for tokens in CHUNK_LENGTHS:  # each length's code paths run once before the count
+            lg.run(_chunk_job(arm.url, tokens, CHUNK_CONCURRENCY), timeout=600)
         _callgrind("--instr=on", proc.pid)
         for tokens in CHUNK_LENGTHS:
             runs.append(lg.run(_chunk_job(arm.url, tokens, streams), timeout=3600))

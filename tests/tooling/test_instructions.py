@@ -67,11 +67,13 @@ def test_a_router_under_callgrind_counts_its_measured_turns_only() -> None:
 def test_per_chunk_the_router_and_the_floor_are_counted_per_relayed_chunk() -> None:
     """Four paced 0.33 streams of each length through this checkout's router and the floor:
     every stream answered, the longer ones carry ~120 more events, and each arm's slope is
-    tens of thousands of instructions a chunk (the router's above the floor's: it also cuts
-    token ids and captures the handle), not the millions of a turn."""
+    tens or hundreds of thousands of instructions a chunk, not the millions of a turn. Which
+    arm is higher is left to the tool's real runs: over 4 streams, one costly event in one
+    window (a collection of the whole heap, a code path's first run) moves a slope by
+    ~100k (seen once, before each length was warmed up: the floor's 406k, the router's 249k)."""
     results = instructions.run(base=None, kind="chunk-0.33", conversations=4, rounds=1, floor=True)
     (kvbaton,), (floor,) = results["kvbaton"], results["floor"]
     for arm in (kvbaton, floor):
         assert (arm["turns"], arm["failed"]) == (8, 0)
         assert 100 < arm["events"][1] - arm["events"][0] < 140
-    assert 2e4 < floor["instructions_per_turn"] < kvbaton["instructions_per_turn"] < 1e6
+        assert 2e4 < arm["instructions_per_turn"] < 1e6
