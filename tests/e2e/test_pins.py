@@ -134,7 +134,9 @@ def test_the_admin_delete_releases_the_handle_too(pins: Stack) -> None:
     reply = post(url, method="DELETE", headers=admin)
     assert reply.status == 200 and reply.json()["deleted"] is True
     wait_until(lambda: not held & decoder_pins(pins), "the deleted conversation's blocks freed", 10)
-    assert released(pins, "ended") == before + 1
+    # D frees the blocks before its answer to the release reaches the router, which counts it
+    # then: under load the count can trail the freeing by a moment (seen once in `make test`).
+    wait_until(lambda: released(pins, "ended") == before + 1, "the release counted", 10)
 
 
 def test_a_restarted_router_finds_the_handles_due_in_redis(pins: Stack) -> None:
