@@ -98,9 +98,13 @@ def test_exceptions_are_one_json_field() -> None:
 def restore_root() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    knobs = ("_srcfile", "logThreads", "logProcesses", "logMultiprocessing")
+    saved = {name: getattr(logging, name) for name in knobs}
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    for name, value in saved.items():
+        setattr(logging, name, value)
 
 
 def test_setup_logging_installs_one_root_handler(restore_root: None) -> None:
@@ -114,6 +118,21 @@ def test_setup_logging_installs_one_root_handler(restore_root: None) -> None:
     handler.setStream(stream)  # type: ignore[attr-defined]
     logging.getLogger("hypercorn.error").warning("Running on %s", "x")
     assert json.loads(stream.getvalue())["message"] == "Running on x"
+
+
+def test_a_record_skips_what_no_format_shows(restore_root: None) -> None:
+    setup_logging("info", "text")
+    (handler,) = logging.getLogger().handlers
+    stream = io.StringIO()
+    handler.setStream(stream)  # type: ignore[attr-defined]
+    seen: list[logging.LogRecord] = []
+    handler.addFilter(lambda record: seen.append(record) or True)
+    logging.getLogger(TURN_LOGGER).info("turn %s", "request_id=r1 reuse=hit")
+    (record,) = seen
+    # No stack walk for the caller, no thread or process look-up: none of it is printed.
+    where = (record.funcName, record.lineno, record.thread, record.process)
+    assert where == ("(unknown function)", 0, None, None)
+    assert stream.getvalue().rstrip().endswith(" INFO kvbaton.turn turn request_id=r1 reuse=hit")
 
 
 def test_a_workers_lines_say_which_worker() -> None:
