@@ -261,13 +261,13 @@ async def verify(
     # Only on a hit: /tokenize rendered D's own tokens of this conversation exactly, evidence
     # that it and P's chat route render it alike (a field that only the route honours, say
     # tool_choice "none" hiding the tools, shows up as a mismatch above).
-    found = replace(found, tokens=tokens)
+    changes: dict[str, Any] = {"tokens": tokens}
     if _ids_leg(inc):
-        found = replace(found, prompt_ids=tokens)
-    if reuse.tokens >= state.token_count:
-        return found
-    params = svc.connector.truncate(handle, reuse.tokens, state.block_size)
-    return replace(found, params=params, reuse=replace(reuse, found=found.reuse.found))
+        changes["prompt_ids"] = tokens
+    if reuse.tokens < state.token_count:
+        changes["params"] = svc.connector.truncate(handle, reuse.tokens, state.block_size)
+        changes["reuse"] = replace(reuse, found=found.reuse.found)
+    return replace(found, **changes)  # one copy of the claim, whatever changed
 
 
 def _reason(reuse: Reuse) -> Reason:

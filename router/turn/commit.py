@@ -107,13 +107,14 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     svc, inc = turn.svc, turn.inc
     assert turn.decode is not None
     params = captured.kv_transfer_params
+    handle = svc.connector.is_handle(params)  # validated once: a long handle has many blocks
     # A Responses stream always ends with D's handle (response.completed): it says nothing
     # about D's chat and completions streams.
-    if inc.stream and inc.api != "responses" and svc.connector.is_handle(params):
+    if inc.stream and inc.api != "responses" and handle:
         turn.decode.ident.note_streams_params()
     prev = turn.claim.state
     end = decide.ending(
-        handle=svc.connector.is_handle(params),
+        handle=handle,
         reuse_on=svc.settings.reuse,
         tool_calls=captured.tool_calls,
         stream=inc.stream,
@@ -132,7 +133,7 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     if kept is not None:
         turn.decode.ident.note_engine_id(svc.connector.engine_id(kept))
         turn.decode.ident.note_origin(svc.connector.origin(kept))  # D's own answer
-    if svc.connector.is_handle(params):  # kept or not, it says which registration D is on
+    if handle:  # kept or not, it says which registration D is on
         turn.decode.ident.note_registration(registration_generation(params))
     prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
     state = sm.next_state(
