@@ -94,7 +94,7 @@ def setup_logging(level: str, log_format: str, worker: int | None = None) -> Non
     skips finding them (the logging HOWTO's *Optimization*), which was most of the cost of a
     turn's line.
     """
-    logging._srcfile = None  # type: ignore[attr-defined]  # no stack walk for the caller
+    logging._srcfile = None  # no stack walk for the caller
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False

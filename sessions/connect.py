@@ -61,7 +61,7 @@ class BoundedPool(aioredis.ConnectionPool):
         else:
             await slots.acquire()  # a free slot: taken without suspending
         try:
-            return await super().get_connection(*args, **kw)
+            return await super().get_connection(*args, **kw)  # type: ignore[no-untyped-call]
         except BaseException:
             slots.release()
             raise
