@@ -46,6 +46,7 @@ STATE_FIELDS = {f"field{i:02d}": "x" * 24 for i in range(24)}
 TTL_MS = 3_600_000
 
 JSON = {"Content-Type": "application/json"}
+NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 class WorkStore:
@@ -120,8 +121,11 @@ def build_app(p_url: str, d_url: str, redis_url: str | None = None) -> Starlette
         rid = request.headers.get("x-request-id", "-")
         work = await store.start(session, body, len(raw_body), rid)  # the work floor's claim
         body.pop("conversation_id", None)
-        p_body = {k: v for k, v in body.items() if k != "stream_options"}
+        # What P refuses with max_tokens 1 (a 400) is left out, as kvbaton leaves it out.
+        p_body = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
         p_body.update(stream=False, max_tokens=1, kv_transfer_params=miss_params())
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
         async with session.post(
             p_url + "/v1/chat/completions", data=msgspec.json.encode(p_body), headers=JSON
         ) as p_resp:

@@ -17,7 +17,10 @@ model, the engines' own 480 s pin TTL) and the same seeded arrivals as section 7
   follows in P/D mode), and with `consistent_hash`, which hashes the `X-Session-ID` header
   every arm's client sends (kvbaton reads the same header). None of them reads D's KV back,
   so their D keeps nothing for P (a D that did would fill with pins nobody releases: section
-  7's second arm).
+  7's second arm);
+- on vLLM's multi-turn benchmark only, the floor (bench/passthrough.py): the stack kvbaton is
+  built on, passing each turn through one P and one D with no router work, so that the
+  router CPU any router on this stack pays is a figure of the same run.
 The workloads (SCENARIOS): section 7's arrivals; the same with a small prefix cache on P; with
 long answers; with one D killed halfway; vLLM's multi-turn benchmark, unchanged
 (bench/vllm_multiturn.py; skipped with one line without a vLLM tree). The arms cannot take
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -76,6 +80,7 @@ class Arm:
 
 
 VLLM_ROUTER_PEER, VLLM_PROXY_PEER, VLLM_DEMO_PEER = "vllm-router", "vllm-proxy", "vllm-demo"
+FLOOR_PEER = "floor"
 ARMS = (
     Arm(
         "kvbaton",
@@ -129,6 +134,18 @@ ARMS = (
     ),
 )
 DEMO_ARM = ARMS[-1]
+# The stack kvbaton is built on doing no router work, on vLLM's multi-turn benchmark only: what
+# any router on Hypercorn + Starlette + aiohttp pays for these turns (the issue's "where the
+# stack itself is the cost, say so with the figure").
+FLOOR_ARM = Arm(
+    "the floor (no router work)",
+    "bench/passthrough.py, not a router: Hypercorn + Starlette + aiohttp passing each turn "
+    "through one P (`max_tokens` 1) and one D, D's stream relayed as it comes; no sessions, "
+    "no reuse, no parsing of D's answer. Its one P and one D serve every turn, so its TTFTs "
+    "are not comparable; its router CPU is, turn for turn",
+    (),
+    FLOOR_PEER,
+)
 # What the demo proxy does with vLLM's benchmark, read in both (vllm_sim answers as vLLM).
 DEMO_WITH_MIN_TOKENS = (
     "vLLM's demo proxy with this benchmark: the benchmark sends `min_tokens` (= `max_tokens`, "
@@ -181,6 +198,14 @@ def peer_router(exe: str, st: Stack, flags: tuple[str, ...]) -> Iterator[tuple[s
     argv += [*flags, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--prometheus-port", str(free_port()), "--log-level", "warning"]
     yield from _peer_process(argv, st, "vllm-router", port)
+
+
+@contextlib.contextmanager
+def peer_floor(st: Stack) -> Iterator[tuple[str, Any]]:
+    """The floor (bench/passthrough.py) over the stack's first P and first D."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.passthrough", str(port), st.ps[0].url, st.ds[0].url]
+    yield from _peer_process([*argv, "uvloop"], st, "floor", port)
 
 
 def _peer_process(
@@ -251,20 +276,26 @@ MULTITURN = SCENARIOS[-1]
 
 def chosen(plan: Plan) -> tuple[list[Scenario], list[Arm]]:
     """--quick: the arrivals and vLLM's benchmark (on a smaller config), kvbaton and
-    vllm-router's default policy."""
+    vllm-router's default policy; the floor's arm runs on vLLM's benchmark alone."""
     if plan.quick:
-        return [SCENARIOS[0], MULTITURN], [ARMS[0], ARMS[2]]
-    return list(SCENARIOS), list(ARMS)
+        return [SCENARIOS[0], MULTITURN], [ARMS[0], ARMS[2], FLOOR_ARM]
+    return list(SCENARIOS), [*ARMS, FLOOR_ARM]
+
+
+def scenario_arms(sc: Scenario, arms: list[Arm]) -> list[Arm]:
+    return [a for a in arms if a.peer != FLOOR_PEER or sc.multiturn]
 
 
 def steps(plan: Plan) -> int:
     scenarios, arms = chosen(plan)
-    return len(arms) * sum(1 if plan.quick else s.full_rounds for s in scenarios)
+    return sum(
+        len(scenario_arms(s, arms)) * (1 if plan.quick else s.full_rounds) for s in scenarios
+    )
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     scenarios, wanted = chosen(plan)
-    exes: dict[str, str | None] = {"": None}
+    exes: dict[str, str | None] = {"": None, FLOOR_PEER: "bench.passthrough"}
     if any(a.peer == VLLM_ROUTER_PEER for a in wanted):
         exes[VLLM_ROUTER_PEER] = vllm_router()
     if any(a.peer == VLLM_PROXY_PEER for a in wanted):
@@ -286,11 +317,12 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         rounds = 1 if plan.quick else sc.full_rounds
         seconds = plan.peers_s * sc.seconds
         res: dict[str, Any] = {"what": sc.what, "seconds": seconds, "rounds": rounds, "arms": {}}
-        res["arms"] = {a.name: {"how": a.how, "rounds": []} for a in arms}
+        these = scenario_arms(sc, arms)
+        res["arms"] = {a.name: {"how": a.how, "rounds": []} for a in these}
         if sc.multiturn and bench is not None:
             res["multiturn"] = bench.describe()
         for rnd in range(rounds):
-            for arm in arms if rnd % 2 == 0 else list(reversed(arms)):
+            for arm in these if rnd % 2 == 0 else list(reversed(these)):
                 tick(f"peers: {sc.name}, {arm.name}, round {rnd + 1}")
                 driver = bench if sc.multiturn else None
                 result, commands = one(plan, lg, sc, arm, exes[arm.peer], driver)
@@ -336,6 +368,8 @@ def arm_stack(
         elif arm.peer == VLLM_DEMO_PEER:
             assert exe is not None
             url, proc = exits.enter_context(peer_demo(exe, st))
+        elif arm.peer == FLOOR_PEER:
+            url, proc = exits.enter_context(peer_floor(st))
         elif arm.peer:
             assert exe is not None
             flags = list(arm.flags)
@@ -426,6 +460,22 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     }
 
 
+def stack_cost(arms: dict[str, Any]) -> list[str]:
+    """Router CPU per turn of kvbaton and vllm-router's default policy against the floor's,
+    where the floor ran."""
+    cpu = {name: arm["summary"]["cpu_ms_per_turn"] for name, arm in arms.items()}
+    floor, kv, peer = cpu.get(FLOOR_ARM.name), cpu.get(ARMS[0].name), cpu.get(ARMS[2].name)
+    if floor is None or kv is None or peer is None or min(floor, peer) <= 0:
+        return []
+    return [
+        "",
+        f"Router CPU per turn: kvbaton {kv:.2f} ms, {ARMS[2].name} {peer:.2f} ms "
+        f"({kv / peer:.2f}x); the floor, the same stack doing no router work, {floor:.2f} ms: "
+        f"{floor / peer:.2f}x {ARMS[2].name}'s on its own, and kvbaton {kv / floor:.2f}x the "
+        "floor's.",
+    ]
+
+
 def _read_wait(rounds: list[dict[str, float]]) -> dict[str, float]:
     """P's side-channel reads over the rounds: how many, their mean wall time and the bucket
     bound under which 90% of them finished (ms)."""
@@ -502,9 +552,11 @@ def section(res: dict[str, Any], plan: Plan, png: str | None = None) -> list[str
         "read them, sampled twice a second; router CPU is the router's process tree. The arms:",
         "",
     ]
-    first = next(iter(res["scenarios"].values()), None)
-    for name, arm in (first or {"arms": {}})["arms"].items():
-        lines.append(f"- {name}: {arm['how']}")
+    listed: dict[str, str] = {}  # every scenario's arms, in order (the floor's on one)
+    for sc in res["scenarios"].values():
+        for name, arm in sc["arms"].items():
+            listed.setdefault(name, arm["how"])
+    lines += [f"- {name}: {how}" for name, how in listed.items()]
     peer_of = {a.name: a.peer for a in ARMS}
     for name in res["skipped"]:
         why = (
@@ -548,6 +600,7 @@ def scenario_lines(sc_name: str, sc: dict[str, Any]) -> list[str]:
             f"{s['pulled_from_d']:,.0f} | {s['pinned_max']:.0%} | "
             f"{s['cpu_ms_per_turn']:.2f} | {s['differ']} of {s['compared']} |"
         )
+    lines += stack_cost(sc["arms"])
     kv = sc["arms"].get(ARMS[0].name, {}).get("summary")
     if kv:
         reuse = ", ".join(f"{k} {v}" for k, v in sorted(kv["reuse"].items()))

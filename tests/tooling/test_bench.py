@@ -153,7 +153,8 @@ def test_quick_run_side_by_side(quick_run: Path) -> None:
         return
     assert raw["peers"]["skipped_scenarios"] == []
     mt_arms = raw["peers"]["scenarios"][multiturn]["arms"]
-    assert set(mt_arms) == set(peer_arms)
+    # and the floor (the stack doing no router work), on this benchmark alone
+    assert set(mt_arms) == {*peer_arms, peers.FLOOR_ARM.name}
     for name, arm in mt_arms.items():
         s = arm["summary"]
         assert not any(r.get("error") for r in arm["rounds"]), (name, arm["rounds"])
@@ -163,6 +164,7 @@ def test_quick_run_side_by_side(quick_run: Path) -> None:
         assert s["compared"] == 12 and s["differ"] == 0, (name, s)
         assert 8 - s["unmeasured"] <= s["ttft_later"]["n"] <= 8 and s["goodput"] > 0, (name, s)
     assert mt_arms["kvbaton"]["summary"]["pulled_from_d"] > 0
+    assert "the floor, the same stack doing no router work" in report
     assert f"### {multiturn}: " in report
 
 

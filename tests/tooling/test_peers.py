@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from bench import headline, peers, vllm_multiturn
+from bench.plan import FULL, QUICK
 from vllm_sim.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
@@ -132,3 +133,26 @@ def test_p_read_wait_over_rounds_and_its_line() -> None:
     )
     assert peers._read_wait([{}, {}]) == {"reads": 0.0}
     assert peers._waited({"p_read_wait": {"reads": 0.0}}) == peers._waited({}) == ""
+
+
+def test_the_floor_runs_on_the_multiturn_benchmark_alone() -> None:
+    for plan in (FULL, QUICK):
+        assert peers.FLOOR_ARM in peers.chosen(plan)[1]
+    every = [*peers.ARMS, peers.FLOOR_ARM]
+    for sc in peers.SCENARIOS:
+        names = [a.name for a in peers.scenario_arms(sc, every)]
+        assert (peers.FLOOR_ARM.name in names) == sc.multiturn, sc.name
+        assert names[: len(peers.ARMS)] == [a.name for a in peers.ARMS]
+
+
+def test_the_stack_cost_line_compares_each_router_with_the_floor() -> None:
+    def arm(cpu: float) -> dict[str, Any]:
+        return {"summary": {"cpu_ms_per_turn": cpu}}
+
+    arms = {"kvbaton": arm(18.0), "vllm-router cache_aware": arm(6.0)}
+    assert peers.stack_cost(arms) == []  # no floor in this scenario: no line
+    arms[peers.FLOOR_ARM.name] = arm(12.0)
+    (line,) = [x for x in peers.stack_cost(arms) if x]
+    assert "kvbaton 18.00 ms, vllm-router cache_aware 6.00 ms (3.00x)" in line
+    assert "12.00 ms: 2.00x vllm-router cache_aware's on its own" in line
+    assert "kvbaton 1.50x the floor's" in line
