@@ -37,7 +37,12 @@ class BoundedPool(aioredis.ConnectionPool):
     seconds, then ConnectionError "No connection available."), as BlockingConnectionPool does,
     but through a semaphore: taking a free slot costs no condition, lock or timer, where
     BlockingConnectionPool's took 2.3x redis-py's plain get_connection (cProfile, a hit turn's
-    two calls). Connections are made on demand and kept, as in redis-py's pool."""
+    two calls). Connections are made on demand and kept, as in redis-py's pool.
+
+    A slot is held by a connection handed out (`_holding`), so that it is freed once whatever
+    path gives the connection back: redis-py's get_connection itself releases a connection it
+    made but could not connect, before the caller ever sees it.
+    """
 
     def __init__(
         self, *, max_connections: int = MAX_CONNECTIONS, timeout: float | None = None, **kw: Any
@@ -48,6 +53,7 @@ class BoundedPool(aioredis.ConnectionPool):
         super().__init__(max_connections=2 * max_connections, **kw)
         self.bound = max_connections
         self._slots = asyncio.Semaphore(max_connections)
+        self._holding: set[Any] = set()
         self._wait = timeout
 
     async def get_connection(self, *args: Any, **kw: Any) -> Any:
@@ -61,15 +67,18 @@ class BoundedPool(aioredis.ConnectionPool):
         else:
             await slots.acquire()  # a free slot: taken without suspending
         try:
-            return await super().get_connection(*args, **kw)  # type: ignore[no-untyped-call]
+            connection = await super().get_connection(*args, **kw)  # type: ignore[no-untyped-call]
         except BaseException:
             slots.release()
             raise
+        self._holding.add(connection)
+        return connection
 
     async def release(self, connection: Any) -> None:
-        if connection not in self._in_use_connections:  # released already: redis-py refuses it
+        if connection not in self._holding:  # not handed out (or released already)
             await super().release(connection)
             return
+        self._holding.discard(connection)
         try:
             await super().release(connection)
         finally:

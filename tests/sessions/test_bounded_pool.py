@@ -68,3 +68,17 @@ async def test_a_cancelled_wait_leaves_the_slots_as_they_were(redis_url_session:
         assert await client.ping()
     finally:
         await client.aclose()
+
+
+async def test_a_connection_that_cannot_connect_frees_its_slot() -> None:
+    # redis-py's get_connection releases a connection it made but could not connect before
+    # the caller sees it: the slot is freed once, not twice.
+    pool = connect.BoundedPool.from_url("redis://127.0.0.1:1", max_connections=2, timeout=1)
+    client = aioredis.Redis.from_pool(pool)
+    try:
+        for _ in range(3):
+            with pytest.raises(RedisConnectionError):
+                await client.ping()
+        assert pool._slots._value == 2 and not pool._holding
+    finally:
+        await client.aclose()
