@@ -84,6 +84,26 @@ class BoundedPool(aioredis.ConnectionPool):
         finally:
             self._slots.release()
 
+    async def take(self) -> Any:
+        """A connection for one command of sessions.evaluate: an idle one with a free slot is
+        taken as it is, without the pool's lock, its observability hooks or its check that
+        nothing is left to read (redis-py drops a connection whose reply was not read, and
+        the command reconnects one that is not connected); otherwise get_connection."""
+        if self._slots.locked() or not self._available_connections:
+            return await self.get_connection()
+        await self._slots.acquire()  # a free slot: taken without suspending
+        connection = self._available_connections.pop()
+        self._in_use_connections.add(connection)
+        self._holding.add(connection)
+        return connection
+
+    def give(self, connection: Any) -> None:
+        """A connection from take() back to the pool (disconnected or not)."""
+        self._holding.remove(connection)
+        self._in_use_connections.discard(connection)
+        self._available_connections.append(connection)
+        self._slots.release()
+
 
 @dataclass(frozen=True)
 class Target:

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError, ResponseError
 from sessions import connect, scripts
 from sessions.codec import StateDecodeError, from_fields, to_fields
 from sessions.connect import RedisClient
+from sessions.evaluate import evaluate, pool_of
 from sessions.keys import pin_sizes_key, pins_key
 from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
 from sessions.store import CorruptState, PinNote, StoreError
@@ -77,6 +78,7 @@ class RedisSessionStore:
         # retry a script that already ran: it is set up once, before the first command.
         self._set_up = not isinstance(client, RedisCluster)
         self._set_up_lock = asyncio.Lock()
+        self._pool = pool_of(client)  # the claim's and commit's connections (sessions.evaluate)
         self._claim = client.register_script(scripts.CLAIM)
         self._commit = client.register_script(scripts.COMMIT)
         self._commit_noted = client.register_script(scripts.COMMIT_NOTED)
@@ -120,7 +122,7 @@ class RedisSessionStore:
         self, key: str, request_id: str, expect_prefix: str = ""
     ) -> SessionState | None:
         async def claim() -> SessionState | None:
-            reply = await self._claim(keys=[key], args=[request_id, expect_prefix])
+            reply = await evaluate(self._pool, self._claim, [key], [request_id, expect_prefix])
             return _decode_pairs(reply)
 
         try:
@@ -171,13 +173,14 @@ class RedisSessionStore:
         pairs = [x for item in to_fields(state).items() for x in item]
         args: list[int | bytes | str] = [expected_turn, ttl_ms, _ENCODE(pairs)]
         if pin is None or not self.notes_pins_in_commit:
-            done = await self._run("commit", self._commit(keys=[key], args=args))
+            done = await self._run("commit", evaluate(self._pool, self._commit, [key], args))
             if done and pin is not None:
                 await self.note_pin(pin.decode, key, pin.at, ttl_s, pin.size)
             return bool(done)
         args += [repr(float(pin.at)), f"{pin.size.blocks} {pin.size.tokens}"]
         keys = [key, *_pin_keys(pin.decode)]
-        return bool(await self._run("commit", self._commit_noted(keys=keys, args=args)))
+        noted = evaluate(self._pool, self._commit_noted, keys, args)
+        return bool(await self._run("commit", noted))
 
     async def release(self, key: str, request_id: str) -> None:
         await self._run("release", self._release(keys=[key], args=[request_id]))

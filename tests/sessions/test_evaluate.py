@@ -1,0 +1,113 @@
+"""sessions.evaluate against a real redis-server: the same replies and errors as redis-py's
+Script, a script the server lost loaded again, a broken connection retried once, a cancelled
+call leaving no reply behind for the next one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from sessions import connect
+from sessions.evaluate import evaluate, pool_of
+
+ECHO = "return {KEYS[1], ARGV[1], ARGV[2]}"
+# Busy for ~200 ms inside the server (scripts cannot sleep), then answers.
+SLOW = """
+local start = redis.call('TIME')
+while true do
+  local now = redis.call('TIME')
+  if (now[1] - start[1]) * 1000000 + (now[2] - start[2]) > 200000 then break end
+end
+return ARGV[1]
+"""
+
+
+@pytest.fixture
+async def client(redis_url_session: str) -> AsyncIterator[aioredis.Redis]:
+    c = connect.connect(redis_url_session, socket_timeout=5, connect_timeout=5)
+    assert isinstance(c, aioredis.Redis)
+    yield c
+    await connect.close(c)
+
+
+async def test_the_same_reply_as_redis_pys_script(client: aioredis.Redis) -> None:
+    pool = pool_of(client)
+    assert pool is not None
+    script = client.register_script(ECHO)
+    via_redis_py = await script(keys=["k"], args=["a", 7])
+    assert await evaluate(pool, script, ["k"], ["a", 7]) == via_redis_py == [b"k", b"a", b"7"]
+    assert await evaluate(None, script, ["k"], ["a", 7]) == via_redis_py  # no pool: redis-py
+    assert not pool._in_use_connections and not pool._slots.locked()
+
+
+async def test_a_script_the_server_lost_is_loaded_again(client: aioredis.Redis) -> None:
+    script = client.register_script("return 'fresh-" + "x" * 8 + "'")
+    await client.script_flush()
+    assert not (await client.script_exists(script.sha))[0]
+    assert await evaluate(pool_of(client), script, ["k"], []) == b"fresh-xxxxxxxx"
+    assert (await client.script_exists(script.sha))[0]
+
+
+async def test_an_error_reply_is_raised_and_the_connection_kept(client: aioredis.Redis) -> None:
+    pool = pool_of(client)
+    await client.set("kvbaton-test:evaluate:string", "x")
+    script = client.register_script("return redis.call('HGETALL', KEYS[1])")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await evaluate(pool, script, ["kvbaton-test:evaluate:string"], [])
+    assert pool is not None and len(pool._available_connections) == 1
+    assert await evaluate(pool, client.register_script(ECHO), ["k"], ["b", "c"]) == [
+        b"k",
+        b"b",
+        b"c",
+    ]
+
+
+async def test_a_broken_connection_is_retried_once(
+    client: aioredis.Redis, redis_url_session: str
+) -> None:
+    pool = pool_of(client)
+    assert pool is not None
+    script = client.register_script(ECHO)
+    await evaluate(pool, script, ["k"], ["a", "b"])
+    (idle,) = pool._available_connections
+    await idle.send_command("CLIENT", "ID")
+    idle_id = await idle.read_response()
+    # The server closes the idle pooled connection (as a restart or its idle timeout would);
+    # the client does not know until it uses it.
+    other = aioredis.from_url(redis_url_session)
+    try:
+        assert await other.execute_command("CLIENT", "KILL", "ID", idle_id) == 1
+    finally:
+        await other.aclose()
+    assert await evaluate(pool, script, ["k"], ["a", "b"]) == [b"k", b"a", b"b"]
+    assert pool._available_connections == [idle]  # the same connection, connected again
+
+
+async def test_a_server_that_is_gone_fails_after_one_retry(redis_url_session: str) -> None:
+    pool = connect.BoundedPool.from_url("redis://127.0.0.1:1", max_connections=2, timeout=1)
+    client = aioredis.Redis.from_pool(pool)
+    try:
+        with pytest.raises(RedisConnectionError):
+            await evaluate(pool, client.register_script(ECHO), ["k"], ["a", "b"])
+        assert not pool._in_use_connections and pool._slots._value == 2  # the slot is back
+    finally:
+        await client.aclose()
+
+
+async def test_a_cancelled_call_leaves_no_reply_for_the_next(client: aioredis.Redis) -> None:
+    pool = pool_of(client)
+    slow, echo = client.register_script(SLOW), client.register_script(ECHO)
+    await evaluate(pool, echo, ["k"], ["warm", "up"])
+    call = asyncio.create_task(evaluate(pool, slow, ["k"], ["late"]))
+    await asyncio.sleep(0.05)  # sent; the server is busy with it
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    # The next call on the same pool gets its own reply, not the slow script's "late".
+    assert await evaluate(pool, echo, ["k"], ["next", "one"]) == [b"k", b"next", b"one"]
+    assert pool is not None and not pool._in_use_connections and pool._slots._value > 0
