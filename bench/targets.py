@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench import hitpath, overhead
+from bench import hitpath, overhead, peers
 from bench.plan import Plan
 from bench.stats import fmt
 
@@ -22,6 +22,7 @@ OWN_HIT_MS = 1.0
 CPU_FIRST_X = 1.25
 CPU_HIT_X = 1.25  # against the work floor (the floor plus a hit's /tokenize and Redis I/O)
 CHUNK_ABOVE_FLOOR_US = 10.0
+PEER_CPU_X = 1.5  # router CPU per turn on vLLM's multi-turn benchmark, against vllm-router's
 LIMIT_SLACK = 1.10  # TTFT p50 within 10 % of the cost model's limit
 
 
@@ -31,6 +32,7 @@ def rows(results: dict[str, Any], plan: Plan) -> list[Row]:
     out += chunk_rows(ov)
     out += limit_rows(results.get("reuse"), plan)
     out += throughput_rows(results.get("throughput"))
+    out += peer_rows(results.get("peers"))
     return out
 
 
@@ -235,3 +237,26 @@ def throughput_rows(res: dict[str, Any] | None) -> list[Row]:
                 )
             )
     return out
+
+
+def peer_rows(res: dict[str, Any] | None) -> list[Row]:
+    """kvbaton's router CPU per turn on vLLM's multi-turn benchmark against vllm-router's
+    default policy, with the floor's (the stack doing no router work) where it ran."""
+    arms = (res or {}).get("scenarios", {}).get(peers.MULTITURN.name, {}).get("arms", {})
+    cpu = {name: arm["summary"]["cpu_ms_per_turn"] for name, arm in arms.items()}
+    kv, peer = cpu.get(peers.ARMS[0].name), cpu.get(peers.ARMS[2].name)
+    if kv is None or peer is None:
+        return []
+    x = _ratio(kv, peer)
+    measured = f"{fmt(x, 2)}x ({kv:.2f} vs {peer:.2f} ms)"
+    floor = cpu.get(peers.FLOOR_ARM.name)
+    if floor is not None:
+        measured += f"; the floor alone {fmt(_ratio(floor, peer), 2)}x ({floor:.2f} ms)"
+    return [
+        (
+            f"router CPU per turn on vLLM's multi-turn benchmark: <= {PEER_CPU_X:g}x vllm-router's",
+            f"{peers.ARMS[2].name}, same scenario and rounds (section 8)",
+            measured,
+            _ok(x, PEER_CPU_X),
+        )
+    ]

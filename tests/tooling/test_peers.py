@@ -156,3 +156,38 @@ def test_the_stack_cost_line_compares_each_router_with_the_floor() -> None:
     assert "kvbaton 18.00 ms, vllm-router cache_aware 6.00 ms (3.00x)" in line
     assert "12.00 ms: 2.00x vllm-router cache_aware's on its own" in line
     assert "kvbaton 1.50x the floor's" in line
+
+
+def test_stack_cost_runs_kvbaton_vllm_router_and_the_floor(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import stack_cost
+
+    assert [a.name for a in stack_cost.ARMS] == [
+        "kvbaton",
+        "vllm-router cache_aware",
+        peers.FLOOR_ARM.name,
+    ]
+    # Where vllm-router cannot be installed (no registry), it says so and runs nothing.
+    monkeypatch.setattr(stack_cost, "vllm_router", lambda: None)
+    monkeypatch.setattr(vllm_multiturn, "prepare", lambda quick: None)
+    assert stack_cost.main(["--rounds", "1"]) == 1
+    assert "needs vllm-router and a vLLM tree" in capsys.readouterr().err
+
+
+def test_the_target_row_compares_kvbaton_with_vllm_router_and_shows_the_floor() -> None:
+    from bench import targets
+
+    def arm(cpu: float) -> dict[str, Any]:
+        return {"summary": {"cpu_ms_per_turn": cpu}}
+
+    arms = {"kvbaton": arm(15.0), "vllm-router cache_aware": arm(6.0)}
+    res = {"scenarios": {peers.MULTITURN.name: {"arms": arms}}}
+    ((target, reference, measured, met),) = targets.peer_rows(res)
+    assert "<= 1.5x vllm-router's" in target and "section 8" in reference
+    assert (measured, met) == ("2.50x (15.00 vs 6.00 ms)", False)
+    arms["kvbaton"] = arm(8.4)
+    arms[peers.FLOOR_ARM.name] = arm(7.2)
+    ((_, _, measured, met),) = targets.peer_rows(res)
+    assert (measured, met) == ("1.40x (8.40 vs 6.00 ms); the floor alone 1.20x (7.20 ms)", True)
+    assert targets.peer_rows(None) == [] and targets.peer_rows({"scenarios": {}}) == []
