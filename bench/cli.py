@@ -29,6 +29,7 @@ from tqdm import tqdm
 from bench import (
     events,
     headline,
+    hit_throughput,
     hitpath,
     overhead,
     peers,
@@ -76,7 +77,7 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
         n += len(plan.overhead_counts) * 2 + 5 * 2 + 2 + 1 + len(overhead.LONG_TOKENS)
         n += hitpath.steps(plan)
     if "throughput" in parts:
-        n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps
+        n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps + hit_throughput.steps(plan)
     if "reuse" in parts:
         arms = sum(len(reuse.arms_for(plan, cache, no_reuse)) for cache in reuse.CACHES)
         n += arms * plan.conv_rounds
@@ -206,6 +207,7 @@ def run_parts(
             results["overhead"] = overhead.run(plan, lg, tick, no_reuse)
         if "throughput" in parts:
             results["throughput"] = throughput.run(plan, lg, tick)
+            results["throughput"]["hits"] = hit_throughput.run(plan, lg, tick)
         if "reuse" in parts:
             results["reuse"] = reuse.run(plan, lg, tick, no_reuse)
         if "events" in parts:

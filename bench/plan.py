@@ -110,6 +110,10 @@ class Plan:
     hit_min_convs: int
     hit_turns: int
     hit_rounds: int
+    # 2, hits: closed-loop concurrencies of the hit path's conversations against the pinned
+    # router, and conversations per level (at least 2 per client)
+    hit_tput_clients: tuple[int, ...]
+    hit_tput_convs: int
     # 7. D's memory: conversations arriving per second for pins_s seconds on a D of
     # pins_blocks blocks (the engine's own 480 s pin TTL), releases on and off
     pins_rate: float
@@ -159,6 +163,8 @@ FULL = Plan(
     hit_min_convs=24,
     hit_turns=5,
     hit_rounds=2,
+    hit_tput_clients=(16, 64),
+    hit_tput_convs=800,
     pins_rate=3.0,
     pins_s=150.0,
     pins_blocks=8192,
@@ -199,6 +205,8 @@ QUICK = Plan(
     hit_min_convs=4,
     hit_turns=3,
     hit_rounds=1,
+    hit_tput_clients=(8,),
+    hit_tput_convs=16,
     pins_rate=3.0,
     pins_s=10.0,
     pins_blocks=2048,

@@ -519,6 +519,8 @@ def throughput_section(res: dict[str, Any], pngs: dict[str, str]) -> list[str]:
             " the load generator on the other core were the limit, not the router.",
             "",
         ]
+    if res.get("hits"):
+        lines += hits_part(res["hits"])
     if res.get("workers"):
         lines += workers_part(res["workers"])
     if "throughput" in pngs:
@@ -541,6 +543,51 @@ def sweep_table(sweep: dict[str, Any]) -> list[str]:
     ]
     head = ["offered/s", "completed/s", "SSE events/s", "p50 / p99 ms", "router CPU"]
     return table([*head, "CPU ms/turn", "holds"], rows)
+
+
+def hits_part(res: dict[str, Any]) -> list[str]:
+    """Hit-path conversations, closed loop, against the pinned router (bench/hit_throughput.py)."""
+    where = (
+        f"the router pinned to CPU {throughput.ROUTER_CPU}, everything else on CPU "
+        f"{throughput.OTHERS_CPU}"
+        if res["pinned"]
+        else "**not pinned**: every process shares all CPUs"
+    )
+    lines = [
+        "### Hit turns (the hit path's conversations)",
+        "",
+        "Section 1's hit path (zero-cost engines that keep D's KV, conversations of "
+        f"{res['turns']} turns with ids: every turn after the first a hit), closed loop at "
+        "each concurrency, "
+        f"{where}. *Ceiling*: the turns/s of a fully busy core at the CPU per turn measured.",
+        "",
+    ]
+    rows = [
+        [
+            str(x["clients"]),
+            f"{x['turns']} ({x['failed']})",
+            f"{x['hits']} of {x['later']}",
+            fmt(x["turns_s"], 0),
+            f"{x['router_cpu_util'] * 100:.0f}%",
+            fmt(x["cpu_ms_per_turn"], 3),
+            fmt(x["ceiling_turns_s"], 0),
+        ]
+        for x in res["levels"]
+    ]
+    head = ["clients", "turns (failed)", "hits", "turns/s", "router CPU", "CPU ms/turn"]
+    lines += table([*head, "ceiling turns/s"], rows)
+    best = res.get("best")
+    if best:
+        lines += [
+            f"Most: **{fmt(best['turns_s'], 0)} turns/s** at {best['clients']} clients, the "
+            f"router's core {best['router_cpu_util'] * 100:.0f}% busy; at "
+            f"{fmt(best['cpu_ms_per_turn'], 3)} ms of CPU per turn a fully busy core would "
+            f"serve {fmt(best['ceiling_turns_s'], 0)} turns/s. Where the router's core is well "
+            "under 100% busy, the engines and the load generator on the other core were the "
+            "limit.",
+            "",
+        ]
+    return lines
 
 
 def workers_part(res: dict[str, Any]) -> list[str]:

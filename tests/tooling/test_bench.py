@@ -102,6 +102,13 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
     for sweeps in workers.values():
         assert set(sweeps) == {"json", "stream"}
         assert all(step["achieved"] > 0 for s in sweeps.values() for step in s["steps"])
+    # Hit turns against the pinned router: every level answered, its later turns hits.
+    assert "### Hit turns (the hit path's conversations)" in report
+    levels = raw["throughput"]["hits"]["levels"]
+    assert [x["clients"] for x in levels] == [8]
+    for x in levels:
+        assert x["failed"] == 0 and x["turns_s"] > 0 and x["cpu_ms_per_turn"] > 0, x
+        assert x["later"] > 0 and x["hits"] == x["later"], x
     # Router CPU per chunk of a 1,000- and a 16,000-token stream, side by side.
     assert "### Router CPU per chunk, short and long streams" in report
     long = raw["overhead"]["chunk_long"]

@@ -1,0 +1,76 @@
+"""2, hits: how many hit-path turns one router core serves.
+
+Section 1's hit path (bench/hitpath.py: zero-cost engines that keep D's KV, conversations of
+`hit_turns` turns with ids, so 4 of every 5 turns are hits) driven closed-loop at a few
+concurrencies, the router pinned to CPU 1 and the engines, redis-server and the load generator
+to CPU 0, as section 2's first-turn sweeps. Per level: turns/s, the router's share of its core,
+its CPU per turn, and the ceiling of a fully busy core at that CPU per turn. Where the router's
+core is not busy, the other core (engines and load generator) was the limit: the ceiling is
+then the figure for the router, and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench import hitpath
+from bench.plan import Plan
+from bench.stack import LoadGen, pin, reset_caches, start_stack, tree_cpu_seconds
+from bench.throughput import OTHERS_CPU, ROUTER_CPU, can_pin
+
+Tick = Callable[[str], None]
+
+
+def steps(plan: Plan) -> int:
+    return len(plan.hit_tput_clients)
+
+
+def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
+    out: dict[str, Any] = {"pinned": False, "levels": [], "turns": plan.hit_turns}
+    with start_stack(
+        prefill_args=[hitpath.P_ARGS],
+        decode_args=[hitpath.D_ARGS],
+        router_args=[hitpath.ROUTER_ARGS],
+        name="hit-throughput",
+    ) as st:
+        router = st.routers[0].proc.pid
+        others = [s.proc.pid for s in st.engines] + [lg.proc.pid]
+        if st.redis_proc is not None:
+            others.append(st.redis_proc.pid)
+        try:
+            if can_pin():
+                pinned = [pin(router, {ROUTER_CPU}), *(pin(pid, {OTHERS_CPU}) for pid in others)]
+                out["pinned"] = all(pinned)
+            for rnd, clients in enumerate(plan.hit_tput_clients):
+                tick(f"throughput hits c={clients}")
+                reset_caches(st)
+                spec = hitpath.job(plan, st.url, stream=False, clients=clients, rnd=rnd, ids=True)
+                spec.update(n=max(plan.hit_tput_convs, 2 * clients), deadline_s=600.0)
+                cpu0 = tree_cpu_seconds(router)
+                res = lg.run(spec, timeout=660.0)
+                out["levels"].append(level(clients, res, tree_cpu_seconds(router) - cpu0))
+        finally:
+            for pid in others:
+                pin(pid, None)
+    best = max(out["levels"], key=lambda x: x["turns_s"], default=None)
+    out["best"] = best
+    return out
+
+
+def level(clients: int, res: dict[str, Any], cpu_s: float) -> dict[str, Any]:
+    turns = res["turns"]
+    ok = [t for t in turns if t["ok"]]
+    wall = res["wall_s"] or 1e-9
+    cpu_ms = cpu_s / max(1, len(turns)) * 1000.0
+    return {
+        "clients": clients,
+        "turns": len(turns),
+        "failed": len(turns) - len(ok),
+        "hits": sum(1 for t in ok if t["turn"] > 1 and t.get("reuse") == "hit"),
+        "later": sum(1 for t in ok if t["turn"] > 1),
+        "turns_s": len(ok) / wall,
+        "router_cpu_util": cpu_s / wall,
+        "cpu_ms_per_turn": cpu_ms,
+        "ceiling_turns_s": 1000.0 / cpu_ms if cpu_ms else None,
+    }

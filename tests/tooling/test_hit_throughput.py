@@ -1,0 +1,46 @@
+"""Section 2's hit turns: a level's figures from the load generator's turns and the router's
+CPU, and the target row read from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench import hit_throughput, targets
+
+pytestmark = pytest.mark.unit
+
+
+def turn(n: int, ok: bool = True, reuse: str | None = "hit") -> dict[str, Any]:
+    return {"turn": n, "ok": ok, "reuse": reuse if n > 1 else "miss"}
+
+
+def test_a_level_counts_turns_hits_and_the_cores_ceiling() -> None:
+    turns = [turn(1), turn(2), turn(3, reuse="miss"), turn(1), turn(2, ok=False)]
+    x = hit_throughput.level(16, {"turns": turns, "wall_s": 0.5}, cpu_s=0.01)
+    assert (x["turns"], x["failed"], x["hits"], x["later"]) == (5, 1, 1, 2)
+    assert x["turns_s"] == pytest.approx(8.0)  # 4 answered in 0.5 s
+    assert x["router_cpu_util"] == pytest.approx(0.02)
+    assert x["cpu_ms_per_turn"] == pytest.approx(2.0)  # 10 ms over 5 turns
+    assert x["ceiling_turns_s"] == pytest.approx(500.0)
+
+
+def test_the_target_row_is_met_only_by_turns_served() -> None:
+    best = {
+        "clients": 64,
+        "turns_s": 310.0,
+        "router_cpu_util": 0.7,
+        "cpu_ms_per_turn": 2.2,
+        "ceiling_turns_s": 454.5,
+    }
+    ((target, reference, measured, met),) = targets.hit_rate_rows({"pinned": True, "best": best})
+    assert target == "hit turns/s, one core (router pinned): >= 400"
+    assert "section 2" in reference
+    assert measured == (
+        "310 turns/s at 70% of the router's core; a fully busy core at 2.200 ms CPU/turn: 454"
+    )
+    assert met is False  # a ceiling is not turns served
+    best["turns_s"] = 410.0
+    assert targets.hit_rate_rows({"pinned": True, "best": best})[0][3] is True
+    assert targets.hit_rate_rows(None) == [] and targets.hit_rate_rows({"best": None}) == []
