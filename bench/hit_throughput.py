@@ -16,7 +16,7 @@ from typing import Any
 
 from bench import hitpath
 from bench.plan import Plan
-from bench.stack import LoadGen, pin, reset_caches, start_stack, tree_cpu_seconds
+from bench.stack import LoadGen, pin, reset_caches, tree_cpu_seconds
 from bench.throughput import OTHERS_CPU, ROUTER_CPU, can_pin
 
 Tick = Callable[[str], None]
@@ -28,12 +28,7 @@ def steps(plan: Plan) -> int:
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out: dict[str, Any] = {"pinned": False, "levels": [], "turns": plan.hit_turns}
-    with start_stack(
-        prefill_args=[hitpath.P_ARGS],
-        decode_args=[hitpath.D_ARGS],
-        router_args=[hitpath.ROUTER_ARGS],
-        name="hit-throughput",
-    ) as st:
+    with hitpath.hit_stack("hit-throughput") as st:
         router = st.routers[0].proc.pid
         others = [s.proc.pid for s in st.engines] + [lg.proc.pid]
         if st.redis_proc is not None:

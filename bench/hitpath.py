@@ -10,6 +10,7 @@ floor* per turn is the router's own work on hits (and, for turn 1, on misses).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,13 @@ ROUTER_ARGS = ["--stream-kv-params", "--decode-local-max-tokens", "0"]
 # The same router on the standard library's event loop (kvbaton's default is uvloop): at 1
 # client, a third arm measures what the loop alone changes.
 ASYNCIO_ARGS = [*ROUTER_ARGS, "--event-loop", "asyncio"]
+
+
+def hit_stack(name: str) -> contextlib.AbstractContextManager[Stack]:
+    """The hit path's engines and one kvbaton with its flags (section 1, 2's hit turns, 5)."""
+    return start_stack(
+        prefill_args=[P_ARGS], decode_args=[D_ARGS], router_args=[ROUTER_ARGS], name=name
+    )
 
 
 def job(plan: Plan, url: str, *, stream: bool, clients: int, rnd: int, ids: bool) -> dict[str, Any]:

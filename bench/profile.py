@@ -179,12 +179,7 @@ def profile_hits(plan: Plan, lg: LoadGen, clients: int = 16) -> dict[str, Any]:
     """py-spy on the router while `clients` conversations at a time run JSON turns on the
     hit path's stack: every turn after a conversation's first claims, tokenizes, verifies
     and commits."""
-    with start_stack(
-        prefill_args=[hitpath.P_ARGS],
-        decode_args=[hitpath.D_ARGS],
-        router_args=[hitpath.ROUTER_ARGS],
-        name="profile-hits",
-    ) as st:
+    with hitpath.hit_stack("profile-hits") as st:
         spec = hitpath.job(plan, st.routers[0].url, stream=False, clients=clients, rnd=9, ids=True)
         spec.update(n=int(plan.profile_s * 2000), deadline_s=plan.profile_s + 1.5)
         r, cpu, result = spied(plan, st, lg, spec)
