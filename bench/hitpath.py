@@ -14,11 +14,12 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from bench import peers
+from bench.peer_venv import VLLM_TREE_ENV
 from bench.plan import Plan
 from bench.stack import LoadGen, passthrough, reset_caches, start_stack, tree_cpu_seconds
 from bench.stats import summary_ms
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
-from tests.support.router import RouterProc
 from tests.support.stack import Stack, argv_of
 
 Tick = Callable[[str], None]
@@ -66,25 +67,44 @@ def job(plan: Plan, url: str, *, stream: bool, clients: int, rnd: int, ids: bool
     }
 
 
+# The concurrency at which vLLM's reference multi-turn proxy runs beside kvbaton (the issue's
+# "added p50 at 16 clients").
+REFERENCE_CLIENTS = 16
+
+
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out: dict[str, Any] = {"cells": []}
-    with start_stack(
-        prefill_args=[P_ARGS],
-        decode_args=[D_ARGS],
-        router_args=[ROUTER_ARGS, ASYNCIO_ARGS],
-        name="hitpath",
-    ) as st:
+    # vLLM's disagg_proxy_multiturn.py, copied at run time out of a fetched vLLM tree (never
+    # into the project); without a tree its arm is left out and the report says so.
+    script = None
+    if REFERENCE_CLIENTS in plan.hit_clients:
+        script = peers.vllm_proxy(peers.MULTITURN_PROXY, peers.PROXY_DEPS)
+    out["reference"] = script is not None
+    with (
+        start_stack(
+            prefill_args=[P_ARGS],
+            decode_args=[D_ARGS],
+            router_args=[ROUTER_ARGS, ASYNCIO_ARGS],
+            name="hitpath",
+        ) as st,
+        contextlib.ExitStack() as exits,
+    ):
         assert st.redis_url is not None
-        with (
-            passthrough(st.ps[0].url, st.ds[0].url, "hitpath-floor") as floor_app,
-            passthrough(st.ps[0].url, st.ds[0].url, "hitpath-work", st.redis_url) as work_app,
-        ):
-            st.commands["floor"] = argv_of(floor_app.proc)
-            st.commands["work floor"] = argv_of(work_app.proc)
-            for stream in (False, True):
-                for clients in plan.hit_clients:
-                    tick(f"hit path {'stream' if stream else 'json'} c={clients}")
-                    out["cells"].append(_cell(plan, st, lg, (floor_app, work_app), stream, clients))
+        floor_app = exits.enter_context(passthrough(st.ps[0].url, st.ds[0].url, "hitpath-floor"))
+        work_app = exits.enter_context(
+            passthrough(st.ps[0].url, st.ds[0].url, "hitpath-work", st.redis_url)
+        )
+        st.commands["floor"] = argv_of(floor_app.proc)
+        st.commands["work floor"] = argv_of(work_app.proc)
+        arms = {"floor": (floor_app.url, floor_app.proc.pid)}
+        arms["work"] = (work_app.url, work_app.proc.pid)
+        if script is not None:
+            url, proc = exits.enter_context(peers.peer_proxy(script, st))
+            arms["reference"] = (url, proc.pid)
+        for stream in (False, True):
+            for clients in plan.hit_clients:
+                tick(f"hit path {'stream' if stream else 'json'} c={clients}")
+                out["cells"].append(_cell(plan, st, lg, arms, stream, clients))
         out["commands"] = st.commands
     return out
 
@@ -97,16 +117,19 @@ def _cell(
     plan: Plan,
     st: Stack,
     lg: LoadGen,
-    floors: tuple[RouterProc, RouterProc],
+    others: dict[str, tuple[str, int]],
     stream: bool,
     clients: int,
 ) -> dict[str, Any]:
-    """kvbaton, the floor and the work floor (at 1 client also kvbaton on asyncio) in
-    alternating rounds, each round new conversations."""
-    floor_app, work_app = floors
-    pids = {"kvbaton": st.routers[0].proc.pid, "floor": floor_app.proc.pid}
-    pids["work"] = work_app.proc.pid
-    arms = [("kvbaton", st.routers[0].url), ("floor", floor_app.url), ("work", work_app.url)]
+    """kvbaton, the floor and the work floor (at 1 client also kvbaton on asyncio, at
+    REFERENCE_CLIENTS vLLM's reference proxy where there is one) in alternating rounds, each
+    round new conversations. `others`: each other arm's URL and process id."""
+    pids = {"kvbaton": st.routers[0].proc.pid}
+    arms = [("kvbaton", st.routers[0].url)]
+    for arm in ("floor", "work", "reference"):
+        if arm in others and (arm != "reference" or clients == REFERENCE_CLIENTS):
+            arms.append((arm, others[arm][0]))
+            pids[arm] = others[arm][1]
     if clients == 1:
         pids["asyncio"] = st.routers[1].proc.pid
         arms.insert(1, ("asyncio", st.routers[1].url))
@@ -206,7 +229,63 @@ def section(res: dict[str, Any] | None) -> list[str]:
     ]
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
-    return [*lines, *out, "", *loop_table(res)]
+    return [*lines, *out, "", *loop_table(res), *reference_table(res)]
+
+
+def added_ratio(cell: dict[str, Any], key: str) -> float:
+    """kvbaton's added p50 over the floor against the reference proxy's (NaN without one)."""
+    if "reference" not in cell:
+        return NAN
+    theirs = cell["reference"][key]["p50"] - cell["floor"][key]["p50"]
+    return own(cell, key) / theirs if theirs > 0 else NAN
+
+
+def reference_table(res: dict[str, Any]) -> list[str]:
+    """vLLM's reference multi-turn proxy beside kvbaton and the floor, REFERENCE_CLIENTS clients."""
+    if "reference" in res and not res["reference"]:
+        return [
+            f"vLLM's reference proxy (`disagg_proxy_multiturn.py`, {REFERENCE_CLIENTS} clients): "
+            f"skipped, no vLLM tree (set `{VLLM_TREE_ENV}`).",
+            "",
+        ]
+    rows = []
+    for c in res["cells"]:
+        if "reference" not in c:
+            continue
+        r, f = c["reference"], c["floor"]
+        added = [r[key]["p50"] - f[key]["p50"] for key in ("first", "later")]
+        rows.append(
+            [
+                "stream" if c["stream"] else "json",
+                f"{r['turns']} (+{r['failed']} failed)",
+                f"{_fmt(r['first']['p50'])} / {_fmt(added[0])} / {_fmt(own(c, 'first'))}",
+                f"{_fmt(r['later']['p50'])} / {_fmt(added[1])} / {_fmt(own(c, 'later'))}",
+                f"{_fmt(added_ratio(c, 'first'))} / {_fmt(added_ratio(c, 'later'))}",
+                _fmt(r["cpu_ms_per_turn"], 3),
+            ]
+        )
+    if not rows:
+        return []
+    header = [
+        "turns",
+        "reference turns",
+        "turn 1 p50: reference / its added / kvbaton's added",
+        "turns 2.. p50: reference / its added / kvbaton's added",
+        "kvbaton's added / the reference's: turn 1 / turns 2..",
+        "reference CPU ms/turn",
+    ]
+    return [
+        f"vLLM's reference multi-turn proxy (`disagg_proxy_multiturn.py`, copied out of a "
+        "fetched vLLM tree at run time: round robin, D's handle kept per body "
+        "`conversation_id` and sent to the next P, nothing verified) ran the same "
+        f"conversations at {REFERENCE_CLIENTS} clients in the same alternating rounds. *Added* "
+        "is an arm's p50 minus the floor's:",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+    ]
 
 
 def loop_table(res: dict[str, Any]) -> list[str]:
@@ -238,3 +317,33 @@ def loop_table(res: dict[str, Any]) -> list[str]:
         *("| " + " | ".join(row) + " |" for row in rows),
         "",
     ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.hitpath [--clients N ...] [--out FILE]`: section 1's hit path alone (full
+    plan), at the given client counts (default: the full plan's), printing its tables."""
+    import argparse
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from bench.plan import FULL
+
+    p = argparse.ArgumentParser(prog="python -m bench.hitpath", description=main.__doc__)
+    p.add_argument("--clients", type=int, nargs="+", default=list(FULL.hit_clients))
+    p.add_argument("--out", type=Path, help="also write the result as JSON here")
+    args = p.parse_args(argv)
+    plan = dataclasses.replace(FULL, hit_clients=tuple(args.clients))
+    lg = LoadGen()
+    try:
+        res = run(plan, lg, lambda step: print(step, flush=True))
+    finally:
+        lg.close()
+    print("\n".join(section(res)))
+    if args.out:
+        args.out.write_text(json.dumps(res, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,13 +23,15 @@ CPU_FIRST_X = 1.25
 CPU_HIT_X = 1.25  # against the work floor (the floor plus a hit's /tokenize and Redis I/O)
 CHUNK_ABOVE_FLOOR_US = 10.0
 HIT_TURNS_S = 400.0  # hit-path turns/s one pinned router core serves
+REFERENCE_X = 0.3  # own added p50 against vLLM's reference multi-turn proxy's, 16 clients
 PEER_CPU_X = 1.5  # router CPU per turn on vLLM's multi-turn benchmark, against vllm-router's
 LIMIT_SLACK = 1.10  # TTFT p50 within 10 % of the cost model's limit
 
 
 def rows(results: dict[str, Any], plan: Plan) -> list[Row]:
     ov = results.get("overhead", {})
-    out = [*own_rows(ov.get("hit_path")), *cpu_rows(ov, plan), *loop_rows(ov.get("hit_path"))]
+    out = [*own_rows(ov.get("hit_path")), *reference_rows(ov.get("hit_path"))]
+    out += [*cpu_rows(ov, plan), *loop_rows(ov.get("hit_path"))]
     out += chunk_rows(ov)
     out += limit_rows(results.get("reuse"), plan)
     out += throughput_rows(results.get("throughput"))
@@ -48,6 +50,28 @@ def _ok(value: float, bound: float) -> bool | None:
 
 def _json_cell(cells: list[dict[str, Any]], conc: int = 1) -> dict[str, Any] | None:
     return next((c for c in cells if not c["stream"] and c["concurrency"] == conc), None)
+
+
+def reference_rows(hit: dict[str, Any] | None) -> list[Row]:
+    """kvbaton's added p50 against vLLM's reference proxy's, both over the floor."""
+    c = _json_cell((hit or {}).get("cells", []), hitpath.REFERENCE_CLIENTS)
+    if c is None or "reference" not in c:
+        return []
+    out: list[Row] = []
+    for key, what in (("first", "first turns"), ("later", "hits")):
+        x = hitpath.added_ratio(c, key)
+        theirs = c["reference"][key]["p50"] - c["floor"][key]["p50"]
+        out.append(
+            (
+                f"own added p50 on {what}, {hitpath.REFERENCE_CLIENTS} clients: <= "
+                f"{REFERENCE_X:g}x the reference proxy's",
+                "vLLM's disagg_proxy_multiturn.py, same conversations, alternating rounds "
+                "(section 1, *the hit path*)",
+                f"{fmt(x, 2)}x ({fmt(hitpath.own(c, key))} vs {fmt(theirs)} ms)",
+                _ok(x, REFERENCE_X),
+            )
+        )
+    return out
 
 
 def own_rows(hit: dict[str, Any] | None) -> list[Row]:

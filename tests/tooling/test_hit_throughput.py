@@ -44,3 +44,30 @@ def test_the_target_row_is_met_only_by_turns_served() -> None:
     best["turns_s"] = 410.0
     assert targets.hit_rate_rows({"pinned": True, "best": best})[0][3] is True
     assert targets.hit_rate_rows(None) == [] and targets.hit_rate_rows({"best": None}) == []
+
+
+def test_the_reference_rows_compare_added_latency_over_the_floor() -> None:
+    from bench import hitpath
+
+    def arm(first: float, later: float) -> dict[str, Any]:
+        return {"first": {"p50": first}, "later": {"p50": later}}
+
+    cell = {
+        "stream": False,
+        "concurrency": 16,
+        "kvbaton": arm(5.0, 6.0),
+        "floor": arm(4.0, 4.0),
+        "reference": arm(8.0, 9.0),
+    }
+    assert hitpath.added_ratio(cell, "first") == pytest.approx(0.25)  # 1 ms against 4
+    assert hitpath.added_ratio(cell, "later") == pytest.approx(0.4)  # 2 ms against 5
+    rows = targets.reference_rows({"cells": [cell]})
+    assert [(r[2], r[3]) for r in rows] == [
+        ("0.25x (1.00 vs 4.00 ms)", True),
+        ("0.40x (2.00 vs 5.00 ms)", False),
+    ]
+    assert rows[0][0] == "own added p50 on first turns, 16 clients: <= 0.3x the reference proxy's"
+    cell["reference"] = arm(3.0, 4.0)  # no slower than the floor: no ratio to give
+    assert [r[3] for r in targets.reference_rows({"cells": [cell]})] == [None, None]
+    del cell["reference"]
+    assert targets.reference_rows({"cells": [cell]}) == []
