@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.stats import table
+
 START = "<!-- bench:peers:start (written by a full `make bench`: bench/headline.py) -->"
 END = "<!-- bench:peers:end -->"
 KVBATON = "kvbaton"
@@ -44,10 +46,7 @@ def lines(peers: dict[str, Any], source: str) -> list[str]:
         f"TTFT after turn 1, p50 / p90 in ms, from {source}; details in "
         "[docs/benchmarks.md](docs/benchmarks.md#8-side-by-side-with-other-routers).",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-        "",
+        *table(header, rows),
     ]
     for name, sc in scenarios.items():
         summaries = {a: r["summary"] for a, r in sc["arms"].items()}

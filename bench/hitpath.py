@@ -18,7 +18,7 @@ from bench import peers
 from bench.peer_venv import VLLM_TREE_ENV
 from bench.plan import Plan
 from bench.stack import LoadGen, passthrough, reset_caches, start_stack, tree_cpu_seconds
-from bench.stats import summary_ms
+from bench.stats import summary_ms, table
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
 from tests.support.stack import Stack, argv_of
 
@@ -281,10 +281,7 @@ def reference_table(res: dict[str, Any]) -> list[str]:
         f"conversations at {REFERENCE_CLIENTS} clients in the same alternating rounds. *Added* "
         "is an arm's p50 minus the floor's:",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-        "",
+        *table(header, rows),
     ]
 
 
@@ -312,10 +309,7 @@ def loop_table(res: dict[str, Any]) -> list[str]:
         "The same conversations through the same router on each event loop (`--event-loop`),",
         "1 client, in the same alternating rounds:",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-        "",
+        *table(header, rows),
     ]
 
 

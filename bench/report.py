@@ -8,7 +8,7 @@ from typing import Any
 from bench import events, hitpath, peers, pins, redis_cost, reuse, throughput
 from bench import targets as bench_targets
 from bench.plan import SOURCES, Plan
-from bench.stats import fmt
+from bench.stats import fmt, table
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
 
 SECTIONS = (
@@ -24,17 +24,6 @@ SECTIONS = (
     "## 8. Side by side with other routers",
     "## Configuration",
 )
-
-
-def _cell_text(text: str) -> str:
-    return text.replace("|", "\\|")  # e.g. Redis' "script|load"
-
-
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """A Markdown table; a pipe inside a cell is escaped."""
-    out = ["| " + " | ".join(map(_cell_text, header)) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(map(_cell_text, row)) + " |" for row in rows]
-    return [*out, ""]
 
 
 def pair(d: dict[str, float], a: str = "p50", b: str = "p99", digits: int = 2) -> str:

@@ -40,3 +40,14 @@ def fmt(value: float, digits: int = 2) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return f"{value:.{digits}f}"
+
+
+def _cell_text(text: str) -> str:
+    return text.replace("|", "\\|")  # e.g. Redis' "script|load"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table; a pipe inside a cell is escaped."""
+    out = ["| " + " | ".join(map(_cell_text, header)) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(map(_cell_text, row)) + " |" for row in rows]
+    return [*out, ""]
