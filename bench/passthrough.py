@@ -38,6 +38,7 @@ from starlette.routing import Route
 
 from router.connectors.nixl.params import miss_params
 from router.http.server import event_loop_factory
+from router.turn.rewrite import prefill_body
 from sessions import scripts
 
 # kvbaton's state fields other than the handle and the block digests, at their usual sizes
@@ -46,7 +47,6 @@ STATE_FIELDS = {f"field{i:02d}": "x" * 24 for i in range(24)}
 TTL_MS = 3_600_000
 
 JSON = {"Content-Type": "application/json"}
-NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 class WorkStore:
@@ -121,11 +121,8 @@ def build_app(p_url: str, d_url: str, redis_url: str | None = None) -> Starlette
         rid = request.headers.get("x-request-id", "-")
         work = await store.start(session, body, len(raw_body), rid)  # the work floor's claim
         body.pop("conversation_id", None)
-        # What P refuses with max_tokens 1 (a 400) is left out, as kvbaton leaves it out.
-        p_body = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
-        p_body.update(stream=False, max_tokens=1, kv_transfer_params=miss_params())
-        if "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
+        # P's body as kvbaton builds it (one token, not streamed, what P refuses so left out).
+        p_body = prefill_body(body, miss_params(), api="chat")
         async with session.post(
             p_url + "/v1/chat/completions", data=msgspec.json.encode(p_body), headers=JSON
         ) as p_resp:

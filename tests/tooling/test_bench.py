@@ -189,6 +189,10 @@ def test_quick_run_side_by_side(quick_run: Path) -> None:
         assert 8 - s["unmeasured"] <= s["ttft_later"]["n"] <= 8 and s["goodput"] > 0, (name, s)
     assert mt_arms["kvbaton"]["summary"]["pulled_from_d"] > 0
     assert "the floor, the same stack doing no router work" in report
+    # The floor's P took the benchmark's turns (its min_tokens left out, as kvbaton does):
+    # P computed each prompt and D read it, D computed none.
+    floor = mt_arms[peers.FLOOR_ARM.name]["summary"]
+    assert floor["p_computed"] > 0 and floor["d_computed"] == 0, floor
     assert f"### {multiturn}: " in report
 
 
