@@ -16,8 +16,8 @@ from typing import Any
 
 from bench import hitpath
 from bench.plan import Plan
-from bench.stack import LoadGen, pin, reset_caches, tree_cpu_seconds
-from bench.throughput import OTHERS_CPU, ROUTER_CPU, can_pin
+from bench.stack import LoadGen, reset_caches, tree_cpu_seconds
+from bench.throughput import pinned
 
 Tick = Callable[[str], None]
 
@@ -30,13 +30,8 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out: dict[str, Any] = {"pinned": False, "levels": [], "turns": plan.hit_turns}
     with hitpath.hit_stack("hit-throughput") as st:
         router = st.routers[0].proc.pid
-        others = [s.proc.pid for s in st.engines] + [lg.proc.pid]
-        if st.redis_proc is not None:
-            others.append(st.redis_proc.pid)
-        try:
-            if can_pin():
-                pinned = [pin(router, {ROUTER_CPU}), *(pin(pid, {OTHERS_CPU}) for pid in others)]
-                out["pinned"] = all(pinned)
+        with pinned(router, st, lg) as ok:
+            out["pinned"] = ok
             for rnd, clients in enumerate(plan.hit_tput_clients):
                 tick(f"throughput hits c={clients}")
                 reset_caches(st)
@@ -45,9 +40,6 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
                 cpu0 = tree_cpu_seconds(router)
                 res = lg.run(spec, timeout=660.0)
                 out["levels"].append(level(clients, res, tree_cpu_seconds(router) - cpu0))
-        finally:
-            for pid in others:
-                pin(pid, None)
     best = max(out["levels"], key=lambda x: x["turns_s"], default=None)
     out["best"] = best
     return out

@@ -12,8 +12,9 @@ once more, and the sweep stops at the first step that fails twice.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench import overhead, workload
@@ -35,14 +36,23 @@ def can_pin() -> bool:
     return (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity")
 
 
-def _pin_all(router: int, st: Stack, lg: LoadGen) -> bool:
-    ok = pin(router, {ROUTER_CPU})
-    for s in st.engines:
-        ok &= pin(s.proc.pid, {OTHERS_CPU})
+@contextlib.contextmanager
+def pinned(router: int, st: Stack, lg: LoadGen) -> Iterator[bool]:
+    """The router on ROUTER_CPU, the engines, redis-server and the load generator on
+    OTHERS_CPU, for the block (unpinned after it; the router is not, it is the block's own);
+    whether every pin took (False, and nothing pinned, where pinning is impossible)."""
+    others = [s.proc.pid for s in st.engines] + [lg.proc.pid]
     if st.redis_proc is not None:
-        ok &= pin(st.redis_proc.pid, {OTHERS_CPU})
-    ok &= pin(lg.proc.pid, {OTHERS_CPU})
-    return ok
+        others.append(st.redis_proc.pid)
+    try:
+        if not can_pin():
+            yield False
+            return
+        ok = [pin(router, {ROUTER_CPU}), *(pin(pid, {OTHERS_CPU}) for pid in others)]
+        yield all(ok)
+    finally:
+        for pid in others:
+            pin(pid, None)
 
 
 # The unpinned comparison: (label, router arguments).
@@ -57,15 +67,9 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         router_args=[[], *(args for _, args in WORKERS)],
         name="throughput",
     ) as st:
-        try:
-            out["pinned"] = can_pin() and _pin_all(st.routers[0].proc.pid, st, lg)
+        with pinned(st.routers[0].proc.pid, st, lg) as ok:
+            out["pinned"] = ok
             out["sweeps"] = sweeps(st, 0, lg, plan, tick, "")
-        finally:
-            pin(lg.proc.pid, None)
-            for s in st.engines:
-                pin(s.proc.pid, None)
-            if st.redis_proc is not None:
-                pin(st.redis_proc.pid, None)
         for i, (label, _) in enumerate(WORKERS, start=1):
             out["workers"][label] = sweeps(st, i, lg, plan, tick, f"{label}, ")
     return out
