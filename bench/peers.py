@@ -81,6 +81,8 @@ class Arm:
 
 VLLM_ROUTER_PEER, VLLM_PROXY_PEER, VLLM_DEMO_PEER = "vllm-router", "vllm-proxy", "vllm-demo"
 FLOOR_PEER = "floor"
+# The arms this project runs itself (kvbaton, the floor), by peer kind: never missing.
+LOCAL_EXES: dict[str, str | None] = {"": None, FLOOR_PEER: "bench.passthrough"}
 ARMS = (
     Arm(
         "kvbaton",
@@ -295,7 +297,7 @@ def steps(plan: Plan) -> int:
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     scenarios, wanted = chosen(plan)
-    exes: dict[str, str | None] = {"": None, FLOOR_PEER: "bench.passthrough"}
+    exes = dict(LOCAL_EXES)
     if any(a.peer == VLLM_ROUTER_PEER for a in wanted):
         exes[VLLM_ROUTER_PEER] = vllm_router()
     if any(a.peer == VLLM_PROXY_PEER for a in wanted):
@@ -315,24 +317,43 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         if sc.multiturn and bench is None:
             continue
         rounds = 1 if plan.quick else sc.full_rounds
-        seconds = plan.peers_s * sc.seconds
-        res: dict[str, Any] = {"what": sc.what, "seconds": seconds, "rounds": rounds, "arms": {}}
         these = scenario_arms(sc, arms)
-        res["arms"] = {a.name: {"how": a.how, "rounds": []} for a in these}
-        if sc.multiturn and bench is not None:
-            res["multiturn"] = bench.describe()
-        for rnd in range(rounds):
-            for arm in these if rnd % 2 == 0 else list(reversed(these)):
-                tick(f"peers: {sc.name}, {arm.name}, round {rnd + 1}")
-                driver = bench if sc.multiturn else None
-                result, commands = one(plan, lg, sc, arm, exes[arm.peer], driver)
-                res["arms"][arm.name]["rounds"].append(result)
-                out["commands"][f"{sc.name} / {arm.name}"] = commands
-        for arm_res in res["arms"].values():
-            arm_res["summary"] = summarize(arm_res["rounds"], seconds)
-        answers_compared(res["arms"])
+        res = scenario(plan, lg, sc, these, exes, bench, rounds, tick, out["commands"])
         out["scenarios"][sc.name] = res
     return out
+
+
+def scenario(
+    plan: Plan,
+    lg: LoadGen,
+    sc: Scenario,
+    arms: list[Arm],
+    exes: dict[str, str | None],
+    bench: vllm_multiturn.Bench | None,
+    rounds: int,
+    tick: Tick,
+    commands: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One scenario through `arms` (each on fresh engines, the order reversed every other
+    round): its result as the report keeps it. `exes`: each peer kind's executable; `bench`
+    drives a multi-turn scenario; `commands` collects each arm's command lines."""
+    seconds = plan.peers_s * sc.seconds
+    res: dict[str, Any] = {"what": sc.what, "seconds": seconds, "rounds": rounds, "arms": {}}
+    res["arms"] = {a.name: {"how": a.how, "rounds": []} for a in arms}
+    if sc.multiturn and bench is not None:
+        res["multiturn"] = bench.describe()
+    for rnd in range(rounds):
+        for arm in arms if rnd % 2 == 0 else list(reversed(arms)):
+            tick(f"peers: {sc.name}, {arm.name}, round {rnd + 1}")
+            driver = bench if sc.multiturn else None
+            result, cmds = one(plan, lg, sc, arm, exes[arm.peer], driver)
+            res["arms"][arm.name]["rounds"].append(result)
+            if commands is not None:
+                commands[f"{sc.name} / {arm.name}"] = cmds
+    for arm_res in res["arms"].values():
+        arm_res["summary"] = summarize(arm_res["rounds"], seconds)
+    answers_compared(res["arms"])
+    return res
 
 
 @contextlib.contextmanager
@@ -460,11 +481,17 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     }
 
 
+def router_cpu(arms: dict[str, Any]) -> tuple[float | None, float | None, float | None]:
+    """Router CPU ms per turn of kvbaton, vllm-router's default policy and the floor (None
+    for an arm that did not run)."""
+    cpu = {name: arm["summary"]["cpu_ms_per_turn"] for name, arm in arms.items()}
+    return cpu.get(ARMS[0].name), cpu.get(ARMS[2].name), cpu.get(FLOOR_ARM.name)
+
+
 def stack_cost(arms: dict[str, Any]) -> list[str]:
     """Router CPU per turn of kvbaton and vllm-router's default policy against the floor's,
     where the floor ran."""
-    cpu = {name: arm["summary"]["cpu_ms_per_turn"] for name, arm in arms.items()}
-    floor, kv, peer = cpu.get(FLOOR_ARM.name), cpu.get(ARMS[0].name), cpu.get(ARMS[2].name)
+    kv, peer, floor = router_cpu(arms)
     if floor is None or kv is None or peer is None or min(floor, peer) <= 0:
         return []
     return [

@@ -36,29 +36,17 @@ def run(rounds: int, quick: bool) -> dict[str, Any] | None:
     if exe is None or bench is None:
         print("stack_cost: needs vllm-router and a vLLM tree (see above)", file=sys.stderr)
         return None
-    exes = {"": None, peers.VLLM_ROUTER_PEER: exe, peers.FLOOR_PEER: "bench.passthrough"}
-    sc, plan = peers.MULTITURN, QUICK if quick else FULL
-    res: dict[str, Any] = {"what": sc.what, "seconds": 0.0, "rounds": rounds}
-    res["arms"] = {a.name: {"how": a.how, "rounds": []} for a in ARMS}
-    res["multiturn"] = bench.describe()
+    exes = {**peers.LOCAL_EXES, peers.VLLM_ROUTER_PEER: exe}
+    plan = QUICK if quick else FULL
     lg = LoadGen()
     try:
-        for rnd in range(rounds):
-            for arm in ARMS if rnd % 2 == 0 else ARMS[::-1]:
-                result, _ = peers.one(plan, lg, sc, arm, exes[arm.peer], bench)
-                res["arms"][arm.name]["rounds"].append(result)
-                turns = len(result["turns"])
-                print(
-                    f"round {rnd + 1}: {arm.name}: {turns} turns, "
-                    f"{1000 * result['cpu_s'] / max(turns, 1):.2f} ms router CPU per turn",
-                    flush=True,
-                )
+        return peers.scenario(plan, lg, peers.MULTITURN, list(ARMS), exes, bench, rounds, _say)
     finally:
         lg.close()
-    for arm_res in res["arms"].values():
-        arm_res["summary"] = peers.summarize(arm_res["rounds"], 0.0)
-    peers.answers_compared(res["arms"])
-    return res
+
+
+def _say(step: str) -> None:
+    print(step, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

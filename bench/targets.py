@@ -269,13 +269,11 @@ def peer_rows(res: dict[str, Any] | None) -> list[Row]:
     """kvbaton's router CPU per turn on vLLM's multi-turn benchmark against vllm-router's
     default policy, with the floor's (the stack doing no router work) where it ran."""
     arms = (res or {}).get("scenarios", {}).get(peers.MULTITURN.name, {}).get("arms", {})
-    cpu = {name: arm["summary"]["cpu_ms_per_turn"] for name, arm in arms.items()}
-    kv, peer = cpu.get(peers.ARMS[0].name), cpu.get(peers.ARMS[2].name)
+    kv, peer, floor = peers.router_cpu(arms)
     if kv is None or peer is None:
         return []
     x = _ratio(kv, peer)
     measured = f"{fmt(x, 2)}x ({kv:.2f} vs {peer:.2f} ms)"
-    floor = cpu.get(peers.FLOOR_ARM.name)
     if floor is not None:
         measured += f"; the floor alone {fmt(_ratio(floor, peer), 2)}x ({floor:.2f} ms)"
     return [
