@@ -10,13 +10,17 @@ floor* per turn is the router's own work on hits (and, for turn 1, on misses).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench import peers
 from bench.peer_venv import VLLM_TREE_ENV
-from bench.plan import Plan
+from bench.plan import FULL, Plan
 from bench.stack import LoadGen, passthrough, reset_caches, start_stack, tree_cpu_seconds
 from bench.stats import summary_ms, table
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
@@ -166,12 +170,12 @@ def _fmt(value: float, digits: int = 2) -> str:
     return "n/a" if value != value else f"{value:.{digits}f}"  # NaN: nothing measured
 
 
-def own(cell: dict[str, Any], key: str, floor: str = "floor") -> float:
-    """kvbaton minus a floor ("floor" or "work"), p50 ms, of first turns ("first") or later
-    turns ("later"); NaN for a cell without that floor."""
-    if floor not in cell:
+def own(cell: dict[str, Any], key: str, floor: str = "floor", arm: str = "kvbaton") -> float:
+    """An arm (kvbaton, or "reference") minus a floor ("floor" or "work"), p50 ms, of first
+    turns ("first") or later turns ("later"); NaN for a cell without either."""
+    if floor not in cell or arm not in cell:
         return float("nan")
-    return float(cell["kvbaton"][key]["p50"] - cell[floor][key]["p50"])
+    return float(cell[arm][key]["p50"] - cell[floor][key]["p50"])
 
 
 def section(res: dict[str, Any] | None) -> list[str]:
@@ -234,9 +238,7 @@ def section(res: dict[str, Any] | None) -> list[str]:
 
 def added_ratio(cell: dict[str, Any], key: str) -> float:
     """kvbaton's added p50 over the floor against the reference proxy's (NaN without one)."""
-    if "reference" not in cell:
-        return NAN
-    theirs = cell["reference"][key]["p50"] - cell["floor"][key]["p50"]
+    theirs = own(cell, key, arm="reference")
     return own(cell, key) / theirs if theirs > 0 else NAN
 
 
@@ -252,8 +254,8 @@ def reference_table(res: dict[str, Any]) -> list[str]:
     for c in res["cells"]:
         if "reference" not in c:
             continue
-        r, f = c["reference"], c["floor"]
-        added = [r[key]["p50"] - f[key]["p50"] for key in ("first", "later")]
+        r = c["reference"]
+        added = [own(c, key, arm="reference") for key in ("first", "later")]
         rows.append(
             [
                 "stream" if c["stream"] else "json",
@@ -316,13 +318,6 @@ def loop_table(res: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.hitpath [--clients N ...] [--out FILE]`: section 1's hit path alone (full
     plan), at the given client counts (default: the full plan's), printing its tables."""
-    import argparse
-    import dataclasses
-    import json
-    from pathlib import Path
-
-    from bench.plan import FULL
-
     p = argparse.ArgumentParser(prog="python -m bench.hitpath", description=main.__doc__)
     p.add_argument("--clients", type=int, nargs="+", default=list(FULL.hit_clients))
     p.add_argument("--out", type=Path, help="also write the result as JSON here")

@@ -60,7 +60,7 @@ def reference_rows(hit: dict[str, Any] | None) -> list[Row]:
     out: list[Row] = []
     for key, what in (("first", "first turns"), ("later", "hits")):
         x = hitpath.added_ratio(c, key)
-        theirs = c["reference"][key]["p50"] - c["floor"][key]["p50"]
+        theirs = hitpath.own(c, key, arm="reference")
         out.append(
             (
                 f"own added p50 on {what}, {hitpath.REFERENCE_CLIENTS} clients: <= "
