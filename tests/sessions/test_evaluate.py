@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -111,3 +112,28 @@ async def test_a_cancelled_call_leaves_no_reply_for_the_next(client: aioredis.Re
     # The next call on the same pool gets its own reply, not the slow script's "late".
     assert await evaluate(pool, echo, ["k"], ["next", "one"]) == [b"k", b"next", b"one"]
     assert pool is not None and not pool._in_use_connections and pool._slots._value > 0
+
+
+async def test_concurrent_calls_stay_within_the_pools_bound(redis_url_session: str) -> None:
+    # 30 calls at once through 3 connections: the first 3 take free slots (or make their
+    # connections), the others wait for one to come back; none fails, none goes past the bound.
+    pool = connect.BoundedPool.from_url(redis_url_session, max_connections=3, timeout=10)
+    client = aioredis.Redis.from_pool(pool)
+    try:
+        slow, echo = client.register_script(SLOW), client.register_script(ECHO)
+        await evaluate(pool, echo, ["k"], ["warm", "up"])  # one idle connection: the fast path
+        seen: list[int] = []
+
+        async def call(i: int) -> Any:
+            reply = await evaluate(pool, slow if i % 10 == 0 else echo, ["k"], [str(i), "x"])
+            seen.append(len(pool._in_use_connections))
+            return reply
+
+        replies = await asyncio.gather(*(call(i) for i in range(30)))
+        assert [r if isinstance(r, bytes) else r[1] for r in replies] == [
+            str(i).encode() for i in range(30)
+        ]
+        assert max(seen) <= 3 and len(pool._available_connections) <= 3
+        assert not pool._in_use_connections and pool._slots._value == 3
+    finally:
+        await client.aclose()
