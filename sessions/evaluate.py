@@ -8,6 +8,11 @@ reads its reply, with what the turn needs of the rest kept: one immediate retry 
 connection (as sessions.redis_store.turn_retry), a script the server does not know loaded on
 that connection and run again, and a reply that is an error raised as redis-py raises it.
 Cluster and Sentinel clients run the script through redis-py.
+
+The caller bounds the whole call in time (sessions.redis_store runs each one under
+asyncio.timeout): while `evaluate` holds a connection, redis-py's socket timeout is off on
+it, since with one redis-py wraps each write in asyncio.wait_for, a task of its own per
+command and two more turns of the event loop before the reply is read.
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ def pool_of(client: RedisClient) -> BoundedPool | None:
 async def evaluate(
     pool: BoundedPool | None, script: AsyncScript, keys: Sequence[str], args: Sequence[Arg]
 ) -> Any:
-    """`script(keys=keys, args=args)`, on `pool`'s connections directly when there is one."""
+    """`script(keys=keys, args=args)`, on `pool`'s connections directly when there is one;
+    the caller bounds it in time."""
     if pool is None:
         return await script(keys=keys, args=args)
     connection = await pool.take()
+    socket_timeout = connection.socket_timeout
+    connection.socket_timeout = None  # the caller's deadline bounds the call (see above)
     try:
         packed = connection.pack_command("EVALSHA", script.sha, len(keys), *keys, *args)
         retried = loaded = False
@@ -56,4 +64,5 @@ async def evaluate(
                     raise
                 retried = True
     finally:
+        connection.socket_timeout = socket_timeout
         pool.give(connection)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis import exceptions as redis_exceptions
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
@@ -137,3 +138,28 @@ async def test_concurrent_calls_stay_within_the_pools_bound(redis_url_session: s
         assert not pool._in_use_connections and pool._slots._value == 3
     finally:
         await client.aclose()
+
+
+async def test_the_callers_deadline_bounds_a_call_not_the_socket_timeout(
+    redis_url_session: str,
+) -> None:
+    # A 50 ms socket timeout does not cut the 200 ms script (the store's asyncio.timeout
+    # bounds its calls as a whole); the connection has its socket timeout back after, for the
+    # commands that go through redis-py.
+    client = connect.connect(redis_url_session, socket_timeout=0.05, connect_timeout=5)
+    assert isinstance(client, aioredis.Redis)
+    pool = pool_of(client)
+    assert pool is not None
+    try:
+        slow = client.register_script(SLOW)
+        assert await evaluate(pool, slow, ["k"], ["slow", "x"]) == b"slow"
+        (connection,) = pool._available_connections
+        assert connection.socket_timeout == 0.05
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await evaluate(pool, slow, ["k"], ["cut", "x"])
+        assert all(c.socket_timeout == 0.05 for c in pool._available_connections)
+        with pytest.raises(redis_exceptions.TimeoutError):  # redis-py's own commands: bounded
+            await client.eval(SLOW, 1, "k", "late", "x")
+    finally:
+        await connect.close(client)
