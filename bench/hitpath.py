@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -139,14 +140,22 @@ def _cell(
         arms.insert(1, ("asyncio", st.routers[1].url))
     turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm, _ in arms}
     cpu = dict.fromkeys(turns, 0.0)
-    for rnd in range(plan.hit_rounds):
+    rounds = plan.hit_reference_rounds if "reference" in pids else plan.hit_rounds
+    by_round: list[dict[str, Any]] = []  # each round's p50s, where the reference runs
+    for rnd in range(rounds):
+        this: dict[str, list[dict[str, Any]]] = {}
         for arm, url in arms if rnd % 2 == 0 else arms[::-1]:
             reset_caches(st)
             before = tree_cpu_seconds(pids[arm])
             spec = job(plan, url, stream=stream, clients=clients, rnd=rnd, ids=arm != "floor")
-            turns[arm] += lg.run(spec, timeout=240.0)["turns"]
+            this[arm] = lg.run(spec, timeout=240.0)["turns"]
+            turns[arm] += this[arm]
             cpu[arm] += tree_cpu_seconds(pids[arm]) - before
-    cell: dict[str, Any] = {"stream": stream, "concurrency": clients}
+        if "reference" in pids:
+            by_round.append({arm: _p50s(rows) for arm, rows in this.items()})
+    cell: dict[str, Any] = {"stream": stream, "concurrency": clients, "rounds": rounds}
+    if by_round:
+        cell["by_round"] = by_round
     for arm, rows in turns.items():
         good = [t for t in rows if t["ok"]]
         later = [t for t in good if t["turn"] > 1]
@@ -160,6 +169,28 @@ def _cell(
             "cpu_ms_per_turn": cpu[arm] / max(1, len(rows)) * 1000.0,
         }
     return cell
+
+
+def _p50s(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """A round's first-turn and later-turn p50 (ms), in a cell's shape for `own`."""
+    good = [t for t in rows if t["ok"]]
+    return {
+        "first": {"p50": summary_ms([t["latency"] for t in good if t["turn"] == 1])["p50"]},
+        "later": {"p50": summary_ms([t["latency"] for t in good if t["turn"] > 1])["p50"]},
+    }
+
+
+def spread(values: list[float]) -> str:
+    """'lowest / median / highest' of the values that are numbers ('n/a' without any)."""
+    known = sorted(v for v in values if v == v)
+    if not known:
+        return "n/a"
+    return " / ".join(_fmt(v) for v in (known[0], statistics.median(known), known[-1]))
+
+
+def round_ratios(cell: dict[str, Any], key: str) -> list[float]:
+    """`added_ratio` of each round alone (its own p50s), where the reference ran."""
+    return [added_ratio(r, key) for r in cell.get("by_round", [])]
 
 
 def _kinds(rows: list[dict[str, Any]]) -> list[str]:
@@ -251,6 +282,7 @@ def reference_table(res: dict[str, Any]) -> list[str]:
             "",
         ]
     rows = []
+    rounds = 0
     for c in res["cells"]:
         if "reference" not in c:
             continue
@@ -263,9 +295,11 @@ def reference_table(res: dict[str, Any]) -> list[str]:
                 f"{_fmt(r['first']['p50'])} / {_fmt(added[0])} / {_fmt(own(c, 'first'))}",
                 f"{_fmt(r['later']['p50'])} / {_fmt(added[1])} / {_fmt(own(c, 'later'))}",
                 f"{_fmt(added_ratio(c, 'first'))} / {_fmt(added_ratio(c, 'later'))}",
+                spread(round_ratios(c, "later")),
                 _fmt(r["cpu_ms_per_turn"], 3),
             ]
         )
+        rounds = c.get("rounds", rounds)
     if not rows:
         return []
     header = [
@@ -274,14 +308,16 @@ def reference_table(res: dict[str, Any]) -> list[str]:
         "turn 1 p50: reference / its added / kvbaton's added",
         "turns 2.. p50: reference / its added / kvbaton's added",
         "kvbaton's added / the reference's: turn 1 / turns 2..",
+        "the same, turns 2.., each round alone: lowest / median / highest",
         "reference CPU ms/turn",
     ]
     return [
         f"vLLM's reference multi-turn proxy (`disagg_proxy_multiturn.py`, copied out of a "
         "fetched vLLM tree at run time: round robin, D's handle kept per body "
         "`conversation_id` and sent to the next P, nothing verified) ran the same "
-        f"conversations at {REFERENCE_CLIENTS} clients in the same alternating rounds. *Added* "
-        "is an arm's p50 minus the floor's:",
+        f"conversations at {REFERENCE_CLIENTS} clients in the same alternating rounds "
+        f"({rounds} of them, each with new conversations). *Added* is an arm's p50 minus the "
+        "floor's, over all rounds' turns; a round alone shows how much one such figure moves:",
         "",
         *table(header, rows),
     ]

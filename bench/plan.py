@@ -110,6 +110,9 @@ class Plan:
     hit_min_convs: int
     hit_turns: int
     hit_rounds: int
+    # rounds of the cell at REFERENCE_CLIENTS where vLLM's reference proxy runs beside it:
+    # its ratio of added latencies moved 0.30-0.44 between runs of 2 rounds (measured)
+    hit_reference_rounds: int
     # 2, hits: closed-loop concurrencies of the hit path's conversations against the pinned
     # router, and conversations per level (at least 2 per client)
     hit_tput_clients: tuple[int, ...]
@@ -163,6 +166,7 @@ FULL = Plan(
     hit_min_convs=24,
     hit_turns=5,
     hit_rounds=2,
+    hit_reference_rounds=8,
     hit_tput_clients=(16, 64),
     hit_tput_convs=800,
     pins_rate=3.0,
@@ -205,6 +209,7 @@ QUICK = Plan(
     hit_min_convs=4,
     hit_turns=3,
     hit_rounds=1,
+    hit_reference_rounds=2,
     hit_tput_clients=(8,),
     hit_tput_convs=16,
     pins_rate=3.0,

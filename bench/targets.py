@@ -67,11 +67,20 @@ def reference_rows(hit: dict[str, Any] | None) -> list[Row]:
                 f"{REFERENCE_X:g}x the reference proxy's",
                 "vLLM's disagg_proxy_multiturn.py, same conversations, alternating rounds "
                 "(section 1, *the hit path*)",
-                f"{fmt(x, 2)}x ({fmt(hitpath.own(c, key))} vs {fmt(theirs)} ms)",
+                f"{fmt(x, 2)}x ({fmt(hitpath.own(c, key))} vs {fmt(theirs)} ms)"
+                + _rounds_note(hitpath.round_ratios(c, key)),
                 _ok(x, REFERENCE_X),
             )
         )
     return out
+
+
+def _rounds_note(ratios: list[float]) -> str:
+    """'; rounds alone 0.30-0.41x' where there were several rounds."""
+    known = [r for r in ratios if r == r]
+    if len(known) < 2:
+        return ""
+    return f"; {len(known)} rounds alone {fmt(min(known), 2)}-{fmt(max(known), 2)}x"
 
 
 def own_rows(hit: dict[str, Any] | None) -> list[Row]:

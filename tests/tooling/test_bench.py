@@ -151,6 +151,8 @@ def test_quick_run_hit_path_beside_the_reference_proxy(quick_run: Path) -> None:
     for cell in hit_cells["cells"]:
         if "reference" in cell:
             assert cell["reference"]["failed"] == 0 and cell["reference"]["turns"] > 0
+            # the quick plan's rounds at 16 clients, each with its own p50s
+            assert cell["rounds"] == len(cell["by_round"]) == 2
     assert "vLLM's reference multi-turn proxy (`disagg_proxy_multiturn.py`" in report
     assert "the reference proxy's" in report  # its target rows
 

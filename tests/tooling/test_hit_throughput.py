@@ -67,6 +67,19 @@ def test_the_reference_rows_compare_added_latency_over_the_floor() -> None:
         ("0.40x (2.00 vs 5.00 ms)", False),
     ]
     assert rows[0][0] == "own added p50 on first turns, 16 clients: <= 0.3x the reference proxy's"
+    # Each round alone, as the cell's: its spread beside the pooled figure.
+    cell["by_round"] = [
+        {"kvbaton": arm(5.0, 6.0), "floor": arm(4.0, 4.0), "reference": arm(8.0, 9.0)},
+        {"kvbaton": arm(5.0, 5.5), "floor": arm(4.0, 4.0), "reference": arm(8.0, 9.0)},
+        {"kvbaton": arm(5.0, 5.0), "floor": arm(4.0, 4.0), "reference": arm(4.0, 4.0)},
+    ]
+    assert hitpath.round_ratios(cell, "later")[:2] == pytest.approx([0.4, 0.3])
+    assert targets.reference_rows({"cells": [cell]})[1][2] == (
+        "0.40x (2.00 vs 5.00 ms); 2 rounds alone 0.30-0.40x"  # the third had no ratio
+    )
+    assert hitpath.spread(hitpath.round_ratios(cell, "later")) == "0.30 / 0.35 / 0.40"
+    assert hitpath.spread([]) == "n/a"
+    del cell["by_round"]
     cell["reference"] = arm(3.0, 4.0)  # no slower than the floor: no ratio to give
     assert [r[3] for r in targets.reference_rows({"cells": [cell]})] == [None, None]
     del cell["reference"]
