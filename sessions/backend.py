@@ -3,9 +3,13 @@ conversation index (or all three in the process, for `--session-store memory`).
 
 One client means one connection pool and one close. Its socket timeout is the longest any
 caller needs (ADMIN_TIMEOUT: an admin listing SCANs a page of keys); each session-store call
-is bounded by the turn's own, shorter timeout (RedisSessionStore). Without a socket timeout
-redis-py writes without a task per command, but measured under a burst of 128 new turns the
-turns' store calls then timed out (cause not known): it stays.
+is bounded by the turn's own, shorter timeout (RedisSessionStore). With a socket timeout
+redis-py writes each command in a task of its own (asyncio.wait_for): the turn's claim and
+commit (sessions.evaluate) switch it off on the connection they hold, their calls bounded by
+the store's timeout alone. The client keeps it for every other command. With it off for the
+whole client (before sessions.evaluate and its bounded pool), a burst of 128 new turns saw
+the turns' store calls time out, cause not known; with evaluate's, 3,000 turns at 128
+clients ran none without the store (docs/benchmarks.md, section 1, 06cd0e6).
 """
 
 from __future__ import annotations
