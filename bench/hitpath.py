@@ -23,7 +23,7 @@ from bench import peers
 from bench.peer_venv import VLLM_TREE_ENV
 from bench.plan import FULL, Plan
 from bench.stack import LoadGen, passthrough, reset_caches, start_stack, tree_cpu_seconds
-from bench.stats import summary_ms, table
+from bench.stats import fmt, summary_ms, table
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
 from tests.support.stack import Stack, argv_of
 
@@ -141,7 +141,7 @@ def _cell(
     turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm, _ in arms}
     cpu = dict.fromkeys(turns, 0.0)
     rounds = plan.hit_reference_rounds if "reference" in pids else plan.hit_rounds
-    by_round: list[dict[str, Any]] = []  # each round's p50s, where the reference runs
+    by_round: list[dict[str, Any]] = []  # each round's latencies, where the reference runs
     for rnd in range(rounds):
         this: dict[str, list[dict[str, Any]]] = {}
         for arm, url in arms if rnd % 2 == 0 else arms[::-1]:
@@ -152,7 +152,7 @@ def _cell(
             turns[arm] += this[arm]
             cpu[arm] += tree_cpu_seconds(pids[arm]) - before
         if "reference" in pids:
-            by_round.append({arm: _p50s(rows) for arm, rows in this.items()})
+            by_round.append({arm: _latency(rows) for arm, rows in this.items()})
     cell: dict[str, Any] = {"stream": stream, "concurrency": clients, "rounds": rounds}
     if by_round:
         cell["by_round"] = by_round
@@ -160,8 +160,7 @@ def _cell(
         good = [t for t in rows if t["ok"]]
         later = [t for t in good if t["turn"] > 1]
         cell[arm] = {
-            "first": summary_ms([t["latency"] for t in good if t["turn"] == 1]),
-            "later": summary_ms([t["latency"] for t in later]),
+            **_latency(rows),
             "later_ttft": summary_ms([t["ttft"] for t in later]),
             "reuse": {k: sum(1 for t in later if t["reuse"] == k) for k in _kinds(later)},
             "turns": len(rows),
@@ -171,34 +170,33 @@ def _cell(
     return cell
 
 
-def _p50s(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """A round's first-turn and later-turn p50 (ms), in a cell's shape for `own`."""
+def _latency(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Latency of the answered first turns ("first") and later turns ("later"), as `own`
+    reads them: a cell's over all its rounds, or one round's."""
     good = [t for t in rows if t["ok"]]
     return {
-        "first": {"p50": summary_ms([t["latency"] for t in good if t["turn"] == 1])["p50"]},
-        "later": {"p50": summary_ms([t["latency"] for t in good if t["turn"] > 1])["p50"]},
+        "first": summary_ms([t["latency"] for t in good if t["turn"] == 1]),
+        "later": summary_ms([t["latency"] for t in good if t["turn"] > 1]),
     }
 
 
 def spread(values: list[float]) -> str:
-    """'lowest / median / highest' of the values that are numbers ('n/a' without any)."""
-    known = sorted(v for v in values if v == v)
-    if not known:
+    """'lowest / median / highest' of the values ('n/a' without any)."""
+    if not values:
         return "n/a"
-    return " / ".join(_fmt(v) for v in (known[0], statistics.median(known), known[-1]))
+    ordered = sorted(values)
+    return " / ".join(fmt(v) for v in (ordered[0], statistics.median(ordered), ordered[-1]))
 
 
 def round_ratios(cell: dict[str, Any], key: str) -> list[float]:
-    """`added_ratio` of each round alone (its own p50s), where the reference ran."""
-    return [added_ratio(r, key) for r in cell.get("by_round", [])]
+    """`added_ratio` of each round alone (its own p50s) where the reference ran, leaving out
+    a round that has none (the reference no slower than the floor)."""
+    ratios = (added_ratio(r, key) for r in cell.get("by_round", []))
+    return [x for x in ratios if x == x]
 
 
 def _kinds(rows: list[dict[str, Any]]) -> list[str]:
     return sorted({str(t["reuse"]) for t in rows if t["reuse"]})
-
-
-def _fmt(value: float, digits: int = 2) -> str:
-    return "n/a" if value != value else f"{value:.{digits}f}"  # NaN: nothing measured
 
 
 def own(cell: dict[str, Any], key: str, floor: str = "floor", arm: str = "kvbaton") -> float:
@@ -245,10 +243,10 @@ def section(res: dict[str, Any] | None) -> list[str]:
                 "stream" if c["stream"] else "json",
                 str(c["concurrency"]),
                 f"{k['turns']} (+{k['failed']} failed)",
-                f"{_fmt(k['first']['p50'])} / {_fmt(f['first']['p50'])} / {_fmt(own(c, 'first'))}",
-                " / ".join(_fmt(v) for v in later),
-                " / ".join(_fmt(a["later"]["p99"]) for a in (k, f, w)),
-                " / ".join(_fmt(a["cpu_ms_per_turn"], 3) for a in (k, f, w)),
+                f"{fmt(k['first']['p50'])} / {fmt(f['first']['p50'])} / {fmt(own(c, 'first'))}",
+                " / ".join(fmt(v) for v in later),
+                " / ".join(fmt(a["later"]["p99"]) for a in (k, f, w)),
+                " / ".join(fmt(a["cpu_ms_per_turn"], 3) for a in (k, f, w)),
                 outcomes,
             ]
         )
@@ -262,9 +260,7 @@ def section(res: dict[str, Any] | None) -> list[str]:
         "CPU ms/turn: kvbaton / floor / work floor",
         "kvbaton turns 2..",
     ]
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(row) + " |" for row in rows]
-    return [*lines, *out, "", *loop_table(res), *reference_table(res)]
+    return [*lines, *table(header, rows), *loop_table(res), *reference_table(res)]
 
 
 def added_ratio(cell: dict[str, Any], key: str) -> float:
@@ -292,11 +288,11 @@ def reference_table(res: dict[str, Any]) -> list[str]:
             [
                 "stream" if c["stream"] else "json",
                 f"{r['turns']} (+{r['failed']} failed)",
-                f"{_fmt(r['first']['p50'])} / {_fmt(added[0])} / {_fmt(own(c, 'first'))}",
-                f"{_fmt(r['later']['p50'])} / {_fmt(added[1])} / {_fmt(own(c, 'later'))}",
-                f"{_fmt(added_ratio(c, 'first'))} / {_fmt(added_ratio(c, 'later'))}",
+                f"{fmt(r['first']['p50'])} / {fmt(added[0])} / {fmt(own(c, 'first'))}",
+                f"{fmt(r['later']['p50'])} / {fmt(added[1])} / {fmt(own(c, 'later'))}",
+                f"{fmt(added_ratio(c, 'first'))} / {fmt(added_ratio(c, 'later'))}",
                 spread(round_ratios(c, "later")),
-                _fmt(r["cpu_ms_per_turn"], 3),
+                fmt(r["cpu_ms_per_turn"], 3),
             ]
         )
         rounds = c.get("rounds", rounds)
@@ -334,9 +330,9 @@ def loop_table(res: dict[str, Any]) -> list[str]:
                 [
                     "stream" if c["stream"] else "json",
                     loop,
-                    _fmt(arm["first"]["p50"]),
-                    _fmt(arm["later"]["p50"]),
-                    _fmt(arm["cpu_ms_per_turn"], 3),
+                    fmt(arm["first"]["p50"]),
+                    fmt(arm["later"]["p50"]),
+                    fmt(arm["cpu_ms_per_turn"], 3),
                     f"{arm['turns']} (+{arm['failed']} failed)",
                 ]
             )

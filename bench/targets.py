@@ -76,11 +76,10 @@ def reference_rows(hit: dict[str, Any] | None) -> list[Row]:
 
 
 def _rounds_note(ratios: list[float]) -> str:
-    """'; rounds alone 0.30-0.41x' where there were several rounds."""
-    known = [r for r in ratios if r == r]
-    if len(known) < 2:
+    """'; 8 rounds alone 0.30-0.41x' where there were several rounds."""
+    if len(ratios) < 2:
         return ""
-    return f"; {len(known)} rounds alone {fmt(min(known), 2)}-{fmt(max(known), 2)}x"
+    return f"; {len(ratios)} rounds alone {fmt(min(ratios), 2)}-{fmt(max(ratios), 2)}x"
 
 
 def own_rows(hit: dict[str, Any] | None) -> list[Row]:
