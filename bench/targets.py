@@ -298,7 +298,8 @@ def hit_rate_rows(res: dict[str, Any] | None) -> list[Row]:
     best = (res or {}).get("best")
     if not best:
         return []
-    where = "one core (router pinned)" if res and res.get("pinned") else "one router process"
+    pinned = bool(res and res.get("pinned"))
+    where = "one core (router pinned)" if pinned else "one router process, not pinned"
     return [
         (
             f"hit turns/s, {where}: >= {HIT_TURNS_S:g}",
@@ -306,6 +307,7 @@ def hit_rate_rows(res: dict[str, Any] | None) -> list[Row]:
             f"{fmt(best['turns_s'], 0)} turns/s at {best['router_cpu_util'] * 100:.0f}% of the "
             f"router's core; a fully busy core at {fmt(best['cpu_ms_per_turn'], 3)} ms CPU/turn: "
             f"{fmt(best['ceiling_turns_s'], 0)}",
-            _ok(-best["turns_s"], -HIT_TURNS_S),
+            # the target is a pinned core's: turns/s of an unpinned router are only a figure
+            best["turns_s"] >= HIT_TURNS_S if pinned else None,
         )
     ]

@@ -43,6 +43,9 @@ def test_the_target_row_is_met_only_by_turns_served() -> None:
     assert met is False  # a ceiling is not turns served
     best["turns_s"] = 410.0
     assert targets.hit_rate_rows({"pinned": True, "best": best})[0][3] is True
+    # Not pinned (a 1-CPU machine): the router had every core, so no verdict on the target.
+    ((target, _, _, met),) = targets.hit_rate_rows({"pinned": False, "best": best})
+    assert target == "hit turns/s, one router process, not pinned: >= 400" and met is None
     assert targets.hit_rate_rows(None) == [] and targets.hit_rate_rows({"best": None}) == []
 
 
