@@ -11,11 +11,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from sessions import connect
 from sessions.evaluate import evaluate, pool_of
+from sessions.redis_store import turn_retry
 
 ECHO = "return {KEYS[1], ARGV[1], ARGV[2]}"
 # Busy for ~200 ms inside the server (scripts cannot sleep), then answers.
@@ -31,7 +34,8 @@ return ARGV[1]
 
 @pytest.fixture
 async def client(redis_url_session: str) -> AsyncIterator[aioredis.Redis]:
-    c = connect.connect(redis_url_session, socket_timeout=5, connect_timeout=5)
+    # As the router opens it (sessions/backend.py): its retry policy is the turn's.
+    c = connect.connect(redis_url_session, socket_timeout=5, connect_timeout=5, retry=turn_retry())
     assert isinstance(c, aioredis.Redis)
     yield c
     await connect.close(c)
@@ -90,15 +94,47 @@ async def test_a_broken_connection_is_retried_once(
     assert pool._available_connections == [idle]  # the same connection, connected again
 
 
-async def test_a_server_that_is_gone_fails_after_one_retry(redis_url_session: str) -> None:
-    pool = connect.BoundedPool.from_url("redis://127.0.0.1:1", max_connections=2, timeout=1)
+@pytest.mark.parametrize(
+    ("retry", "tries"),
+    [(turn_retry(), 2), (Retry(NoBackoff(), 2, supported_errors=(RedisConnectionError,)), 3)],
+    ids=["turn_retry", "two-retries"],
+)
+async def test_a_server_that_drops_the_script_is_tried_as_the_client_retries(
+    retry: Retry, tries: int
+) -> None:
+    # A server that answers the connection's set-up commands and hangs up on the EVALSHA (as
+    # a Redis going down mid-command): the script is sent as often as the client's retry
+    # policy says (the router's, turn_retry: once more), each time on a connection made
+    # again, then the call fails; its slot is back.
+    evals = 0
+
+    async def drop_scripts(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal evals
+        while data := await reader.read(65536):
+            if b"EVALSHA" in data:
+                evals += 1
+                break
+            if b"HELLO" in data:  # redis-py speaks RESP3: HELLO 3 wants a map back
+                writer.write(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+            else:
+                writer.write(b"+OK\r\n" * (data.count(b"\r\n*") + data.startswith(b"*")))
+        writer.close()
+
+    server = await asyncio.start_server(drop_scripts, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = connect.BoundedPool.from_url(
+        f"redis://127.0.0.1:{port}", max_connections=2, timeout=1, retry=retry
+    )
     client = aioredis.Redis.from_pool(pool)
     try:
         with pytest.raises(RedisConnectionError):
             await evaluate(pool, client.register_script(ECHO), ["k"], ["a", "b"])
+        assert evals == tries
         assert not pool._in_use_connections and pool._slots._value == 2  # the slot is back
     finally:
         await client.aclose()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_a_cancelled_call_leaves_no_reply_for_the_next(client: aioredis.Redis) -> None:
