@@ -145,10 +145,12 @@ def test_the_floor_runs_on_the_multiturn_benchmark_alone() -> None:
         assert names[: len(peers.ARMS)] == [a.name for a in peers.ARMS]
 
 
-def test_the_stack_cost_line_compares_each_router_with_the_floor() -> None:
-    def arm(cpu: float) -> dict[str, Any]:
-        return {"summary": {"cpu_ms_per_turn": cpu}}
+def arm(cpu: float) -> dict[str, Any]:
+    """A scenario's arm as far as router CPU per turn goes."""
+    return {"summary": {"cpu_ms_per_turn": cpu}}
 
+
+def test_the_stack_cost_line_compares_each_router_with_the_floor() -> None:
     arms = {"kvbaton": arm(18.0), "vllm-router cache_aware": arm(6.0)}
     assert peers.stack_cost(arms) == []  # no floor in this scenario: no line
     arms[peers.FLOOR_ARM.name] = arm(12.0)
@@ -177,9 +179,6 @@ def test_stack_cost_runs_kvbaton_vllm_router_and_the_floor(
 
 def test_the_target_row_compares_kvbaton_with_vllm_router_and_shows_the_floor() -> None:
     from bench import targets
-
-    def arm(cpu: float) -> dict[str, Any]:
-        return {"summary": {"cpu_ms_per_turn": cpu}}
 
     arms = {"kvbaton": arm(15.0), "vllm-router cache_aware": arm(6.0)}
     res = {"scenarios": {peers.MULTITURN.name: {"arms": arms}}}
