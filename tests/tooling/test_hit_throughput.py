@@ -3,11 +3,14 @@ CPU, and the target row read from them."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from bench import hit_throughput, targets
+from bench import hit_throughput, targets, throughput
 
 pytestmark = pytest.mark.unit
 
@@ -87,3 +90,31 @@ def test_the_reference_rows_compare_added_latency_over_the_floor() -> None:
     assert [r[3] for r in targets.reference_rows({"cells": [cell]})] == [None, None]
     del cell["reference"]
     assert targets.reference_rows({"cells": [cell]}) == []
+
+
+@pytest.mark.skipif(not throughput.can_pin(), reason="needs 2 CPUs and sched_setaffinity")
+def test_pinned_puts_the_router_on_its_core_and_the_rest_on_the_other_then_frees_them() -> None:
+    # Real processes for the router, an engine, redis-server and the load generator.
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(4)]
+    router, engine, redis_server, loadgen = procs
+
+    def holder(proc: subprocess.Popen[bytes]) -> SimpleNamespace:
+        return SimpleNamespace(proc=proc)
+
+    st = SimpleNamespace(engines=[holder(engine)], redis_proc=redis_server)
+    lg = SimpleNamespace(proc=loadgen)
+    every = set(range(os.cpu_count() or 1))
+    try:
+        with throughput.pinned(router.pid, st, lg) as ok:  # type: ignore[arg-type]
+            assert ok
+            assert os.sched_getaffinity(router.pid) == {throughput.ROUTER_CPU}
+            for p in (engine, redis_server, loadgen):
+                assert os.sched_getaffinity(p.pid) == {throughput.OTHERS_CPU}
+        # The others are free again; the router stays pinned (it is the block's own).
+        for p in (engine, redis_server, loadgen):
+            assert os.sched_getaffinity(p.pid) == every
+        assert os.sched_getaffinity(router.pid) == {throughput.ROUTER_CPU}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
