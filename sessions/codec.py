@@ -3,6 +3,7 @@ with `redis-cli HGETALL`), decoded strictly: garbage is a StateDecodeError (pure
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -35,6 +36,12 @@ _STR_FIELDS = (
     "inflight",
     "mac",
 )
+
+
+def handle_id(params: Mapping[str, Any]) -> str:
+    """The digest that names a handle: SHA-1 of its stored text (`kv_transfer_params` as
+    to_fields writes it), as the Redis scripts compute it with `redis.sha1hex`."""
+    return hashlib.sha1(_JSON.encode(params), usedforsecurity=False).hexdigest()
 
 
 def _iso(ts: float) -> str:

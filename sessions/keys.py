@@ -19,6 +19,14 @@ INSTANCES_KEY = "kvbaton:instances"
 # (D pins the blocks of an unread handle; docs/operations.md, *Pinned handles*).
 PINS_PREFIX = "kvbaton:pins:"
 
+# One ZSET per conversation, in its slot: the digests of the handles it has had that were read
+# or released -> until when D could still pin them (a handle is read at most once).
+SPENT_PREFIX = "kvbaton:spent:"
+
+# One HASH: the Redis server's run id as the routers last saw it, and since when (the store's
+# history: a restart, a restore or a failover shows another run id; docs/reliability.md).
+STORE_RUN_KEY = "kvbaton:store-run"
+
 
 def conversation_key(tenant: str, conversation_id: str) -> str:
     """`kvbaton:conv:{<tenant>:<conversation_id>}`; the braces are a Redis Cluster hash tag."""
@@ -39,6 +47,14 @@ def split_conversation_key(key: str) -> tuple[str, str] | None:
     if not sep or not tenant or not conversation_id:
         return None
     return tenant, conversation_id
+
+
+def spent_key(key: str) -> str:
+    """`kvbaton:spent:{<tenant>:<conversation_id>}` for conversation key `key`: the same hash
+    tag, so the claim's script reads and writes both in one slot on Redis Cluster."""
+    if not key.startswith(CONVERSATION_PREFIX):
+        raise ValueError("not a conversation key")
+    return SPENT_PREFIX + key[len(CONVERSATION_PREFIX) :]
 
 
 def history_key(tenant: str, digest: str) -> str:

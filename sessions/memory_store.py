@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from sessions.codec import handle_id
 from sessions.keys import pins_key
 from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
 from sessions.store import PinNote, StoreError
@@ -48,7 +49,12 @@ class MemorySessionStore:
         # what each conversation's handle pins (decode URL -> {conversation key: size}).
         self._pins: dict[str, tuple[dict[str, float], float]] = {}
         self._pin_sizes: dict[str, dict[str, PinSize]] = {}
+        # Spent handles per conversation key: handle digest -> until when (as in Redis).
+        self._spent: dict[str, dict[str, float]] = {}
         self._closed = False
+
+    # The process's own memory cannot be restored behind its back.
+    history_since = 0.0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,9 +89,52 @@ class MemorySessionStore:
         if expect_prefix and state.prefix_digest != expect_prefix:
             return _detached(state)
         if state.kv_transfer_params:
+            if self._refused(key, state):
+                return self._live(key)
             taken = msgspec.structs.replace(state, kv_transfer_params=None, inflight=request_id)
             self._replace(key, taken)
+            self._spend_state(key, state)
         return state
+
+    def _is_spent(self, key: str, hid: str) -> bool:
+        return self._spent.get(key, {}).get(hid, 0.0) > self._clock()
+
+    def _refused(self, key: str, state: SessionState) -> bool:
+        """A spent handle still in the state is cleared, its reason stale-handle."""
+        assert state.kv_transfer_params is not None
+        if not self._is_spent(key, handle_id(state.kv_transfer_params)):
+            return False
+        reason = str(Reason.STALE_HANDLE)
+        stale = msgspec.structs.replace(state, kv_transfer_params=None, no_handle_reason=reason)
+        self._replace(key, stale)
+        return True
+
+    def _spend_state(self, key: str, state: SessionState) -> None:
+        assert state.kv_transfer_params is not None
+        now = self._clock()
+        until = state.handle_expires_at
+        if not now < until < now + 86400:  # as the Redis scripts: past, NaN or absurd
+            until = now + 900
+        self._add_spent(key, handle_id(state.kv_transfer_params), until)
+
+    def _add_spent(self, key: str, hid: str, until: float) -> None:
+        now = self._clock()
+        spent = {h: t for h, t in self._spent.get(key, {}).items() if t > now}
+        spent[hid] = until
+        self._spent[key] = spent
+        if len(self._spent) > self._max_entries:
+            self._spent.pop(next(iter(self._spent)))
+
+    async def spend(self, key: str, handle_id_: str, until: float) -> None:
+        self._check_open()
+        self._add_spent(key, handle_id_, until)
+        state = self._live(key)
+        params = state.kv_transfer_params if state is not None else None
+        if state is not None and params and handle_id(params) == handle_id_:
+            released = msgspec.structs.replace(
+                state, kv_transfer_params=None, no_handle_reason=str(Reason.RELEASED)
+            )
+            self._replace(key, released)
 
     notes_pins_in_commit = True
 
@@ -117,18 +166,24 @@ class MemorySessionStore:
         state = self._live(key)
         if state is None or not state.kv_transfer_params or state.inflight:
             return None
-        if state.updated_at > not_after:
+        if state.updated_at > not_after or self._refused(key, state):
             return None
         reason = str(Reason.RELEASED)
         self._replace(
             key, msgspec.structs.replace(state, kv_transfer_params=None, no_handle_reason=reason)
         )
+        self._spend_state(key, state)
         return state
 
     async def end(self, key: str) -> SessionState | None:
         state = self._live(key)
-        if state is not None:
-            del self._entries[key]
+        if state is None:
+            return None
+        del self._entries[key]
+        if state.kv_transfer_params:
+            if self._is_spent(key, handle_id(state.kv_transfer_params)):
+                return msgspec.structs.replace(state, kv_transfer_params=None)
+            self._spend_state(key, state)
         return state
 
     def _pin_index(self, decode: str) -> dict[str, float] | None:
@@ -223,3 +278,4 @@ class MemorySessionStore:
         self._history.clear()
         self._pins.clear()
         self._pin_sizes.clear()
+        self._spent.clear()

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import inspect
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -22,8 +23,9 @@ from sessions import connect, scripts
 from sessions.codec import StateDecodeError, from_fields, to_fields
 from sessions.connect import RedisClient
 from sessions.evaluate import evaluate, pool_of
-from sessions.keys import pin_sizes_key, pins_key
+from sessions.keys import pin_sizes_key, pins_key, spent_key
 from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
+from sessions.run_watch import RunWatch
 from sessions.store import CorruptState, PinNote, StoreError
 from sessions.vocabulary import Reason
 
@@ -64,9 +66,15 @@ class RedisSessionStore:
     """
 
     def __init__(
-        self, url: str, *, timeout: float = 0.25, client: RedisClient | None = None
+        self,
+        url: str,
+        *,
+        timeout: float = 0.25,
+        client: RedisClient | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._owns_client = client is None
+        self._clock = clock
         if client is None:
             client = connect.connect(
                 url, socket_timeout=timeout, connect_timeout=timeout, retry=turn_retry()
@@ -89,6 +97,16 @@ class RedisSessionStore:
         self._note_pin = client.register_script(scripts.NOTE_PIN)
         self._forget_pin = client.register_script(scripts.FORGET_PIN)
         self._pin_totals = client.register_script(scripts.PIN_TOTALS)
+        self._spend = client.register_script(scripts.SPEND)
+        # The server's run id, read by each new connection (the first, and every one after a
+        # restart or a failover) before its first command; not followed on Redis Cluster.
+        self._watch = RunWatch(clock)
+        if not isinstance(client, RedisCluster):
+            client.connection_pool.connection_kwargs["redis_connect_func"] = self._watch.connected
+
+    @property
+    def history_since(self) -> float:
+        return self._watch.since
 
     async def _set_up_cluster(self) -> None:
         async with self._set_up_lock:
@@ -121,9 +139,11 @@ class RedisSessionStore:
     async def claim(
         self, key: str, request_id: str, expect_prefix: str = ""
     ) -> SessionState | None:
+        keys = [key, spent_key(key)]
+
         async def claim() -> SessionState | None:
-            reply = await evaluate(self._pool, self._claim, [key], [request_id, expect_prefix])
-            return _decode_pairs(reply)
+            args = [request_id, expect_prefix, repr(self._clock())]
+            return _decode_pairs(await evaluate(self._pool, self._claim, keys, args))
 
         try:
             return await self._run("claim", claim())
@@ -147,13 +167,17 @@ class RedisSessionStore:
 
     async def take_handle(self, key: str, not_after: float) -> SessionState | None:
         bound = "" if not_after == math.inf else repr(float(not_after))
-        args = [bound, str(Reason.RELEASED)]
-        return await self._taking(
-            "take handle", key, lambda: self._take_handle(keys=[key], args=args)
-        )
+        args = [bound, str(Reason.RELEASED), repr(self._clock())]
+        keys = [key, spent_key(key)]
+        return await self._taking("take handle", key, lambda: self._take_handle(keys, args))
 
     async def end(self, key: str) -> SessionState | None:
-        return await self._taking("end", key, lambda: self._end(keys=[key], args=[]))
+        keys, args = [key, spent_key(key)], [repr(self._clock())]
+        return await self._taking("end", key, lambda: self._end(keys, args))
+
+    async def spend(self, key: str, handle_id: str, until: float) -> None:
+        args = [handle_id, repr(float(until)), repr(self._clock())]
+        await self._run("spend", self._spend(keys=[key, spent_key(key)], args=args))
 
     async def _drop(self, key: str) -> None:
         """Remove a key that holds no state, so the conversation's next turn starts afresh

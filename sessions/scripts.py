@@ -1,28 +1,78 @@
 """The Redis store's Lua scripts: each is one round trip (EVALSHA, reloaded on NOSCRIPT by
-redis-py). Each touches one key, or one conversation's state and one D's pin index
-(COMMIT_NOTED: not for Redis Cluster, where they are in other slots)."""
+redis-py). Each touches one key, one conversation's state and its spent handles (one slot),
+or one conversation's state and one D's pin index (COMMIT_NOTED: not for Redis Cluster, where
+they are in other slots)."""
 
 from __future__ import annotations
 
+# A handle read or released is "spent" (issue 48: read at most once): its digest goes into
+# the conversation's spent ZSET (in the conversation's slot) until its handle_expires_at (or
+# now + 900 s without a sound one), past which D no longer pins it and the router would not
+# send it.
+# Entries past their time are trimmed, and the key expires with its last entry.
+_SPEND = """
+local function spend(spent, id, deadline, now)
+  redis.call('ZADD', spent, deadline, id)
+  redis.call('ZREMRANGEBYSCORE', spent, '-inf', now)
+  local last = redis.call('ZRANGE', spent, -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIREAT', spent, math.ceil(tonumber(last[2]) * 1000) + 1000)
+  end
+end
+local function field(fields, name)
+  for i = 1, #fields, 2 do
+    if fields[i] == name then return i + 1 end
+  end
+  return nil
+end
+local function has_handle(params)
+  return params and params ~= '' and params ~= 'null'
+end
+local function handle_until(fields, now)
+  local at = field(fields, 'handle_expires_at')
+  local deadline = at and tonumber(fields[at]) or 0
+  -- not a number (NaN fails every comparison), past, or absurdly far: now + 900 s
+  if not (deadline > now and deadline < now + 86400) then deadline = now + 900 end
+  return deadline
+end
+-- A spent handle still in the hash (a record older than the conversation) is cleared, with
+-- its reason, in the hash and in the copy returned. True when it was one.
+local function refuse_spent(key, spent, fields, at)
+  if not redis.call('ZSCORE', spent, redis.sha1hex(fields[at])) then return false end
+  redis.call('HSET', key, 'kv_transfer_params', '', 'no_handle_reason', 'stale-handle')
+  fields[at] = ''
+  local reason = field(fields, 'no_handle_reason')
+  if reason then
+    fields[reason] = 'stale-handle'
+  else
+    table.insert(fields, 'no_handle_reason')
+    table.insert(fields, 'stale-handle')
+  end
+  return true
+end
+"""
+
 # Returns the hash as it was; takes the handle (single use) if there is one, and, when
-# ARGV[2] is not empty, only if the prefix digest is ARGV[2].
-CLAIM = """
+# ARGV[2] is not empty, only if the prefix digest is ARGV[2]. ARGV[3]: now (wall clock). A
+# handle taken is spent (KEYS[2]); one spent before is refused (`no_handle_reason`
+# stale-handle, in the hash and in the reply) instead of taken.
+CLAIM = (
+    _SPEND
+    + """
 local fields = redis.call('HGETALL', KEYS[1])
 if #fields == 0 then return false end
 if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'prefix_digest') ~= ARGV[2] then
   return fields
 end
-for i = 1, #fields, 2 do
-  if fields[i] == 'kv_transfer_params' then
-    local params = fields[i + 1]
-    if params ~= '' and params ~= 'null' then
-      redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'inflight', ARGV[1])
-    end
-    break
-  end
-end
+local at = field(fields, 'kv_transfer_params')
+if not at or not has_handle(fields[at]) then return fields end
+if refuse_spent(KEYS[1], KEYS[2], fields, at) then return fields end
+local now = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'inflight', ARGV[1])
+spend(KEYS[2], redis.sha1hex(fields[at]), handle_until(fields, now), now)
 return fields
 """
+)
 
 # ARGV: expected turn, TTL in ms, then the fields as one JSON array [field, value, ...] (one
 # argument for redis-py to encode instead of 44). A missing (or unreadable) turn is 0, so a
@@ -58,30 +108,71 @@ return 0
 # Takes the handle for release (single use, as CLAIM): only when there is one, no turn holds
 # the state (`inflight` empty) and `updated_at` <= ARGV[1] ('' : no bound). Returns the hash
 # as it was, or false and changes nothing. The handle is cleared as CLAIM clears it, and
-# `no_handle_reason` becomes ARGV[2] (`released`) so that the next turn says why.
-TAKE_HANDLE = """
+# `no_handle_reason` becomes ARGV[2] (`released`) so that the next turn says why; it is spent
+# (KEYS[2]; ARGV[3]: now). One spent before is refused as CLAIM refuses it (false: there is
+# nothing to release).
+TAKE_HANDLE = (
+    _SPEND
+    + """
 local fields = redis.call('HGETALL', KEYS[1])
 if #fields == 0 then return false end
 local f = {}
 for i = 1, #fields, 2 do f[fields[i]] = fields[i + 1] end
 local params = f['kv_transfer_params']
-if not params or params == '' or params == 'null' then return false end
+if not has_handle(params) then return false end
 if f['inflight'] and f['inflight'] ~= '' then return false end
 if ARGV[1] ~= '' then
   local updated = tonumber(f['updated_at'] or '')
   if not updated or updated > tonumber(ARGV[1]) then return false end
 end
+if refuse_spent(KEYS[1], KEYS[2], fields, field(fields, 'kv_transfer_params')) then
+  return false
+end
+local now = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'no_handle_reason', ARGV[2])
+spend(KEYS[2], redis.sha1hex(params), handle_until(fields, now), now)
 return fields
 """
+)
 
-# The conversation ended: its hash as it was, deleted (false when there is none).
-END = """
+# The conversation ended: its hash as it was, deleted (false when there is none). Its handle,
+# which the router then releases, is spent (KEYS[2]; ARGV[1]: now) and the spent key stays, so
+# a record restored after the end is refused too. A handle spent before comes back without it.
+END = (
+    _SPEND
+    + """
 local fields = redis.call('HGETALL', KEYS[1])
 if #fields == 0 then return false end
 redis.call('DEL', KEYS[1])
+local at = field(fields, 'kv_transfer_params')
+if at and has_handle(fields[at]) then
+  local now = tonumber(ARGV[1])
+  local id = redis.sha1hex(fields[at])
+  if redis.call('ZSCORE', KEYS[2], id) then
+    fields[at] = ''
+  else
+    spend(KEYS[2], id, handle_until(fields, now), now)
+  end
+end
 return fields
 """
+)
+
+# A handle the router released without knowing whether a commit stored it (the commit timed
+# out): spent (KEYS[2]; ARGV: its digest, until, now), and out of the hash (KEYS[1]) if it is
+# there, which then says `released`.
+SPEND = (
+    _SPEND
+    + """
+local now = tonumber(ARGV[3])
+spend(KEYS[2], ARGV[1], tonumber(ARGV[2]), now)
+local params = redis.call('HGET', KEYS[1], 'kv_transfer_params')
+if has_handle(params) and redis.sha1hex(params) == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'kv_transfer_params', '', 'no_handle_reason', 'released')
+end
+return 1
+"""
+)
 
 # One pin index (a ZSET, KEYS[1]) and its sizes (a HASH, KEYS[2]): ARGV score, member, TTL in
 # ms, "<blocks> <tokens>". Each key's expiry only grows (a key without one gets it), so an
@@ -130,4 +221,16 @@ for _, size in ipairs(redis.call('HVALS', KEYS[2])) do
   if b then blocks = blocks + tonumber(b); tokens = tokens + tonumber(t) end
 end
 return {redis.call('ZCARD', KEYS[1]), blocks, tokens}
+"""
+
+# The server's run id against the one recorded (KEYS[1], a HASH; ARGV: run id, now): the time
+# since when this run id is the store's. None recorded: this one, since 0 (a first start, or a
+# store that never had routers of this version: nothing to doubt). Another: since now.
+STORE_RUN = """
+local run = redis.call('HGET', KEYS[1], 'run_id')
+if run == ARGV[1] then return redis.call('HGET', KEYS[1], 'since') or '0' end
+local since = ARGV[2]
+if not run then since = '0' end
+redis.call('HSET', KEYS[1], 'run_id', ARGV[1], 'since', since)
+return since
 """

@@ -45,7 +45,26 @@ class SessionStore(Protocol):
         concurrent claims at most one gets the handle; the other sees `inflight` ("busy").
         With expect_prefix, the handle is taken only if the state's prefix_digest is that one
         (a session found by history that has moved on keeps its handle for its own next turn).
+
+        A handle taken is spent: the store remembers it (under the conversation's key, until
+        the state's `handle_expires_at`), and a state that names a spent handle again (a record
+        older than the conversation: restored, or from a lagging replica) comes back without
+        it, `no_handle_reason` "stale-handle" (`Reason.STALE_HANDLE`), in the store too.
         """
+        ...
+
+    @property
+    def history_since(self) -> float:
+        """Wall-clock time since when the store's history is unbroken: a handle committed
+        before it (the Redis server restarted, was restored or failed over since) may have
+        been read since, in a history the store lost. 0: nothing known against any."""
+        ...
+
+    async def spend(self, key: str, handle_id: str, until: float) -> None:
+        """Remember handle `handle_id` (`sessions.codec.handle_id`) of conversation key as
+        spent until `until`, and take it out of the state if the state holds it (then
+        `no_handle_reason` "released"): for a handle released after a commit whose outcome is
+        not known (it timed out)."""
         ...
 
     # Whether `commit(..., pin=...)` notes the pin in the commit's own round trip (False on
@@ -90,7 +109,8 @@ class SessionStore(Protocol):
 
     async def end(self, key: str) -> SessionState | None:
         """The conversation ended: delete it and return its state as it was (handle included,
-        for its release), atomically; None when there was none. A key that holds no state
+        for its release, and spent; a handle spent before is left out), atomically; None when
+        there was none. A key that holds no state
         raises CorruptState, as `get` does, and is deleted all the same."""
         ...
 
@@ -99,8 +119,9 @@ class SessionStore(Protocol):
         (`inflight` empty) and its `updated_at` <= not_after (math.inf: any age).
 
         Returns the state as it was (with its handle); the stored copy loses the handle as in
-        `claim` and records `no_handle_reason` "released" (`Reason.RELEASED`). Otherwise None,
-        and nothing changes. Single use with `claim`: a handle is read or released, never both.
+        `claim` and records `no_handle_reason` "released" (`Reason.RELEASED`); the handle is
+        spent. Otherwise None, and nothing changes (a spent handle is cleared as `claim`
+        clears it). Single use with `claim`: a handle is read or released, never both.
         A key of another type, or a hash that is not a state but looks as if it held a due
         handle, raises CorruptState (as `get` does) and is dropped (as by `claim`): its handle
         cannot be read to be released, D frees the blocks at its own TTL. Any other garbage

@@ -23,6 +23,9 @@ class Reason(StrEnum):
     API_MISMATCH = "api-mismatch"
     EXPIRED = "expired"
     RELEASED = "released"  # the router gave the handle back so that D frees its blocks
+    # The stored handle was read or released before: the record is older than the conversation
+    # (a lagging replica, a restore), and D may have reused its blocks (issue 48).
+    STALE_HANDLE = "stale-handle"
     PREFIX_MISMATCH = "prefix-mismatch"
     EVICTED = "evicted"
     TOKENIZE_FAILED = "tokenize-failed"

@@ -15,11 +15,11 @@ import redis.asyncio as aioredis
 
 from sessions.codec import to_fields
 from sessions.guard import StoreGuard
-from sessions.keys import conversation_key, pin_sizes_key, pins_key
+from sessions.keys import STORE_RUN_KEY, conversation_key, pin_sizes_key, pins_key
 from sessions.model import PinSize, SessionState
 from sessions.redis_store import RedisSessionStore
 from sessions.store import CorruptState, StoreError
-from tests.support.procs import free_port
+from tests.support.procs import free_port, redis_server, restart_redis, stop
 
 KEY = conversation_key("tenant-a", "conv-1")
 STATE = SessionState(
@@ -171,7 +171,8 @@ async def test_a_garbage_hash_whose_handle_is_taken_is_dropped(
     with pytest.raises(CorruptState, match="take handle"):
         await store.take_handle(KEY, math.inf)
     assert not await raw.exists(KEY)
-    await raw.hset(KEY, mapping=garbage)
+    # Another garbage handle: the one taken above is spent, and would come back without it.
+    await raw.hset(KEY, mapping={**garbage, "kv_transfer_params": "{oops, again"})
     with pytest.raises(CorruptState, match="end"):
         await store.end(KEY)
     assert not await raw.exists(KEY)
@@ -295,3 +296,58 @@ async def test_injected_client_is_left_open(redis_url: str) -> None:
     await store.close()
     assert await client.ping() is True
     await client.aclose()
+
+
+async def test_the_store_follows_the_server_s_run_id(caplog: pytest.LogCaptureFixture) -> None:
+    """A first server is trusted (since 0), and so is one that comes back empty (nothing of
+    before to doubt); one that comes back with its data (an RDB: older than what the routers
+    did since) moves `history_since` to when it was first seen, for every store of every
+    replica, and says so once each."""
+    with redis_server() as (url, port, proc):
+        first, second = RedisSessionStore(url), RedisSessionStore(url)
+        raw = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            await first.ping()
+            await second.ping()
+            assert first.history_since == second.history_since == 0.0
+            assert (await raw.hgetall(STORE_RUN_KEY))["since"] == "0"
+            directory = (await raw.config_get("dir"))["dir"]
+            await raw.save()
+            stop(proc)
+            before = time.time()
+            proc = restart_redis(port, directory)  # the snapshot, with the old run id
+            with caplog.at_level("WARNING", logger="kvbaton.store"):
+                await first.ping()  # reconnected: the new connection reads the run id
+                await second.ping()
+            assert before <= first.history_since == second.history_since <= time.time()
+            assert caplog.text.count("the session store's server changed") == 2
+            stop(proc)
+            proc = restart_redis(port)  # empty this time
+            await first.ping()
+            assert first.history_since == second.history_since, "nothing of before to doubt"
+        finally:
+            await first.close()
+            await second.close()
+            await raw.aclose()
+            stop(proc)
+
+
+async def test_a_server_that_refuses_info_is_used_all_the_same(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = aioredis.Redis.from_url(redis_url)
+    await raw.acl_setuser(
+        "noinfo", enabled=True, passwords=["+pw"], commands=["+@all", "-info"], keys=["*"]
+    )
+    url = redis_url.replace("redis://", "redis://noinfo:pw@")
+    store = RedisSessionStore(url)
+    try:
+        with caplog.at_level("WARNING", logger="kvbaton.store"):
+            await store.commit(KEY, STATE, 0, 60)
+            assert await store.claim(KEY, "r1") == STATE
+        assert store.history_since == 0.0
+        assert "the session store's history cannot be followed" in caplog.text
+    finally:
+        await store.close()
+        await raw.acl_deluser("noinfo")
+        await raw.aclose()

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from sessions.codec import handle_id
 from sessions.keys import conversation_key, history_key, pins_key
 from sessions.memory_store import MemorySessionStore
 from sessions.model import PinSize, PinTotals, SessionState, handle_unusable_reason
@@ -432,3 +433,82 @@ async def test_a_commit_with_a_pin_notes_it_when_it_commits(harness: Harness) ->
     assert await store.commit(KEY, msgspec.structs.replace(state, turn=2), 1, 30.0, note)
     assert await store.pin_totals(D1) == PinTotals(1, 4, 60)
     await harness.assert_pin_ttl(D1, 30.0)
+
+
+async def put_back(store: SessionStore, state: SessionState) -> None:
+    """An older record written over the live one, as a restore or a lagging replica would."""
+    current = await store.get(KEY)
+    assert await store.commit(KEY, state, current.turn if current else 0, TTL)
+
+
+def stale(state: SessionState) -> SessionState:
+    return msgspec.structs.replace(
+        state, kv_transfer_params=None, no_handle_reason=str(Reason.STALE_HANDLE)
+    )
+
+
+async def test_a_claimed_handle_put_back_is_never_taken_again(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    state = state_with(params)
+    await store.commit(KEY, state, 0, TTL)
+    assert await store.claim(KEY, "req-1") == state  # read once
+    await put_back(store, state)
+    assert await store.claim(KEY, "req-2") == stale(state)
+    assert await store.get(KEY) == stale(state)  # not held by the turn: nothing to give back
+    assert await store.take_handle(KEY, math.inf) is None
+    # Another conversation holding the same handle is its own matter.
+    await store.commit(OTHER, state, 0, TTL)
+    assert await store.claim(OTHER, "req-3") == state
+
+
+async def test_a_released_or_ended_handle_put_back_is_never_taken_again(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    state = state_with(params)
+    await store.commit(KEY, state, 0, TTL)
+    assert await store.take_handle(KEY, math.inf) == state  # released
+    await put_back(store, state)
+    assert await store.take_handle(KEY, math.inf) is None
+    assert await store.get(KEY) == stale(state)
+    await put_back(store, state)
+    assert await store.claim(KEY, "req-1") == stale(state)
+    await store.delete(KEY)
+    other = state_with({**params, "remote_request_id": "another"})
+    await store.commit(KEY, other, 0, TTL)
+    assert await store.end(KEY) == other  # ended: its handle goes to a release
+    await put_back(store, other)
+    assert await store.end(KEY) == msgspec.structs.replace(other, kv_transfer_params=None)
+
+
+async def test_spend_takes_a_handle_that_may_have_been_committed(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    state = state_with(params)
+    await store.commit(KEY, state, 0, TTL)
+    await store.spend(KEY, "0" * 40, 4e9)  # another handle: nothing changes
+    assert await store.get(KEY) == state
+    await store.spend(KEY, handle_id(params), 4e9)
+    released = msgspec.structs.replace(
+        state, kv_transfer_params=None, no_handle_reason=str(Reason.RELEASED)
+    )
+    assert await store.get(KEY) == released
+    await put_back(store, state)
+    assert await store.claim(KEY, "req-1") == stale(state)
+    await store.spend(OTHER, handle_id(params), 4e9)  # no state: remembered all the same
+    await store.commit(OTHER, state, 0, TTL)
+    assert await store.claim(OTHER, "req-2") == stale(state)
+
+
+async def test_a_handle_with_an_unreadable_deadline_is_still_spent(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    state = state_with(params, handle_expires_at=1e18)  # absurd: spent for 900 s
+    await store.commit(KEY, state, 0, TTL)
+    assert await store.claim(KEY, "req-1") == state
+    await put_back(store, state)
+    assert (await store.claim(KEY, "req-2")) == stale(state)
