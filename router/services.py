@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from router.engines.client import EngineClient
 from router.engines.kv_watch import KvEvents
 from router.engines.pool import Pool
 from router.engines.release import Gaps, Releaser
+from router.engines.spent import Spent
 from router.metrics import Metrics
 from sessions.guard import StoreGuard
 from sessions.store import SessionStore
@@ -49,6 +51,15 @@ class Services:
     gaps: Gaps = field(default_factory=Gaps)  # the measured time between turns
     # Work a turn starts and does not wait for (the pin index's writes).
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    # The handles read or released here (a state naming one again is stale): set up below.
+    spent: Spent = field(init=False)
+    # Handles released after a commit that timed out, to be marked spent in the store once it
+    # answers (conversation key, handle digest, until): router/turn/pins.py.
+    unspent: deque[tuple[str, str, float]] = field(default_factory=lambda: deque(maxlen=4096))
+    flushing: bool = False  # a task writes `unspent` now
+
+    def __post_init__(self) -> None:
+        self.spent = Spent(self.settings.handle_ttl, lambda: self.clock())
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` without waiting for it (kept referenced until it ends)."""

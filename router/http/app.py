@@ -55,6 +55,9 @@ log = logging.getLogger("kvbaton.app")
 # With several workers, how often each one writes its in-flight counts for the others' scrapes.
 PUBLISH_INTERVAL = 1.0
 
+# At shutdown, how long the releases still queued may take (each is one P request).
+RELEASE_DRAIN_S = 5.0
+
 
 def services(request: Request) -> Services:
     svc: Services = request.app.state.services
@@ -273,11 +276,16 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
                         await task
             if syncing is not None:
                 await registry.stop(syncing)
+            # The turns' commits and pin-index writes still in flight finish before Redis
+            # closes; then the releases they queued go out (a handle dropped here stays
+            # pinned on D for its whole TTL), within RELEASE_DRAIN_S.
+            await asyncio.gather(*svc.background, return_exceptions=True)
             if svc.releaser is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(RELEASE_DRAIN_S):
+                        await svc.releaser.drain()
                 await svc.releaser.stop()
             await svc.kv_events.stop()
-            # The turns' pin-index writes still in flight finish before Redis closes.
-            await asyncio.gather(*svc.background, return_exceptions=True)
             await backend.close()
             await upstream.close()
 

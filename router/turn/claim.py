@@ -22,6 +22,7 @@ from router.turn.outcomes import Found, Reason, Reuse
 from router.turn.rewrite import ids_leg_allowed
 from router.turn.tenant import conversation_hash
 from sessions import integrity
+from sessions.codec import handle_id
 from sessions.keys import conversation_key
 from sessions.model import SessionState
 from sessions.store import CorruptState, StoreError
@@ -135,6 +136,8 @@ async def _claim_key(
         return Claim(key, None, Reuse.miss(Reason.CORRUPT_STATE))
     except StoreError:
         return Claim(key, None, Reuse.miss(Reason.STORE_UNAVAILABLE))
+    if state is not None and (not expect or state.prefix_digest == expect):
+        state = _spend(svc, key, state)
     decode = svc.pool.find("decode", state.decode) if state is not None else None
     reuse = decide.claimed_reuse(state, inc.api, svc.clock(), decode)
     if state is not None and state.kv_transfer_params is not None:
@@ -152,6 +155,40 @@ async def _claim_key(
     assert state is not None and state.kv_transfer_params is not None
     params = state.kv_transfer_params
     return Claim(key, state, reuse, params=params, claimed=True, taken=taken)
+
+
+def _spend(svc: Services, key: str, state: SessionState) -> SessionState:
+    """The claim took the state's handle: it is spent here now (read or released by this turn).
+    One spent before (this process saw it read or released), or committed before the store's
+    history broke (a Redis restart, restore or failover since), may name blocks D reused: the
+    state comes back without it, as the store gives back one it knows spent."""
+    params = state.kv_transfer_params
+    if params is None:
+        if state.no_handle_reason == Reason.STALE_HANDLE and not state.inflight:
+            _warn_stale(key, "the session store knew it spent")
+        return state
+    hid = handle_id(params)
+    seen = svc.spent.holds(hid)
+    svc.spent.add_id(hid)
+    if seen:
+        _warn_stale(key, "this router read or released it before")
+    elif state.updated_at < svc.store.history_since:
+        _warn_stale(key, "it was committed before the session store's server changed")
+    else:
+        return state
+    return msgspec.structs.replace(
+        state, kv_transfer_params=None, no_handle_reason=str(Reason.STALE_HANDLE)
+    )
+
+
+def _warn_stale(key: str, why: str) -> None:
+    log.warning(
+        "conversation %s: its stored handle is not read (%s; the record is older than the "
+        "conversation: a lagging replica, a restore or a failover): miss;reason=%s",
+        conversation_hash(key),
+        why,
+        Reason.STALE_HANDLE,
+    )
 
 
 def _checked(svc: Services, key: str, state: SessionState, reuse: Reuse) -> Reuse:

@@ -3,6 +3,7 @@ claim back; then one log line and the turn's metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -26,26 +27,39 @@ NORMAL_FINISH = ("stop", "length")
 
 
 async def finish(turn: Turn, captured: Captured) -> None:
-    """Commit after a normal finish (stop/length, no error event); otherwise release."""
+    """Commit after a normal finish (stop/length, no error event); otherwise release. D's new
+    handle ends in the committed state or in a release, whatever happens: the commit runs to
+    its end even when the client leaves meanwhile (its outcome decides which)."""
     if captured.error is not None:
         await abort(turn, AbortReason.DECODE_ERROR_EVENT, captured)
         return
     if captured.finish_reason not in NORMAL_FINISH:
         await abort(turn, AbortReason.finish(captured.finish_reason), captured)
         return
+    settle = asyncio.ensure_future(_settle(turn, captured))
+    turn.svc.background.add(settle)  # awaited at shutdown, if the turn is cancelled first
+    settle.add_done_callback(turn.svc.background.discard)
+    await asyncio.shield(settle)
+
+
+async def _settle(turn: Turn, captured: Captured) -> None:
     pins.release_unread(turn, "superseded")
     if turn.svc.kv_events is not None:  # their streams should show this turn's blocks
         ran = (turn.prefill, turn.decode)
         turn.svc.kv_events.note_turn(*(i.url for i in ran if i is not None))
-    result = await _commit(turn, captured)
+    result, kept = await _commit(turn, captured)
+    if not kept:  # no state holds D's new handle: nobody else will ever release it
+        pins.release_new(turn, captured, pins.unsaved_reason(result))
     report(turn, result, captured)
 
 
 async def abort(turn: Turn, reason: AbortReason | str, captured: Captured | None = None) -> None:
-    """A failed or cancelled turn commits nothing; it only gives back its claim. `reason` is an
-    `AbortReason` or one of its families' spellings (`AbortReason.engine(status)`, ...)."""
+    """A failed or cancelled turn commits nothing; it only gives back its claim, and releases
+    any handle it took or D gave it. `reason` is an `AbortReason` or one of its families'
+    spellings (`AbortReason.engine(status)`, ...)."""
     await release(turn)
     pins.release_unread(turn, "aborted")
+    pins.release_new(turn, captured, "aborted")
     turn.svc.metrics.aborts.labels(reason).inc()
     report(turn, f"aborted:{reason}", captured)
 
@@ -58,10 +72,11 @@ async def release(turn: Turn) -> None:
         await svc.guard.call(lambda: svc.store.release(key, turn.request_id))
 
 
-async def _commit(turn: Turn, captured: Captured) -> CommitResult:
+async def _commit(turn: Turn, captured: Captured) -> tuple[CommitResult, bool]:
+    """The commit's result, and whether the stored state holds D's new handle."""
     key = turn.claim.key
     if key is None or turn.decode is None:
-        return CommitResult.NO_CONVERSATION_ID
+        return CommitResult.NO_CONVERSATION_ID, False
     state = next_state(turn, captured)
     expected = turn.claim.state.turn if turn.claim.state else 0
     svc = turn.svc
@@ -86,7 +101,11 @@ async def _commit(turn: Turn, captured: Captured) -> CommitResult:
     early.remember(svc, key, p_url if ok and state.kv_transfer_params else None)
     if ok and turn.claim.history_id:
         await _index_history(turn, state, captured)
-    return result
+    if result is CommitResult.STORE_UNAVAILABLE and state.kv_transfer_params is not None:
+        # The commit may have landed all the same (a timeout): the handle about to be
+        # released must not be read from there, by any replica.
+        pins.spend_later(turn, key, state)
+    return result, ok and state.kv_transfer_params is not None
 
 
 async def _index_history(turn: Turn, state: sm.SessionState, captured: Captured) -> None:

@@ -85,13 +85,15 @@ def handle_check(connector: Connector[Any], state: SessionState) -> Reason | Non
 
 
 # A taken handle that must not go to a P even to be released: one the router cannot trust
-# (tampered with: it could aim P at any address), whose D no longer holds it, or whose D the
-# P's have been refusing (a release through them would fail the same way).
+# (tampered with: it could aim P at any address), spent before (read or released already),
+# whose D no longer holds it, or whose D the P's have been refusing (a release through them
+# would fail the same way).
 NOT_RELEASABLE = frozenset(
     {
         Reason.READS_PAUSED,
         Reason.HANDLE_UNAUTHENTICATED,
         Reason.HANDLE_INVALID,
+        Reason.STALE_HANDLE,
         Reason.DECODE_REMOVED,
         Reason.DECODE_UNHEALTHY,
         Reason.DECODE_RESTARTED,

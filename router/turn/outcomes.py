@@ -68,6 +68,9 @@ MEANINGS: dict[Reason, str] = {
     Reason.EXPIRED: "older than `--handle-ttl`",
     Reason.RELEASED: "the router released the handle (unread too long, or its D short of KV "
     "memory) so that D could free the pinned blocks",
+    Reason.STALE_HANDLE: "the stored handle was read or released before (the session record "
+    "is older than the conversation: a lagging replica, a restore, a failover or a "
+    "DUMP/RESTORE), so D may have reused its blocks: it is never read (a WARNING says which)",
     Reason.PREFIX_MISMATCH: "the new prompt does not extend what D holds (enough)",
     Reason.EVICTED: "D's KV events say it evicted or cleared blocks of the handle since it "
     "was made: it was dropped before any read",

@@ -5,15 +5,19 @@ measured (the release delay's base)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 
 from router.services import Services
 from router.turn import decide
 from router.turn.aim import aims_at_its_d
+from router.turn.capture import Captured
 from router.turn.state import Turn
 from sessions.model import SessionState
 from sessions.store import PinNote, StoreError
+from sessions.vocabulary import CommitResult
 
 log = logging.getLogger("kvbaton.pins")
 
@@ -38,6 +42,56 @@ def release_unread(turn: Turn, reason: str) -> None:
     # Its entry in the pin index stays until a sweep finds no handle there (or a commit on
     # the same D replaces it): a removal racing this turn's own note could drop the new one.
     svc.releaser.submit(claim.taken, claim.state.decode, reason)
+
+
+def unsaved_reason(result: CommitResult) -> str:
+    """Why no committed state holds D's new handle (`kvbaton_pin_releases_total{reason}`)."""
+    if result is CommitResult.STORE_UNAVAILABLE:
+        return "unsaved"  # the store failed or timed out
+    if result is CommitResult.LOST_RACE:
+        return "lost-race"  # another turn of the conversation committed first
+    return "unkept"  # committed without it (not verifiable next turn), or no conversation
+
+
+def release_new(turn: Turn, captured: Captured | None, reason: str) -> None:
+    """D's handle from this turn, which no committed state holds, is dead the moment the turn
+    ends (nobody else knows it): released at once, without the store, and spent here."""
+    svc = turn.svc
+    params = captured.kv_transfer_params if captured is not None else None
+    if svc.releaser is None or turn.decode is None or not svc.connector.is_handle(params):
+        return
+    svc.spent.add(params)
+    svc.releaser.submit(params, turn.decode.url, reason)
+
+
+def spend_later(turn: Turn, key: str, state: SessionState) -> None:
+    """A commit whose outcome is not known may have stored the handle it carried, which the
+    turn then releases: once the store answers, it is marked spent there too, so that no
+    replica reads it (this one knows already)."""
+    svc = turn.svc
+    hid = svc.spent.add(state.kv_transfer_params)
+    svc.unspent.append((key, hid, state.handle_expires_at))
+    if not svc.flushing:
+        svc.flushing = True
+        svc.spawn(_flush_unspent(svc))
+
+
+async def _flush_unspent(svc: Services) -> None:
+    delay = 0.25
+    try:
+        while svc.unspent and not svc.stopping:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 4.0)
+            while svc.unspent:
+                key, hid, until = svc.unspent[0]
+                if until > svc.clock():
+                    try:
+                        await svc.guard.call(functools.partial(svc.store.spend, key, hid, until))
+                    except StoreError:
+                        break  # not yet: the next try is later
+                svc.unspent.popleft()
+    finally:
+        svc.flushing = False
 
 
 def pin_note(turn: Turn, state: SessionState) -> PinNote | None:

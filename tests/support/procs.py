@@ -125,9 +125,10 @@ def redis_server() -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
             stop(proc)
 
 
-def restart_redis(port: int) -> subprocess.Popen[bytes]:
-    """Start a fresh redis-server on a given port (after a test stopped the first one)."""
-    return _start_redis(port, tempfile.gettempdir())
+def restart_redis(port: int, directory: str | None = None) -> subprocess.Popen[bytes]:
+    """Start a redis-server on a given port (after a test stopped the first one): fresh, or
+    loading the `dump.rdb` in `directory` (a snapshot a test put back there)."""
+    return _start_redis(port, directory or tempfile.gettempdir())
 
 
 @dataclasses.dataclass(frozen=True)

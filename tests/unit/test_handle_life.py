@@ -1,0 +1,222 @@
+"""A handle's whole life (issue 48), through the fake engines: every handle D gives a turn
+ends in the committed state or in a release (a failed save, a lost race, a client that leaves
+during the commit, a turn without a conversation), and a handle is read at most once (a
+record older than the conversation is a miss, never a read)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.turn.incoming import read_incoming
+from router.turn.run import run_turn
+from router.turn.tenant import DEFAULT_TENANT
+from sessions.codec import handle_id
+from sessions.keys import conversation_key
+from sessions.memory_store import MemorySessionStore
+from sessions.model import SessionState
+from sessions.store import PinNote, StoreError
+from tests.unit.fake_engines import FakeEngines
+from tests.unit.test_pins import counted, releases, releasing
+from tests.unit.test_turn import (
+    answer,
+    conversation,
+    expected_answer,
+    handle_sent,
+    second_turn,
+    state_of,
+    turn,
+)
+
+KEY = conversation_key(DEFAULT_TENANT, "c1")
+
+
+class FailingCommits(MemorySessionStore):
+    """A store whose commits fail (`error`), lose (`lost`), or wait for `go` first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error = False
+        self.lost = False
+        self.go: asyncio.Event | None = None
+        self.started = asyncio.Event()
+
+    async def commit(
+        self,
+        key: str,
+        state: SessionState,
+        expected_turn: int,
+        ttl_s: float,
+        pin: PinNote | None = None,
+    ) -> bool:
+        self.started.set()
+        if self.go is not None:
+            await self.go.wait()
+        if self.error:
+            raise StoreError("session store commit failed: Redis is over maxmemory")
+        if self.lost:
+            return False
+        return await super().commit(key, state, expected_turn, ttl_s, pin)
+
+
+async def released_ids(svc: Any, engines: FakeEngines) -> list[str]:
+    await svc.releaser.drain()
+    return [kv["remote_request_id"] for kv in releases(engines)]
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"), [("error", "unsaved"), ("lost", "lost-race")], ids=["unsaved", "race"]
+)
+async def test_a_turn_whose_state_is_not_saved_releases_d_s_new_handle(
+    fault: str, reason: str
+) -> None:
+    engines = FakeEngines()
+    store = FailingCommits()
+    svc = releasing(engines)
+    svc.store = store
+    setattr(store, fault, True)
+    status, _, body = await turn(svc, second_turn("and then?")[:2], request_id="r0")
+    assert status == 200 and answer(body) == expected_answer(second_turn("x")[:2])
+    assert len(await released_ids(svc, engines)) == 1, "D's new handle, which nobody stored"
+    assert counted(svc, reason) == 1
+    assert await svc.store.get(KEY) is None
+    await svc.releaser.stop()
+
+
+async def test_a_client_that_leaves_during_the_commit_leaves_the_commit_to_finish() -> None:
+    engines = FakeEngines()
+    store = FailingCommits()
+    svc = releasing(engines)
+    svc.store = store
+    store.go = asyncio.Event()
+    task = asyncio.create_task(turn(svc, second_turn("and then?")[:2], request_id="r0"))
+    await store.started.wait()
+    task.cancel()  # the client hangs up while the commit is in flight
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store.go.set()
+    await asyncio.gather(*svc.background)
+    state = await state_of(svc)
+    assert state.kv_transfer_params is not None, "the commit went through with D's handle"
+    assert await released_ids(svc, engines) == [], "and that handle is not released"
+    await svc.releaser.stop()
+
+
+async def test_a_client_that_leaves_during_a_failing_commit_gets_d_s_handle_released() -> None:
+    engines = FakeEngines()
+    store = FailingCommits()
+    svc = releasing(engines)
+    svc.store = store
+    store.go, store.error = asyncio.Event(), True
+    task = asyncio.create_task(turn(svc, second_turn("and then?")[:2], request_id="r0"))
+    await store.started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store.go.set()
+    await asyncio.gather(*svc.background)
+    assert len(await released_ids(svc, engines)) == 1 and counted(svc, "unsaved") == 1
+    await svc.releaser.stop()
+
+
+async def test_a_turn_without_a_conversation_releases_d_s_handle() -> None:
+    engines = FakeEngines()
+    svc = releasing(engines, history_sessions=False)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello?"}]}
+    inc = read_incoming(
+        msgspec.json.encode(body),
+        {"content-type": "application/json"},
+        api="chat",
+        model="m",
+        max_bytes=1 << 20,
+        tenant_header="",
+    )
+    resp = await run_turn(svc, inc, "r0")
+    assert resp.status_code == 200
+    assert len(await released_ids(svc, engines)) == 1 and counted(svc, "unkept") == 1
+    await svc.releaser.stop()
+
+
+async def restore(svc: Any, state: SessionState) -> None:
+    """Put an older record back, as a restore or a lagging replica would."""
+    store = svc.store
+    assert isinstance(store, MemorySessionStore)
+    store._entries[KEY] = (state, store._entries[KEY][1])
+
+
+async def test_a_record_restored_after_its_handle_was_read_is_a_miss_never_a_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engines = FakeEngines()
+    svc = releasing(engines)
+    await conversation(svc, 1)
+    old = await state_of(svc)
+    messages = second_turn("and then?")
+    _, headers, body = await turn(svc, messages, request_id="r1")
+    assert headers["x-kv-reuse"] == "hit"  # turn 2 read turn 1's handle
+    await restore(svc, old)
+    svc.store._spent.clear()  # type: ignore[attr-defined]  # the router alone remembers it
+    with caplog.at_level("WARNING", logger="kvbaton.reuse"):
+        _, headers, body = await turn(svc, messages, request_id="r2")
+    assert headers["x-kv-reuse"] == "miss;reason=stale-handle"
+    assert answer(body) == expected_answer(messages)
+    p_legs = [
+        c
+        for c in engines.calls
+        if c.request_id == "r2" and c.url.startswith("http://p") and "/v1/" in c.url
+    ]
+    assert p_legs and not any(handle_sent(c) for c in p_legs)
+    assert "this router read or released it before" in caplog.text
+    assert await released_ids(svc, engines) == [], "a spent handle is not released again"
+    await svc.releaser.stop()
+
+
+async def test_the_store_refuses_a_restored_handle_another_replica_read() -> None:
+    engines = FakeEngines()
+    svc = releasing(engines)
+    await conversation(svc, 1)
+    old = await state_of(svc)
+    messages = second_turn("and then?")
+    await turn(svc, messages, request_id="r1")
+    await restore(svc, old)
+    other = releasing(engines)  # a second replica: nothing in its memory
+    other.store = svc.store
+    _, headers, body = await turn(other, messages, request_id="r2")
+    assert headers["x-kv-reuse"] == "miss;reason=stale-handle"
+    assert answer(body) == expected_answer(messages)
+    for s in (svc, other):
+        await s.releaser.stop()
+
+
+async def test_a_handle_committed_before_the_store_s_history_broke_is_not_read() -> None:
+    engines = FakeEngines()
+    svc = releasing(engines)
+    await conversation(svc, 1)
+    old = await state_of(svc)
+    assert svc.clock() > old.updated_at
+    svc.store.history_since = svc.clock()  # type: ignore[misc]  # a restart since
+    messages = second_turn("and then?")
+    _, headers, body = await turn(svc, messages, request_id="r1")
+    assert headers["x-kv-reuse"] == "miss;reason=stale-handle"
+    assert answer(body) == expected_answer(messages)
+    # The next turn's handle is the new history's: read as usual.
+    messages = [*messages, {"role": "assistant", "content": answer(body)}]
+    _, headers, _ = await turn(svc, [*messages, {"role": "user", "content": "ok?"}], "r2")
+    assert headers["x-kv-reuse"] == "hit"
+    await svc.releaser.stop()
+
+
+def test_a_handle_s_digest_is_the_one_the_redis_scripts_compute() -> None:
+    import hashlib
+
+    from sessions.codec import to_fields
+
+    state = SessionState(turn=1, kv_transfer_params={"remote_request_id": "x", "n": 1.5})
+    stored = to_fields(state)["kv_transfer_params"]
+    assert (
+        handle_id({"remote_request_id": "x", "n": 1.5})
+        == hashlib.sha1(stored.encode(), usedforsecurity=False).hexdigest()
+    )
