@@ -107,12 +107,19 @@ class _StateCollector(Collector):
         )
         blocks = GaugeMetricFamily(
             "kvbaton_decode_pinned_blocks",
-            "Blocks the handles the router holds on a D pin there (as D returned each handle)",
+            "Distinct blocks of a D that the handles the router holds there pin (a block shared "
+            "by several handles once, as D counts it: at most D's size)",
+            labels=["instance"],
+        )
+        handle_blocks = GaugeMetricFamily(
+            "kvbaton_decode_pinned_handle_blocks",
+            "Blocks of the handles the router holds on a D summed handle by handle (a block "
+            "shared by several handles once per handle)",
             labels=["instance"],
         )
         tokens = GaugeMetricFamily(
             "kvbaton_decode_pinned_tokens",
-            "Tokens of the handles the router holds on a D (their remote_num_tokens)",
+            "Tokens of the handles the router holds on a D summed (their remote_num_tokens)",
             labels=["instance"],
         )
         for inst in instances:
@@ -123,8 +130,9 @@ class _StateCollector(Collector):
             if inst.role == "decode" and inst.pins >= 0:
                 pins.add_metric([inst.url], float(inst.pins))
                 blocks.add_metric([inst.url], float(inst.pinned_blocks))
+                handle_blocks.add_metric([inst.url], float(inst.pinned_handle_blocks))
                 tokens.add_metric([inst.url], float(inst.pinned_tokens))
-        yield from (healthy, restarts, usage, pins, blocks, tokens)
+        yield from (healthy, restarts, usage, pins, blocks, handle_blocks, tokens)
         if self._shared:
             return
         inflight = GaugeMetricFamily(*INFLIGHT, labels=INSTANCE)

@@ -78,3 +78,16 @@ def pin_sizes_key(decode: str) -> str:
     """`kvbaton:pins:{<decode base URL>}:sizes`: a HASH beside D's pin index, each indexed
     conversation's "<blocks> <tokens>" (the same hash tag: one slot with the index)."""
     return pins_key(decode) + ":sizes"
+
+
+def pin_held_key(decode: str) -> str:
+    """`kvbaton:pins:{<decode base URL>}:held`: a HASH beside D's pin index, each indexed
+    conversation's blocks on D, their names joined by spaces ("0:17 0:18 0:40"; none for a
+    handle noted by a router before these keys)."""
+    return pins_key(decode) + ":held"
+
+
+def pin_blocks_key(decode: str) -> str:
+    """`kvbaton:pins:{<decode base URL>}:blocks`: a HASH beside D's pin index, each block of D
+    its handles pin -> how many of them pin it; its HLEN is D's distinct pinned blocks."""
+    return pins_key(decode) + ":blocks"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import heapq
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -45,12 +45,14 @@ class MemorySessionStore:
         self._entries: OrderedDict[str, tuple[SessionState, float]] = OrderedDict()
         # History keys: value and deadline, evicted like the sessions they name.
         self._history: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        # Pin indexes: decode URL -> ({conversation key: since}, deadline of the index), and
-        # what each conversation's handle pins (decode URL -> {conversation key: size}).
+        # Pin indexes: decode URL -> ({conversation key: since}, deadline of the index), what
+        # each conversation's handle pins (decode URL -> {conversation key: size}), and how
+        # many of them pin each block (decode URL -> {block name: handles}).
         self._pins: dict[str, tuple[dict[str, float], float]] = {}
         self._pin_sizes: dict[str, dict[str, PinSize]] = {}
         # Spent handles per conversation key: handle digest -> until when (as in Redis).
         self._spent: dict[str, dict[str, float]] = {}
+        self._pin_blocks: dict[str, Counter[str]] = {}
         self._closed = False
 
     # The process's own memory cannot be restored behind its back.
@@ -192,10 +194,29 @@ class MemorySessionStore:
         pins_key(decode)  # the Redis store's ValueError for a URL it cannot name a key after
         entry = self._pins.get(decode)
         if entry is not None and self._clock() >= entry[1]:
-            del self._pins[decode]
-            self._pin_sizes.pop(decode, None)
+            self._drop_pins(decode)
             return None
         return None if entry is None else entry[0]
+
+    def _drop_pins(self, decode: str) -> None:
+        self._pins.pop(decode, None)
+        self._pin_sizes.pop(decode, None)
+        self._pin_blocks.pop(decode, None)
+
+    def _hold(self, decode: str, key: str, size: PinSize | None) -> None:
+        """key's handle now pins size (None: nothing); its former blocks' counts go down."""
+        sizes = self._pin_sizes.setdefault(decode, {})
+        counts = self._pin_blocks.setdefault(decode, Counter())
+        old = sizes.pop(key, None)
+        if size is not None:
+            sizes[key] = size
+            counts.update(size.held.split())
+        if old is not None:
+            gone = old.held.split()
+            counts.subtract(gone)
+            for name in gone:
+                if counts.get(name, 0) <= 0:
+                    counts.pop(name, None)
 
     async def note_pin(
         self, decode: str, key: str, at: float, ttl_s: float, size: PinSize = UNKNOWN_SIZE
@@ -207,22 +228,20 @@ class MemorySessionStore:
         else:
             deadline = max(deadline, self._pins[decode][1])  # the expiry only grows
         index[key] = at
-        sizes = self._pin_sizes.setdefault(decode, {})
-        sizes[key] = size
+        self._hold(decode, key, size)
         self._pins[decode] = (index, deadline)
         if len(index) > self._max_entries:  # the oldest pin goes, as a state would
             oldest = min(index, key=index.__getitem__)
             del index[oldest]
-            sizes.pop(oldest, None)
+            self._hold(decode, oldest, None)
 
     async def forget_pin(self, decode: str, key: str) -> None:
         index = self._pin_index(decode)
         if index is not None:
             index.pop(key, None)
-            self._pin_sizes.get(decode, {}).pop(key, None)
+            self._hold(decode, key, None)
             if not index:  # as Redis deletes an empty ZSET (its expiry with it)
-                del self._pins[decode]
-                self._pin_sizes.pop(decode, None)
+                self._drop_pins(decode)
 
     async def pins_due(self, decode: str, before: float, limit: int) -> list[tuple[str, float]]:
         index = self._pin_index(decode)
@@ -236,7 +255,12 @@ class MemorySessionStore:
         if index is None:
             return PinTotals()
         sizes = self._pin_sizes.get(decode, {}).values()
-        return PinTotals(len(index), sum(s.blocks for s in sizes), sum(s.tokens for s in sizes))
+        return PinTotals(
+            len(index),
+            len(self._pin_blocks.get(decode, ())),
+            sum(s.blocks for s in sizes),
+            sum(s.tokens for s in sizes),
+        )
 
     async def find_history(self, keys: Sequence[str]) -> list[str | None]:
         self._check_open()
@@ -279,3 +303,4 @@ class MemorySessionStore:
         self._pins.clear()
         self._pin_sizes.clear()
         self._spent.clear()
+        self._pin_blocks.clear()

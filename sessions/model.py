@@ -23,20 +23,28 @@ from sessions.vocabulary import Reason
 
 
 class PinSize(msgspec.Struct, frozen=True):
-    """What one handle pins on its D: blocks and tokens (0 and 0 when unknown)."""
+    """What one handle pins on its D: blocks and tokens (0 and 0 when unknown), and which
+    blocks (`held`: their names joined by spaces, each as the connector names one block of D,
+    NIXL `<DP rank>:<block id>`; "" when unknown), so that a block several handles pin counts
+    once."""
 
     blocks: int = 0
     tokens: int = 0
+    held: str = ""
 
 
 UNKNOWN_SIZE = PinSize()
 
 
 class PinTotals(msgspec.Struct, frozen=True):
-    """A D's pin index summed: the handles it lists, and their blocks and tokens."""
+    """A D's pin index summed: the handles it lists; the distinct blocks they pin, as D counts
+    them (a block shared by several handles, such as a common system prompt, once: a share of
+    D's size); those handles' blocks summed (a shared block once per handle); their tokens
+    summed (each handle's remote_num_tokens)."""
 
     handles: int = 0
     blocks: int = 0
+    handle_blocks: int = 0
     tokens: int = 0
 
 

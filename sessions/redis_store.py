@@ -23,7 +23,7 @@ from sessions import connect, scripts
 from sessions.codec import StateDecodeError, from_fields, to_fields
 from sessions.connect import RedisClient
 from sessions.evaluate import evaluate, pool_of
-from sessions.keys import pin_sizes_key, pins_key, spent_key
+from sessions.keys import pin_blocks_key, pin_held_key, pin_sizes_key, pins_key, spent_key
 from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
 from sessions.run_watch import RunWatch
 from sessions.store import CorruptState, PinNote, StoreError
@@ -201,7 +201,7 @@ class RedisSessionStore:
             if done and pin is not None:
                 await self.note_pin(pin.decode, key, pin.at, ttl_s, pin.size)
             return bool(done)
-        args += [repr(float(pin.at)), f"{pin.size.blocks} {pin.size.tokens}"]
+        args += [repr(float(pin.at)), *_size_args(pin.size)]
         keys = [key, *_pin_keys(pin.decode)]
         noted = evaluate(self._pool, self._commit_noted, keys, args)
         return bool(await self._run("commit", noted))
@@ -234,7 +234,7 @@ class RedisSessionStore:
         self, decode: str, key: str, at: float, ttl_s: float, size: PinSize = UNKNOWN_SIZE
     ) -> None:
         ttl_ms = max(1, math.ceil(ttl_s * 1000))
-        args: list[str | int] = [repr(float(at)), key, ttl_ms, f"{size.blocks} {size.tokens}"]
+        args: list[str | int] = [repr(float(at)), key, ttl_ms, *_size_args(size)]
         await self._run("note pin", self._note_pin(keys=_pin_keys(decode), args=args))
 
     async def forget_pin(self, decode: str, key: str) -> None:
@@ -256,10 +256,11 @@ class RedisSessionStore:
         return await self._run("pins due", due())
 
     async def pin_totals(self, decode: str) -> PinTotals:
-        handles, blocks, tokens = await self._run(
-            "pin totals", self._pin_totals(keys=_pin_keys(decode), args=[])
+        keys = [pins_key(decode), pin_sizes_key(decode), pin_blocks_key(decode)]
+        handles, blocks, handle_blocks, tokens = await self._run(
+            "pin totals", self._pin_totals(keys=keys, args=[])
         )
-        return PinTotals(int(handles), int(blocks), int(tokens))
+        return PinTotals(int(handles), int(blocks), int(handle_blocks), int(tokens))
 
     async def get(self, key: str) -> SessionState | None:
         async def get() -> SessionState | None:
@@ -282,4 +283,9 @@ class RedisSessionStore:
 
 
 def _pin_keys(decode: str) -> list[str]:
-    return [pins_key(decode), pin_sizes_key(decode)]
+    return [pins_key(decode), pin_sizes_key(decode), pin_held_key(decode), pin_blocks_key(decode)]
+
+
+def _size_args(size: PinSize) -> list[str]:
+    """A note's "<blocks> <tokens>" and its block names (the Lua scripts' arguments)."""
+    return [f"{size.blocks} {size.tokens}", size.held]

@@ -174,53 +174,135 @@ return 1
 """
 )
 
-# One pin index (a ZSET, KEYS[1]) and its sizes (a HASH, KEYS[2]): ARGV score, member, TTL in
-# ms, "<blocks> <tokens>". Each key's expiry only grows (a key without one gets it), so an
-# index nobody notes into any more disappears.
-_NOTE_PIN = """
-local function note_pin(index, sizes, score, member, ttl, size)
-  redis.call('ZADD', index, score, member)
-  redis.call('HSET', sizes, member, size)
-  for _, key in ipairs({index, sizes}) do
+# The blocks of D a member's handle pins: `held` (a HASH member -> block names joined by
+# spaces) and `blocks` (a HASH block name -> how many of the index's handles pin it, the field
+# gone at 0: its HLEN is D's distinct pinned blocks). `names` replaces the member's blocks
+# ('' forgets them). Only the difference is parsed and written: a conversation's next handle on
+# the same D begins with the blocks its former one began with (D's prefix cache served them),
+# so the leading names both lists share are skipped as bytes (`kept`: compared 256 bytes at a
+# time, then by halving), the rest is counted in a table, and each changed block costs one
+# field of an HMGET, HSET or HDEL of at most 512. A repeated note (a retried script) changes
+# nothing. A member without `held` (noted by a router before these keys) has no blocks to take
+# back, and a count whose key expired never goes below 0.
+_HOLD = """
+local function kept(a, b)
+  local n, i = math.min(#a, #b), 0
+  while i < n and string.sub(a, i + 1, i + 256) == string.sub(b, i + 1, i + 256) do
+    i = i + 256
+  end
+  i = math.min(i, n)
+  local hi = math.min(i + 256, n)
+  while i < hi do
+    local mid = math.ceil((i + hi) / 2)
+    if string.sub(a, i + 1, mid) == string.sub(b, i + 1, mid) then i = mid else hi = mid - 1 end
+  end
+  while i > 0 do
+    local x, y = string.byte(a, i + 1), string.byte(b, i + 1)
+    if (x == nil or x == 32) and (y == nil or y == 32) then break end
+    i = i - 1
+  end
+  return i
+end
+
+local function hold(held, blocks, member, names)
+  local before = redis.call('HGET', held, member) or ''
+  local skip = kept(before, names) + 1
+  local delta, changed = {}, {}
+  for name in string.gmatch(string.sub(before, skip), '%S+') do
+    delta[name] = (delta[name] or 0) - 1
+  end
+  for name in string.gmatch(string.sub(names, skip), '%S+') do
+    delta[name] = (delta[name] or 0) + 1
+  end
+  for name, d in pairs(delta) do
+    if d ~= 0 then changed[#changed + 1] = name end
+  end
+  for first = 1, #changed, 512 do
+    local part = {unpack(changed, first, math.min(first + 511, #changed))}
+    local counts = redis.call('HMGET', blocks, unpack(part))
+    local set, gone = {}, {}
+    for i, name in ipairs(part) do
+      local n = (tonumber(counts[i]) or 0) + delta[name]
+      if n > 0 then
+        set[#set + 1] = name
+        set[#set + 1] = n
+      else
+        gone[#gone + 1] = name
+      end
+    end
+    if #set > 0 then redis.call('HSET', blocks, unpack(set)) end
+    if #gone > 0 then redis.call('HDEL', blocks, unpack(gone)) end
+  end
+  if names == '' then
+    redis.call('HDEL', held, member)
+  elseif names ~= before then
+    redis.call('HSET', held, member, names)
+  end
+end
+"""
+
+# One pin index (a ZSET, KEYS[1]), its sizes, held and blocks (HASHes, KEYS[2..4]): ARGV score,
+# member, TTL in ms, "<blocks> <tokens>", the block names. Each key's expiry only grows (a key
+# without one gets it), so an index nobody notes into any more disappears. Without an index,
+# what is beside it belongs to no member (an older router emptied it): it starts afresh.
+_NOTE_PIN = (
+    _HOLD
+    + """
+local function note_pin(keys, score, member, ttl, size, names)
+  if redis.call('EXISTS', keys[1]) == 0 then redis.call('DEL', keys[2], keys[3], keys[4]) end
+  redis.call('ZADD', keys[1], score, member)
+  redis.call('HSET', keys[2], member, size)
+  hold(keys[3], keys[4], member, names)
+  for _, key in ipairs(keys) do
     if redis.call('PTTL', key) < tonumber(ttl) then redis.call('PEXPIRE', key, ttl) end
   end
 end
 """
+)
 NOTE_PIN = (
     _NOTE_PIN
     + """
-note_pin(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+note_pin(KEYS, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
 return 1
 """
 )
 
 # COMMIT, and when it commits, NOTE_PIN of the conversation (KEYS[1]) in D's pin index
-# (KEYS[2], KEYS[3]) in the same round trip: ARGV as COMMIT's, then the note's score and size
-# (its TTL is the state's).
+# (KEYS[2..5]) in the same round trip: ARGV as COMMIT's, then the note's score, size and block
+# names (its TTL is the state's).
 COMMIT_NOTED = (
     _COMMIT
     + _NOTE_PIN
     + """
 if not commit(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then return 0 end
-note_pin(KEYS[2], KEYS[3], ARGV[4], KEYS[1], ARGV[2], ARGV[5])
+note_pin({KEYS[2], KEYS[3], KEYS[4], KEYS[5]}, ARGV[4], KEYS[1], ARGV[2], ARGV[5], ARGV[6])
 return 1
 """
 )
 
-# A conversation out of D's pin index and its sizes.
-FORGET_PIN = """
+# A conversation out of D's pin index, its sizes and its blocks. An index that empties takes
+# the keys beside it along, so whatever they held for no member (written by an older router,
+# which forgets without taking blocks back) is not counted for ever.
+FORGET_PIN = (
+    _HOLD
+    + """
+hold(KEYS[3], KEYS[4], ARGV[1], '')
 redis.call('HDEL', KEYS[2], ARGV[1])
-return redis.call('ZREM', KEYS[1], ARGV[1])
+local removed = redis.call('ZREM', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[2], KEYS[3], KEYS[4]) end
+return removed
 """
+)
 
-# D's pin index summed: {handles, blocks, tokens} (a size that does not parse counts 0).
+# D's pin index summed: {handles, distinct blocks, the handles' blocks, tokens} (KEYS index,
+# sizes, blocks; a size that does not parse counts 0).
 PIN_TOTALS = """
 local blocks, tokens = 0, 0
 for _, size in ipairs(redis.call('HVALS', KEYS[2])) do
   local b, t = string.match(size, '^(%d+) (%d+)$')
   if b then blocks = blocks + tonumber(b); tokens = tokens + tonumber(t) end
 end
-return {redis.call('ZCARD', KEYS[1]), blocks, tokens}
+return {redis.call('ZCARD', KEYS[1]), redis.call('HLEN', KEYS[3]), blocks, tokens}
 """
 
 # The server's run id against the one recorded (KEYS[1], a HASH; ARGV: run id, now): the time

@@ -133,13 +133,13 @@ class SessionStore(Protocol):
         self, decode: str, key: str, at: float, ttl_s: float, size: PinSize = UNKNOWN_SIZE
     ) -> None:
         """Record in `sessions.keys.pins_key(decode)` that conversation key holds a live handle
-        on D since wall-clock time `at`, pinning `size` there (a newer note replaces both).
-        The index's own expiry grows to at least ttl_s, so an index nobody notes into
-        disappears."""
+        on D since wall-clock time `at`, pinning `size` there (a newer note replaces both: the
+        blocks of `size.held` are counted for key, its former ones no longer). The index's own
+        expiry grows to at least ttl_s, so an index nobody notes into disappears."""
         ...
 
     async def forget_pin(self, decode: str, key: str) -> None:
-        """Remove key from D's pin index (no-op when absent)."""
+        """Remove key from D's pin index, its blocks no longer counted (no-op when absent)."""
         ...
 
     async def pins_due(self, decode: str, before: float, limit: int) -> list[tuple[str, float]]:
@@ -149,7 +149,8 @@ class SessionStore(Protocol):
         ...
 
     async def pin_totals(self, decode: str) -> PinTotals:
-        """How many conversations D's pin index holds, and the blocks and tokens noted."""
+        """How many conversations D's pin index holds; the distinct blocks their notes named
+        (a block several name, once); their blocks and tokens summed note by note."""
         ...
 
     async def ping(self) -> None:

@@ -44,8 +44,9 @@ class Instance:
     kv_usage: float = -1.0
     pressured: bool = False
     pins: int = -1  # handles on this D in the store's pin index, as of the last sweep
-    pinned_blocks: int = -1  # and what they pin there, as the router noted each handle
-    pinned_tokens: int = -1
+    pinned_blocks: int = -1  # D's distinct blocks they pin (a block shared by several: once)
+    pinned_handle_blocks: int = -1  # their blocks summed, handle by handle
+    pinned_tokens: int = -1  # their tokens summed
     high_water: float = 0.9
     low_water: float = 0.75
 

@@ -64,11 +64,14 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
         },
         "source": source,
         # A D's KV usage (0-1, -1 unknown), whether it is over the pin high-water mark, and
-        # the handles on it in the pin index with their blocks and tokens (-1: not swept yet).
+        # the handles on it in the pin index (-1: not swept yet): the distinct blocks of D they
+        # pin (a share of D's size), their blocks summed handle by handle (a block several
+        # share, once per handle) and their tokens summed (docs/metrics.md).
         "kv_usage": inst.kv_usage,
         "pin_pressure": inst.pressured,
         "pinned_handles": inst.pins,
         "pinned_blocks": inst.pinned_blocks,
+        "pinned_handle_blocks": inst.pinned_handle_blocks,
         "pinned_tokens": inst.pinned_tokens,
     }
 

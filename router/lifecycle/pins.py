@@ -118,6 +118,7 @@ def pressure_batch(inst: Instance) -> int:
 async def _count(svc: Services, inst: Instance) -> None:
     totals = await svc.guard.call(lambda: svc.store.pin_totals(inst.url))
     inst.pins, inst.pinned_blocks, inst.pinned_tokens = totals.handles, totals.blocks, totals.tokens
+    inst.pinned_handle_blocks = totals.handle_blocks
 
 
 async def _release_due(

@@ -210,9 +210,9 @@ def test_without_releases_the_same_small_d_fills_and_turns_wait(redis_url_sessio
 
 
 def test_what_the_router_holds_on_d_is_what_d_pins(redis_url_session: str) -> None:
-    """The pin index's sums (/status and the metrics) are the blocks D pins for the handles
-    the router holds, and their tokens: each handle's remote_num_tokens (its prompt and answer
-    but the last sampled token, which has no KV yet)."""
+    """The pin index's counts (/status and the metrics) are the blocks D pins for the handles
+    the router holds (distinct, and summed handle by handle), and their tokens: each handle's
+    remote_num_tokens (its prompt and answer but the last sampled token, which has no KV yet)."""
     with pd_stack(redis_url_session, "pin-sizes", "--release-after", "300") as st:
         api = client(st.url + "/v1")
         tokens = 0
@@ -221,14 +221,50 @@ def test_what_the_router_holds_on_d_is_what_d_pins(redis_url_session: str) -> No
             turn = chat_turn(api, question(words), cid=f"sizes-{i}")
             usage = turn.body["usage"]
             tokens += usage["prompt_tokens"] + usage["completion_tokens"] - 1
-        state = get_json(st.d.url + "/sim/state")
-        blocks = sum(len(p["block_ids"]) for p in state["pins"] if p["kind"] == "decoder")
+        blocks, summed = d_pinned_blocks(st)
 
-        def swept() -> dict[str, Any]:
-            return get_json(st.url + "/status")["instances"]["decode"][0]
-
-        wait_until(lambda: swept()["pinned_handles"] == 3, "the sweep counted 3 handles", 10)
-        d = swept()
+        wait_until(lambda: swept(st)["pinned_handles"] == 3, "the sweep counted 3 handles", 10)
+        d = swept(st)
         assert (d["pinned_blocks"], d["pinned_tokens"]) == (blocks, tokens) and blocks > 3
+        assert d["pinned_handle_blocks"] == summed
         assert metric(st.url, "kvbaton_decode_pinned_blocks", instance=st.d.url) == blocks
         assert metric(st.url, "kvbaton_decode_pinned_tokens", instance=st.d.url) == tokens
+
+
+def d_pinned_blocks(st: Stack) -> tuple[int, int]:
+    """D's own count of the blocks it pins for readers (distinct: a block several pins share
+    is one block of D), and those pins' blocks summed pin by pin."""
+    pins = get_json(st.d.url + "/sim/state")["pins"]
+    held = [p["block_ids"] for p in pins if p["kind"] == "decoder"]
+    return len({b for ids in held for b in ids}), sum(len(ids) for ids in held)
+
+
+def swept(st: Stack) -> dict[str, Any]:
+    """The router's view of D in /status (its pin counts as of the last sweep)."""
+    return get_json(st.url + "/status")["instances"]["decode"][0]
+
+
+SYSTEM = " ".join(f"rule{j}" for j in range(400))  # one system prompt of ~90 blocks
+
+
+def test_blocks_shared_by_many_handles_count_once(redis_url_session: str) -> None:
+    """issue 48: conversations that share a long system prompt pin its blocks once on D (D's
+    prefix cache serves them to each request), so /status and the metric count the distinct
+    blocks D pins, as D counts them: a share of D's size, never more. The handles' blocks
+    summed count each shared block once per handle, here six times this D's size."""
+    small = ("--num-blocks", "256", "--max-model-len", "2048")
+    with pd_stack(redis_url_session, "pin-shared", "--release-after", "300", decode=small) as st:
+        api = client(st.url + "/v1")
+        system = {"role": "system", "content": SYSTEM}
+        for i in range(16):
+            chat_turn(api, [system, *question(f"Question {i}?")], cid=f"shared-{i}")
+        distinct, summed = d_pinned_blocks(st)
+        size = get_json(st.d.url + "/sim/state")["blocks"]["total"]
+        assert summed > size > distinct, "the prompt's blocks are shared on D"
+
+        wait_until(lambda: swept(st)["pinned_handles"] == 16, "the sweep counted 16 handles", 10)
+        d = swept(st)
+        assert d["pinned_blocks"] == distinct <= size
+        assert d["pinned_handle_blocks"] == summed
+        assert metric(st.url, "kvbaton_decode_pinned_blocks", instance=st.d.url) == distinct
+        assert metric(st.url, "kvbaton_decode_pinned_handle_blocks", instance=st.d.url) == summed

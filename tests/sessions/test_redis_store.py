@@ -15,8 +15,15 @@ import redis.asyncio as aioredis
 
 from sessions.codec import to_fields
 from sessions.guard import StoreGuard
-from sessions.keys import STORE_RUN_KEY, conversation_key, pin_sizes_key, pins_key
-from sessions.model import PinSize, SessionState
+from sessions.keys import (
+    STORE_RUN_KEY,
+    conversation_key,
+    pin_blocks_key,
+    pin_held_key,
+    pin_sizes_key,
+    pins_key,
+)
+from sessions.model import PinSize, PinTotals, SessionState
 from sessions.redis_store import RedisSessionStore
 from sessions.store import CorruptState, StoreError
 from tests.support.procs import free_port, redis_server, restart_redis, stop
@@ -211,21 +218,89 @@ async def test_a_key_of_another_type_is_dropped_by_take_handle_and_end(
 async def test_the_pin_index_is_readable_with_redis_cli(
     store: RedisSessionStore, raw: aioredis.Redis
 ) -> None:
-    decode = "http://10.0.0.21:8200"
-    await store.note_pin(decode, KEY, 1_732_934_400.125, 480.0, PinSize(33, 521))
-    await store.note_pin(decode, "kvbaton:conv:{t:b}", 1_732_934_399.5, 60.0)
+    decode, other = "http://10.0.0.21:8200", "kvbaton:conv:{t:b}"
+    await store.note_pin(decode, KEY, 1_732_934_400.125, 480.0, PinSize(3, 40, "0:7 0:8 0:9"))
+    await store.note_pin(decode, other, 1_732_934_399.5, 60.0, PinSize(2, 20, "0:7 0:12"))
     assert sorted(await raw.keys("kvbaton:pins:*")) == [
         "kvbaton:pins:{http://10.0.0.21:8200}",
+        "kvbaton:pins:{http://10.0.0.21:8200}:blocks",
+        "kvbaton:pins:{http://10.0.0.21:8200}:held",
         "kvbaton:pins:{http://10.0.0.21:8200}:sizes",
     ]
     assert await raw.type(pins_key(decode)) == "zset"
     assert await raw.zrange(pins_key(decode), 0, -1, withscores=True) == [
-        ("kvbaton:conv:{t:b}", 1_732_934_399.5),
+        (other, 1_732_934_399.5),
         (KEY, 1_732_934_400.125),
     ]
-    assert await raw.hgetall(pin_sizes_key(decode)) == {KEY: "33 521", "kvbaton:conv:{t:b}": "0 0"}
-    for key in (pins_key(decode), pin_sizes_key(decode)):
+    assert await raw.hgetall(pin_sizes_key(decode)) == {KEY: "3 40", other: "2 20"}
+    assert await raw.hgetall(pin_held_key(decode)) == {KEY: "0:7 0:8 0:9", other: "0:7 0:12"}
+    blocks = {"0:7": "2", "0:8": "1", "0:9": "1", "0:12": "1"}
+    assert await raw.hgetall(pin_blocks_key(decode)) == blocks
+    assert await raw.hlen(pin_blocks_key(decode)) == 4  # D's distinct pinned blocks
+    keys = (pins_key(decode), pin_sizes_key(decode), pin_held_key(decode), pin_blocks_key(decode))
+    for key in keys:
         assert 470 < await raw.ttl(key) <= 480
+    await store.forget_pin(decode, KEY)
+    await store.forget_pin(decode, other)
+    assert await raw.keys("kvbaton:pins:*") == []  # the last one out takes all four along
+
+
+# What a router before the blocks keys wrote for a member: its size, no blocks.
+async def _old_note(raw: aioredis.Redis, decode: str, member: str, at: float, size: str) -> None:
+    await raw.zadd(pins_key(decode), {member: at})
+    await raw.hset(pin_sizes_key(decode), member, size)
+
+
+async def test_entries_of_an_older_router_read_and_forget_cleanly(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    """A size without blocks counts as a handle and in the handles' sums, not in D's distinct
+    blocks (which blocks it pins is unknown); it is forgotten or replaced like any other."""
+    decode, other = "http://d1:8000", conversation_key("t", "old")
+    await _old_note(raw, decode, other, 1.0, "33 521")
+    await store.note_pin(decode, KEY, 2.0, 60.0, PinSize(2, 30, "0:1 0:2"))
+    assert await store.pin_totals(decode) == PinTotals(2, 2, 35, 551)
+    await store.note_pin(decode, other, 3.0, 60.0, PinSize(2, 30, "0:2 0:3"))  # replaced
+    assert await store.pin_totals(decode) == PinTotals(2, 3, 4, 60)
+    await _old_note(raw, decode, KEY, 4.0, "5 70")  # an older router notes its next handle
+    await store.forget_pin(decode, other)
+    # KEY's former blocks stay counted until a router that knows them notes or forgets it.
+    assert await store.pin_totals(decode) == PinTotals(1, 2, 5, 70)
+    await store.forget_pin(decode, KEY)
+    assert await store.pin_totals(decode) == PinTotals()
+    assert await raw.keys("kvbaton:pins:*") == []
+
+
+async def test_blocks_an_older_router_left_for_no_member_are_dropped(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    """An older router forgets a member without taking back its blocks: once D's index is
+    empty, what is beside it belongs to nobody, and the next note starts afresh."""
+    decode = "http://d1:8000"
+    await store.note_pin(decode, KEY, 1.0, 60.0, PinSize(2, 30, "0:1 0:2"))
+    await raw.hdel(pin_sizes_key(decode), KEY)  # the older router's forget
+    await raw.zrem(pins_key(decode), KEY)
+    other = conversation_key("t", "new")
+    await store.note_pin(decode, other, 2.0, 60.0, PinSize(1, 16, "0:9"))
+    assert await store.pin_totals(decode) == PinTotals(1, 1, 1, 16)
+    assert await raw.hgetall(pin_held_key(decode)) == {other: "0:9"}
+
+
+async def test_a_long_handle_is_counted_in_parts(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    """20,000 blocks (320k tokens): more than Lua unpacks at once, written 512 at a time."""
+    decode, other = "http://d1:8000", conversation_key("t", "long")
+    names = [f"0:{i}" for i in range(20_000)]
+    await store.note_pin(decode, KEY, 1.0, 60.0, PinSize(20_000, 320_000, " ".join(names)))
+    middle = " ".join(names[5_000:15_000])
+    await store.note_pin(decode, other, 2.0, 60.0, PinSize(10_000, 1, middle))
+    assert await store.pin_totals(decode) == PinTotals(2, 20_000, 30_000, 320_001)
+    await store.note_pin(decode, KEY, 3.0, 60.0, PinSize(10_000, 1, " ".join(names[10_000:])))
+    assert await store.pin_totals(decode) == PinTotals(2, 15_000, 20_000, 2)
+    assert await raw.hget(pin_blocks_key(decode), "0:12000") == "2"
+    await store.forget_pin(decode, KEY)
+    assert await store.pin_totals(decode) == PinTotals(1, 10_000, 10_000, 1)
 
 
 async def test_a_pin_index_without_expiry_gets_one(

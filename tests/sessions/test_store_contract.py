@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -385,23 +386,111 @@ async def test_a_newer_note_replaces_and_forget_removes(harness: Harness) -> Non
     assert await store.pins_due(D1, math.inf, 10) == [(KEY, 5.0)]
 
 
+def held(tokens: int, *ids: int) -> PinSize:
+    """A handle's size that names its blocks of D (rank 0), as a connector reads them."""
+    return PinSize(len(ids), tokens, " ".join(f"0:{i}" for i in ids))
+
+
+def totals(handles: int, blocks: int, handle_blocks: int, tokens: int) -> PinTotals:
+    return PinTotals(handles, blocks, handle_blocks, tokens)
+
+
 async def test_the_pin_index_sums_what_its_handles_pin(harness: Harness) -> None:
     store = harness.store
-    assert await store.pin_totals(D1) == PinTotals(0, 0, 0)
-    await store.note_pin(D1, KEY, 1.0, TTL, PinSize(blocks=33, tokens=521))
-    await store.note_pin(D1, OTHER, 2.0, TTL, PinSize(blocks=5, tokens=70))
-    await store.note_pin(D2, KEY, 3.0, TTL, PinSize(blocks=1000, tokens=16000))
-    assert await store.pin_totals(D1) == PinTotals(2, 38, 591)
-    await store.note_pin(D1, KEY, 4.0, TTL, PinSize(blocks=40, tokens=630))  # its next handle
-    assert await store.pin_totals(D1) == PinTotals(2, 45, 700)
+    assert await store.pin_totals(D1) == PinTotals()
+    await store.note_pin(D1, KEY, 1.0, TTL, held(521, *range(1, 34)))
+    await store.note_pin(D1, OTHER, 2.0, TTL, held(70, *range(100, 105)))
+    await store.note_pin(D2, KEY, 3.0, TTL, held(16000, *range(1, 1001)))
+    assert await store.pin_totals(D1) == totals(2, 38, 38, 591)
+    await store.note_pin(D1, KEY, 4.0, TTL, held(630, *range(1, 41)))  # its next handle
+    assert await store.pin_totals(D1) == totals(2, 45, 45, 700)
     await store.forget_pin(D1, OTHER)
-    assert await store.pin_totals(D1) == PinTotals(1, 40, 630)
+    assert await store.pin_totals(D1) == totals(1, 40, 40, 630)
     await store.note_pin(D1, OTHER, 5.0, TTL)  # a handle of unknown size counts none
-    assert await store.pin_totals(D1) == PinTotals(2, 40, 630)
+    assert await store.pin_totals(D1) == totals(2, 40, 40, 630)
     await store.forget_pin(D1, KEY)
     await store.forget_pin(D1, OTHER)
-    assert await store.pin_totals(D1) == PinTotals(0, 0, 0)
-    assert await store.pin_totals(D2) == PinTotals(1, 1000, 16000)
+    assert await store.pin_totals(D1) == PinTotals()
+    assert await store.pin_totals(D2) == totals(1, 1000, 1000, 16000)
+
+
+async def test_blocks_several_handles_pin_count_once(harness: Harness) -> None:
+    """issue 48: handles that share D's blocks (a common system prompt D's prefix cache served
+    to each) count them once in `blocks`, as D does; `handle_blocks` sums handle by handle."""
+    store, third = harness.store, conversation_key("t", "third")
+    shared = range(1, 31)  # 30 blocks of a system prompt
+    await store.note_pin(D1, KEY, 1.0, TTL, held(500, *shared, 31, 32))
+    await store.note_pin(D1, OTHER, 2.0, TTL, held(500, *shared, 40, 41))
+    await store.note_pin(D1, third, 3.0, TTL, held(500, *shared, 50, 51))
+    assert await store.pin_totals(D1) == totals(3, 36, 96, 1500)
+    # Another rank's block 31 (data parallelism: a pool of its own) is another block.
+    await store.note_pin(D1, KEY, 4.0, TTL, PinSize(2, 30, "0:31 1:31"))
+    assert await store.pin_totals(D1) == totals(3, 36, 66, 1030)  # the shared 30 still held
+    await store.forget_pin(D1, OTHER)
+    await store.forget_pin(D1, OTHER)  # forgotten twice: taken back once
+    assert await store.pin_totals(D1) == totals(2, 34, 34, 530)
+    await store.forget_pin(D1, third)
+    assert await store.pin_totals(D1) == totals(1, 2, 2, 30)
+    await store.forget_pin(D2, KEY)  # another D's index: nothing here changes
+    assert await store.pin_totals(D1) == totals(1, 2, 2, 30)
+
+
+async def test_a_next_handle_takes_back_what_it_no_longer_pins(harness: Harness) -> None:
+    """A conversation's next handle on the same D keeps most of its blocks (D's prefix cache):
+    the blocks it dropped are no longer counted, those it kept once, a repeated note (a retried
+    script) changes nothing, and a handle of unknown blocks leaves none counted."""
+    store = harness.store
+    await store.note_pin(D1, OTHER, 1.0, TTL, held(100, 1, 2))
+    await store.note_pin(D1, KEY, 2.0, TTL, held(300, 1, 2, 3, 4, 5))
+    await store.note_pin(D1, KEY, 3.0, TTL, held(400, 1, 2, 3, 6, 7, 8))  # 4 and 5 freed
+    assert await store.pin_totals(D1) == totals(2, 6, 8, 500)
+    await store.note_pin(D1, KEY, 3.0, TTL, held(400, 1, 2, 3, 6, 7, 8))
+    assert await store.pin_totals(D1) == totals(2, 6, 8, 500)
+    await store.note_pin(D1, KEY, 4.0, TTL, PinSize(6, 400))  # which blocks: unknown
+    assert await store.pin_totals(D1) == totals(2, 2, 8, 500)
+    await store.note_pin(D1, KEY, 5.0, TTL, held(50, 9))
+    await store.forget_pin(D1, OTHER)
+    assert await store.pin_totals(D1) == totals(1, 1, 1, 50)
+    await store.forget_pin(D1, KEY)
+    assert await store.pin_totals(D1) == PinTotals()
+    await store.note_pin(D1, KEY, 6.0, TTL, held(20, 9))  # an emptied index starts over
+    assert await store.pin_totals(D1) == totals(1, 1, 1, 20)
+
+
+async def test_a_block_listed_twice_in_one_handle_is_one_block(harness: Harness) -> None:
+    store = harness.store
+    await store.note_pin(D1, KEY, 1.0, TTL, PinSize(3, 40, "0:7 0:7 0:8"))
+    await store.note_pin(D1, OTHER, 2.0, TTL, held(20, 7))
+    assert await store.pin_totals(D1) == totals(2, 2, 4, 60)
+    await store.note_pin(D1, KEY, 3.0, TTL, held(20, 8))
+    assert await store.pin_totals(D1) == totals(2, 2, 2, 40)
+    await store.forget_pin(D1, OTHER)
+    assert await store.pin_totals(D1) == totals(1, 1, 1, 20)
+
+
+async def test_distinct_blocks_follow_any_notes_and_forgets(harness: Harness) -> None:
+    """Random notes and forgets of a few conversations whose next handles keep part of the
+    former one and add blocks (names that begin alike, 0:1, 0:12, 0:123; lists longer than
+    256 bytes; repeats), against the distinct blocks and sums counted here."""
+    rng, store = random.Random(48), harness.store
+    members = [conversation_key("t", f"m{i}") for i in range(4)]
+    names = [f"{rank}:{b}" for rank in (0, 1) for b in (*range(1, 40), 12, 123, 1234, 12345)]
+    live: dict[str, list[str]] = {}
+    for _ in range(300):
+        member = rng.choice(members)
+        if rng.random() < 0.2:
+            await store.forget_pin(D1, member)
+            live.pop(member, None)
+        else:
+            former = live.get(member, [])
+            kept = former[: rng.randint(0, len(former))] if rng.random() < 0.8 else []
+            blocks = (kept + rng.choices(names, k=rng.randint(0, 40)))[:120]
+            size = PinSize(len(blocks), 16 * len(blocks), " ".join(blocks))
+            await store.note_pin(D1, member, 1.0, TTL, size)
+            live[member] = blocks
+        summed = sum(len(b) for b in live.values())
+        distinct = len({n for b in live.values() for n in b})
+        assert await store.pin_totals(D1) == totals(len(live), distinct, summed, 16 * summed)
 
 
 async def test_the_pin_index_expiry_only_grows(harness: Harness) -> None:
@@ -418,20 +507,24 @@ async def test_the_pin_index_expiry_only_grows(harness: Harness) -> None:
 async def test_a_commit_with_a_pin_notes_it_when_it_commits(harness: Harness) -> None:
     store = harness.store
     state = SessionState(turn=1, decode=D1, kv_transfer_params={"remote_engine_id": "d1"})
-    note = PinNote(D1, 1_700_000_000.5, PinSize(blocks=3, tokens=40))
+    note = PinNote(D1, 1_700_000_000.5, held(40, 1, 2, 3))
     assert await store.commit(KEY, state, 0, 30.0, note)
     assert await store.pins_due(D1, math.inf, 10) == [(KEY, 1_700_000_000.5)]
-    assert await store.pin_totals(D1) == PinTotals(1, 3, 40)
+    assert await store.pin_totals(D1) == totals(1, 3, 3, 40)
     assert await store.get(KEY) == state
     # A lost race commits nothing and notes nothing.
-    late = PinNote(D2, 1_700_000_001.0, PinSize(blocks=9, tokens=99))
+    late = PinNote(D2, 1_700_000_001.0, held(99, *range(9)))
     assert not await store.commit(KEY, msgspec.structs.replace(state, turn=2), 0, 30.0, late)
-    assert await store.pin_totals(D2) == PinTotals(0, 0, 0)
+    assert await store.pin_totals(D2) == PinTotals()
     assert (await store.get(KEY)) == state
     # The next turn's note replaces it; the index expires with the state's TTL at the least.
-    note = PinNote(D1, 1_700_000_002.0, PinSize(blocks=4, tokens=60))
+    note = PinNote(D1, 1_700_000_002.0, held(60, 1, 2, 3, 4))
     assert await store.commit(KEY, msgspec.structs.replace(state, turn=2), 1, 30.0, note)
-    assert await store.pin_totals(D1) == PinTotals(1, 4, 60)
+    assert await store.pin_totals(D1) == totals(1, 4, 4, 60)
+    # Another conversation's commit on the same D counts the blocks they share once.
+    note = PinNote(D1, 1_700_000_003.0, held(60, 1, 2, 3, 5))
+    assert await store.commit(OTHER, state, 0, 30.0, note)
+    assert await store.pin_totals(D1) == totals(2, 5, 8, 120)
     await harness.assert_pin_ttl(D1, 30.0)
 
 

@@ -15,9 +15,11 @@ from router.connectors.nixl.params import (
     hit_params,
     is_handle,
     miss_params,
+    pinned,
     truncate,
 )
 from router.connectors.select import select
+from sessions.model import PinSize
 from tests.support.chat import NULL_HANDOFF as WIRE_NULL_HANDOFF
 
 # D's own handle as vLLM 0.32 returns it (vllm-cpu README section 4, bidirectional).
@@ -224,3 +226,34 @@ def test_engine_id(params: dict[str, Any], engine: str | None) -> None:
 )
 def test_prefill_failed(status: int, body: dict[str, Any] | None, failed: bool) -> None:
     assert prefill_failed(status, body) is failed
+
+
+@pytest.mark.parametrize(
+    ("handle", "size"),
+    [
+        (D_HANDLE, PinSize(10, 299, " ".join(f"0:{b}" for b in range(1, 11)))),
+        # Groups share their engine's block pool: an id is one block whichever group lists it.
+        (
+            {**D_HANDLE, "remote_block_ids": [[4, 5], [], [9, 4]]},
+            PinSize(4, 299, "0:4 0:5 0:9 0:4"),
+        ),
+        # Each data-parallel rank (`_dp<rank>` ends its engine id) has a pool of its own.
+        (
+            {**D_HANDLE, "remote_engine_id": "da455c08_dp12"},
+            PinSize(10, 299, " ".join(f"12:{b}" for b in range(1, 11))),
+        ),
+        ({**D_HANDLE, "remote_block_ids": [[1, "2"]]}, PinSize(2, 299)),  # not ids: none named
+        ({**D_HANDLE, "remote_block_ids": [[1, True]]}, PinSize(2, 299)),
+        ({**D_HANDLE, "remote_block_ids": [[]]}, PinSize(0, 299)),
+        (
+            {**D_HANDLE, "remote_num_tokens": None},
+            PinSize(10, 0, " ".join(f"0:{b}" for b in range(1, 11))),
+        ),
+        (dict(NULL_HANDOFF), PinSize()),
+        ({}, PinSize()),
+    ],
+)
+def test_what_a_handle_pins_on_d(handle: dict[str, Any], size: PinSize) -> None:
+    assert pinned(handle) == size
+    connector = select(Settings(prefill=("http://p",), decode=("http://d",)))
+    assert connector.pinned(handle) == size
