@@ -138,6 +138,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
             tick("redis round trip")
             out["redis_rtt"] = redis_cost.rtt(st.redis_url)
             out["history_cost"] = redis_cost.history_cost(st.redis_url)
+            out["pin_note_cost"] = redis_cost.pin_note_cost(st.redis_url)
         finally:
             stats.close()
         out["commands"]["stock"] = st.commands

@@ -173,19 +173,85 @@ def history_cost(
     return asyncio.run(_history_cost(url, n, sizes))
 
 
+async def _server_usec(client: aioredis.Redis, command: str) -> tuple[float, float]:
+    """(calls, usec) of one command so far (INFO commandstats)."""
+    stats = await client.info("commandstats")
+    entry = stats.get(f"cmdstat_{command}", {})
+    return float(entry.get("calls", 0)), float(entry.get("usec", 0))
+
+
+async def _pin_note_cost(url: str, n: int, sizes: tuple[int, ...]) -> dict[str, float]:
+    """The commit with its pin note (one COMMIT_NOTED) of a handle of k blocks on D: a first
+    turn (k blocks new to the member) and the next turn of the same conversation on the same D
+    (those k blocks and 16 more), as the client waits for it (p50) and as Redis spends on it
+    (INFO commandstats: the script's microseconds per call, which block every other client)."""
+    from sessions.keys import (
+        conversation_key,
+        pin_blocks_key,
+        pin_held_key,
+        pin_sizes_key,
+        pins_key,
+    )
+    from sessions.model import PinSize, SessionState
+    from sessions.redis_store import RedisSessionStore
+    from sessions.store import PinNote
+
+    store = RedisSessionStore(url, timeout=5.0)
+    raw = aioredis.Redis.from_url(url)
+    decode = "http://bench-pins:8200"
+    out: dict[str, float] = {}
+    try:
+        for k in sizes:
+            names = [f"0:{b}" for b in range(1, k + 17)]
+            first, following = " ".join(names[:k]), " ".join(names)
+            notes = (
+                ("first", 0, PinNote(decode, 1.0, PinSize(k, 16 * k, first))),
+                ("next", 1, PinNote(decode, 2.0, PinSize(k + 16, 16 * k + 256, following))),
+            )
+            keys = [conversation_key("bench", f"pins-{k}-{i}") for i in range(n)]
+            for label, turn, note in notes:
+                state = SessionState(turn=turn + 1, decode=decode)
+                await store.commit(keys[0] + "-warm", state, turn, 60.0, note)  # loads the script
+                times = []
+                calls, usec = await _server_usec(raw, "evalsha")
+                for key in keys:
+                    t0 = time.perf_counter()
+                    await store.commit(key, state, turn, 60.0, note)
+                    times.append(time.perf_counter() - t0)
+                calls2, usec2 = await _server_usec(raw, "evalsha")
+                out[f"{label}_{k}_50_us"] = pct(times, 50) * 1e6
+                out[f"{label}_{k}_server_us"] = (usec2 - usec) / max(calls2 - calls, 1)
+            index = pins_key(decode)
+            beside = (pin_sizes_key(decode), pin_held_key(decode), pin_blocks_key(decode))
+            await raw.delete(*keys, keys[0] + "-warm", index, *beside)
+    finally:
+        await store.close()
+        await raw.aclose()
+    return out
+
+
+def pin_note_cost(
+    url: str, n: int = 100, sizes: tuple[int, ...] = (0, 16, 128, 1024, 8192)
+) -> dict[str, float]:
+    """What the pin note adds to the commit, by the handle's blocks (0: no blocks named)."""
+    return asyncio.run(_pin_note_cost(url, n, sizes))
+
+
 def top_level(sample: dict[str, Any]) -> set[str]:
     names = set(sample.get("top", {}))
     return names | set(SCRIPT_COMMANDS)
 
 
 def main() -> None:
-    """`python -m bench.redis_cost`: the history lookup's cost on a private redis-server."""
+    """`python -m bench.redis_cost`: the history lookup's and the pin note's cost on a private
+    redis-server."""
     import json
 
     from tests.support.procs import redis_server
 
     with redis_server() as (url, _, _):
-        print(json.dumps({"rtt": rtt(url), "history": history_cost(url)}, indent=1))
+        out = {"rtt": rtt(url), "history": history_cost(url), "pin_note": pin_note_cost(url)}
+        print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

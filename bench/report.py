@@ -922,7 +922,30 @@ def redis_section(results: dict[str, Any]) -> list[str]:
             f"(SET PX) of {fmt(hist['index_50_us'], 0)} us p50.",
             "",
         ]
+    pins = oh.get("pin_note_cost")
+    if pins:
+        lines += _pin_note_lines(pins)
     return lines
+
+
+def _pin_note_lines(pins: dict[str, float]) -> list[str]:
+    """The commit's pin note (COMMIT_NOTED) by the handle's blocks: Redis's own time per call."""
+    sizes = sorted({int(k.split("_")[1]) for k in pins if k.startswith("first_")})
+    rows = [
+        f"| {k:,} | {fmt(pins[f'first_{k}_server_us'], 0)} | "
+        f"{fmt(pins[f'next_{k}_server_us'], 0)} |"
+        for k in sizes
+    ]
+    return [
+        "The commit with its pin note (one script) by the handle's blocks on D: Redis's time "
+        "per call (INFO commandstats), for a conversation's first handle there and for its "
+        "next one (the same blocks and 16 more; docs/architecture.md, *The pin index*).",
+        "",
+        "| blocks | first handle us | next handle us |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _entry(name: str) -> bool:
