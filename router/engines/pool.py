@@ -140,6 +140,13 @@ class Pool:
         self._next[role] = start + 1
         return tied[start % len(tied)]
 
+    def pick_peer(self, role: Role, holder: Instance) -> Instance:
+        """The least loaded usable instance of `role` that can move KV with `holder`: the same
+        connector group, and the same model and block size where both are known (a release
+        through any other fails at the handshake, and the pin stays). Unavailable if none."""
+        unlike = [i.url for i in self._by_role[role] if not _alike(i, holder)]
+        return self.pick(role, exclude=unlike, peer=holder)
+
     def _paired(self, prefills: list[Instance]) -> list[Instance]:
         """The P's with a usable D of their connector group (all of them if none has one: the
         turn then fails on its D, as without versions)."""
@@ -188,3 +195,9 @@ class Pool:
                 inst.failures,
                 reason,
             )
+
+
+def _alike(a: Instance, b: Instance) -> bool:
+    """The same model and KV block size, where both are known (0 or "": not read yet)."""
+    same_model = not a.model or not b.model or a.model == b.model
+    return same_model and (not a.block_size or not b.block_size or a.block_size == b.block_size)

@@ -41,6 +41,8 @@ def releaser(svc: Services) -> Releaser | None:
         lambda reason, outcome: svc.metrics.releases.labels(reason, outcome).inc(),
         timeout=svc.settings.prefill_timeout,
         prefilled_request=connector.release_prefilled,
+        clock=svc.clock,
+        keep_for=svc.settings.handle_ttl,
     )
 
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from router.turn.tenant import tenant_of
-from tests.e2e.conftest import BIDIR, pd_stack
+from tests.e2e.conftest import BIDIR, V032, pd_stack
 from tests.support.chat import chat_turn, client, get_json, post
 from tests.support.metrics import metric
 from tests.support.procs import wait_until
@@ -25,11 +25,11 @@ AUTH = {"authorization": "Bearer test-key", "content-type": "application/json"}
 ADMIN_KEY = "pins-admin-key-0123456789"
 
 
-def decoder_pins(st: Stack) -> set[str]:
-    """D's request ids whose blocks it pins for a reader (kind "decoder": D's, not P's)."""
-    return {
-        p["request_id"] for p in get_json(st.d.url + "/sim/state")["pins"] if p["kind"] == "decoder"
-    }
+def decoder_pins(st: Stack, url: str = "") -> set[str]:
+    """D's request ids whose blocks it pins for a reader (kind "decoder": D's, not P's); of
+    the D at `url` if given, else of the stack's first D."""
+    state = get_json((url or st.d.url) + "/sim/state")
+    return {p["request_id"] for p in state["pins"] if p["kind"] == "decoder"}
 
 
 def pinned_by(st: Stack, turn: Callable[[], Any]) -> set[str]:
@@ -268,3 +268,35 @@ def test_blocks_shared_by_many_handles_count_once(redis_url_session: str) -> Non
         assert d["pinned_handle_blocks"] == summed
         assert metric(st.url, "kvbaton_decode_pinned_blocks", instance=st.d.url) == distinct
         assert metric(st.url, "kvbaton_decode_pinned_handle_blocks", instance=st.d.url) == summed
+
+
+def test_a_mixed_fleet_releases_every_dead_handle_through_its_own_group(
+    redis_url_session: str,
+) -> None:
+    """A 0.32 P/D pair and a 0.33 P/D pair (NIXL connector versions 14 and 15 cannot handshake):
+    every handle is released through a P of its D's group, so D frees it (a P of the other
+    group answers 200 but cannot notify D, and the pin would stay until D's TTL)."""
+    with start_stack(
+        prefill=[(*BIDIR, *V032), BIDIR],
+        decode=[(*BIDIR, *V032), BIDIR],
+        routers=[("--release-after", "1")],
+        redis=redis_url_session,
+        name="mixed-pins",
+    ) as st:
+        api = client(st.url + "/v1")
+        for n in range(12):
+            chat_turn(
+                api, question(f"A dead end, number {n}."), cid=f"mixed-{n}-{uuid.uuid4().hex}"
+            )
+        pinned = {d.url: decoder_pins(st, d.url) for d in st.ds}
+        assert all(pinned.values()), f"both groups' D hold handles: {pinned}"
+
+        def left() -> dict[str, set[str]]:
+            return {url: held & decoder_pins(st, url) for url, held in pinned.items()}
+
+        wait_until(lambda: not any(left().values()), "every handle freed on its D", 20)
+        assert released(st, "idle") >= sum(len(held) for held in pinned.values())
+        failed = metric(st.url, "kvbaton_pin_releases_total", reason="idle", outcome="failed")
+        assert failed == 0
+        notified = [metric(p.url, "vllm:nixl_num_failed_notifications_total") for p in st.ps]
+        assert notified == [0, 0], "no P was sent a handle of the other group's D"
