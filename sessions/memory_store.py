@@ -15,7 +15,7 @@ import msgspec
 
 from sessions.codec import handle_id
 from sessions.keys import pins_key
-from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
+from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState, TurnTimes
 from sessions.store import PinNote, StoreError
 from sessions.vocabulary import Reason
 
@@ -261,6 +261,12 @@ class MemorySessionStore:
             sum(s.blocks for s in sizes),
             sum(s.tokens for s in sizes),
         )
+
+    async def turn_times(self, keys: Sequence[str]) -> list[TurnTimes | None]:
+        states = [self._live(key) for key in keys]
+        return [
+            None if s is None else TurnTimes(s.turn, s.created_at, s.updated_at) for s in states
+        ]
 
     async def find_history(self, keys: Sequence[str]) -> list[str | None]:
         self._check_open()

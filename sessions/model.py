@@ -48,6 +48,21 @@ class PinTotals(msgspec.Struct, frozen=True):
     tokens: int = 0
 
 
+class TurnTimes(msgspec.Struct, frozen=True):
+    """A conversation's pace as its state records it: its committed turns, and when the first
+    and the last were committed (`SessionStore.turn_times`: the pressure release's order)."""
+
+    turn: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    def cadence(self) -> float | None:
+        """The mean time between its commits; None before its second turn (or unrecorded)."""
+        if self.turn < 2 or self.created_at <= 0 or self.updated_at < self.created_at:
+            return None
+        return (self.updated_at - self.created_at) / (self.turn - 1)
+
+
 class SessionState(msgspec.Struct, frozen=True, kw_only=True):
     """What the router remembers about one conversation between turns."""
 

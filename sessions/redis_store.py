@@ -24,7 +24,7 @@ from sessions.codec import StateDecodeError, from_fields, to_fields
 from sessions.connect import RedisClient
 from sessions.evaluate import evaluate, pool_of
 from sessions.keys import pin_blocks_key, pin_held_key, pin_sizes_key, pins_key, spent_key
-from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
+from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState, TurnTimes
 from sessions.run_watch import RunWatch
 from sessions.store import CorruptState, PinNote, StoreError
 from sessions.vocabulary import Reason
@@ -262,6 +262,22 @@ class RedisSessionStore:
         )
         return PinTotals(int(handles), int(blocks), int(handle_blocks), int(tokens))
 
+    async def turn_times(self, keys: Sequence[str]) -> list[TurnTimes | None]:
+        """One pipelined HMGET per key (on Redis Cluster redis-py sends it to each key's node);
+        a key of another type answers an error, which reads as None."""
+
+        async def read() -> list[TurnTimes | None]:
+            if not keys:
+                return []
+            client = self._client
+            pipe = client.pipeline() if isinstance(client, RedisCluster) else client.pipeline(False)
+            for key in keys:
+                pipe.hmget(key, _TIME_FIELDS)
+            replies = await pipe.execute(raise_on_error=False)
+            return [_turn_times(reply) for reply in replies]
+
+        return await self._run("turn times", read())
+
     async def get(self, key: str) -> SessionState | None:
         async def get() -> SessionState | None:
             reply = await cast(Awaitable[dict[bytes, bytes]], self._client.hgetall(key))
@@ -289,3 +305,17 @@ def _pin_keys(decode: str) -> list[str]:
 def _size_args(size: PinSize) -> list[str]:
     """A note's "<blocks> <tokens>" and its block names (the Lua scripts' arguments)."""
     return [f"{size.blocks} {size.tokens}", size.held]
+
+
+_TIME_FIELDS = ("turn", "created_at", "updated_at")
+
+
+def _turn_times(reply: object) -> TurnTimes | None:
+    """An HMGET of _TIME_FIELDS as TurnTimes; None for no state, an error or garbage."""
+    if not isinstance(reply, list) or len(reply) != len(_TIME_FIELDS) or reply[0] is None:
+        return None
+    turn, created, updated = (_text(v) if v is not None else "" for v in reply)
+    try:
+        return TurnTimes(int(turn), float(created or 0), float(updated or 0))
+    except ValueError:
+        return None

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import msgspec
 
-from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState
+from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState, TurnTimes
 
 
 class PinNote(msgspec.Struct, frozen=True):
@@ -151,6 +151,12 @@ class SessionStore(Protocol):
     async def pin_totals(self, decode: str) -> PinTotals:
         """How many conversations D's pin index holds; the distinct blocks their notes named
         (a block several name, once); their blocks and tokens summed note by note."""
+        ...
+
+    async def turn_times(self, keys: Sequence[str]) -> list[TurnTimes | None]:
+        """Each conversation's turn, created_at and updated_at, in the order of keys, without
+        touching its handle (one round trip; not atomic across keys). None where there is no
+        state, or a key that does not hold one readably."""
         ...
 
     async def ping(self) -> None:

@@ -426,3 +426,17 @@ async def test_a_server_that_refuses_info_is_used_all_the_same(
         await store.close()
         await raw.acl_deluser("noinfo")
         await raw.aclose()
+
+
+async def test_turn_times_read_a_key_of_another_type_as_none(
+    store: RedisSessionStore, raw: aioredis.Redis
+) -> None:
+    await store.commit(KEY, STATE, 0, 450.0)
+    other = conversation_key("tenant-a", "not-a-hash")
+    await raw.set(other, "a string, not a hash")
+    garbage = conversation_key("tenant-a", "garbage")
+    await raw.hset(garbage, mapping={"turn": "x", "created_at": "1.0"})
+    times = await store.turn_times([other, KEY, garbage])
+    assert times[0] is None and times[2] is None
+    assert times[1] is not None and times[1].turn == 1
+    assert await raw.get(other) == "a string, not a hash"  # read, never dropped

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from sessions.codec import handle_id
 from sessions.keys import conversation_key, history_key, pins_key
 from sessions.memory_store import MemorySessionStore
-from sessions.model import PinSize, PinTotals, SessionState, handle_unusable_reason
+from sessions.model import PinSize, PinTotals, SessionState, TurnTimes, handle_unusable_reason
 from sessions.redis_store import RedisSessionStore
 from sessions.store import PinNote, SessionStore
 from sessions.vocabulary import Reason
@@ -605,3 +605,23 @@ async def test_a_handle_with_an_unreadable_deadline_is_still_spent(
     assert await store.claim(KEY, "req-1") == state
     await put_back(store, state)
     assert (await store.claim(KEY, "req-2")) == stale(state)
+
+
+async def test_turn_times_read_each_conversation_s_pace_and_leave_its_handle(
+    harness: Harness, params: dict[str, Any]
+) -> None:
+    store = harness.store
+    assert await store.turn_times([]) == []
+    first = state_with(params, created_at=1_700_000_000.0, updated_at=1_700_000_000.0)
+    assert await store.commit(KEY, first, 0, TTL)
+    third = state_with(params, turn=3, created_at=1_700_000_000.0, updated_at=1_700_000_021.5)
+    assert await store.commit(OTHER, third, 0, TTL)
+    times = await store.turn_times([OTHER, conversation_key("t", "absent"), KEY])
+    assert times == [
+        TurnTimes(3, 1_700_000_000.0, 1_700_000_021.5),
+        None,
+        TurnTimes(1, 1_700_000_000.0, 1_700_000_000.0),
+    ]
+    assert times[0] is not None and times[0].cadence() == 10.75
+    assert times[2] is not None and times[2].cadence() is None  # one turn: no cadence yet
+    assert await store.get(OTHER) == third  # nothing taken, nothing changed

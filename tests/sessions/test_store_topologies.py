@@ -45,6 +45,7 @@ from tests.sessions.test_store_contract import (  # noqa: F401
     test_take_handle_takes_an_idle_handle_once,
     test_take_handle_without_a_state,
     test_the_pin_index_expiry_only_grows,
+    test_turn_times_read_each_conversation_s_pace_and_leave_its_handle,
 )
 from tests.sessions.topologies import Topology, redis_cluster, redis_sentinel, wait_until
 
