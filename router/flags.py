@@ -72,13 +72,14 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "release_after",
-        "seconds a conversation's handle may sit unread before it is released (0: the p95 "
-        "of the measured time between turns, at most --handle-ttl)",
+        "seconds a conversation's handle may sit unread on a D under no pin pressure before "
+        "it is released (0: --handle-ttl, past which no turn reads it; at most --handle-ttl)",
         float,
     ),
     Flag(
         "pin_high_water",
-        "a D's KV usage (0-1) above which the oldest handles on it are released, and new "
+        "a D's KV usage (0-1) above which the handles on it least likely to be read (idle for "
+        "the most of their conversation's own time between turns) are released, and new "
         "conversations go to another D, until it is below --pin-low-water",
         float,
     ),

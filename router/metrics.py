@@ -22,25 +22,10 @@ from router.engines.pool import Pool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Latency buckets from 1 ms to 2 min: TTFT of short turns up to long prefills.
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-)
+# Latency buckets from 1 ms to 2 min: TTFT of short turns up to long prefills. In ms: each
+# division is correctly rounded, so these are the floats 0.001, 0.0025, ... 120.0 exactly.
+_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1e3, 2.5e3, 5e3, 1e4, 3e4, 6e4, 1.2e5)
+LATENCY_BUCKETS = tuple(ms / 1000 for ms in _BUCKETS_MS)
 
 
 # Named once: the collector reads them from this process, `_Published` writes them for all.
@@ -100,6 +85,12 @@ class _StateCollector(Collector):
             "A D's KV-cache usage (0-1, its vllm:kv_cache_usage_perc as of the last health read)",
             labels=["instance"],
         )
+        pressure = GaugeMetricFamily(
+            "kvbaton_decode_pin_pressure",
+            "1 while a D is over --pin-high-water, until it is under --pin-low-water: the "
+            "handles on it least likely to be read are released",
+            labels=["instance"],
+        )
         pins = GaugeMetricFamily(
             "kvbaton_decode_pinned_handles",
             "Handles the router holds on a D (each pins its blocks there until read or released)",
@@ -127,12 +118,13 @@ class _StateCollector(Collector):
             restarts.add_metric([inst.role, inst.url], float(inst.ident.restarts))
             if inst.role == "decode" and inst.kv_usage >= 0:
                 usage.add_metric([inst.url], inst.kv_usage)
+                pressure.add_metric([inst.url], 1.0 if inst.pressured else 0.0)
             if inst.role == "decode" and inst.pins >= 0:
                 pins.add_metric([inst.url], float(inst.pins))
                 blocks.add_metric([inst.url], float(inst.pinned_blocks))
                 handle_blocks.add_metric([inst.url], float(inst.pinned_handle_blocks))
                 tokens.add_metric([inst.url], float(inst.pinned_tokens))
-        yield from (healthy, restarts, usage, pins, blocks, handle_blocks, tokens)
+        yield from (healthy, restarts, usage, pressure, pins, blocks, handle_blocks, tokens)
         if self._shared:
             return
         inflight = GaugeMetricFamily(*INFLIGHT, labels=INSTANCE)

@@ -32,10 +32,7 @@ ReleaseRequest = Callable[[Mapping[str, Any], str], tuple[dict[str, Any], str] |
 # counted: the job is tried again every RETRY_S until it is sent or gives up, then dropped.)
 Counted = Callable[[str, str], None]
 
-# The release delay before enough gaps are measured, its floor, and the samples it needs.
-DEFAULT_DELAY_S = 60.0
-MIN_DELAY_S = 5.0
-MIN_SAMPLES = 20
+MIN_SAMPLES = 20  # gaps between turns measured before their p95 is used
 
 # Releases in flight at once, and queued before the oldest are dropped (D's TTL frees them).
 MAX_INFLIGHT = 4
@@ -48,7 +45,8 @@ DEFAULT_KEEP_FOR_S = 450.0
 @dataclass
 class Gaps:
     """The time between a conversation's turns, as this process measured it (the last 1,024):
-    a handle unread for longer than their p95 is released (`--release-after 0`)."""
+    their p95 is the cadence a pressured D's release order assumes for a conversation of one
+    turn (lifecycle/release_order.py)."""
 
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
 
@@ -61,14 +59,6 @@ class Gaps:
             return None
         ordered = sorted(self.samples)
         return ordered[int(0.95 * (len(ordered) - 1))]
-
-    def delay(self, fixed: float, ceiling: float) -> float:
-        """`fixed` if set, else the measured p95 (DEFAULT_DELAY_S until measured), at least
-        MIN_DELAY_S, never above `ceiling` (--handle-ttl: a handle past it is not used)."""
-        if fixed > 0:
-            return min(fixed, ceiling)
-        p95 = self.p95()
-        return min(DEFAULT_DELAY_S if p95 is None else max(p95, MIN_DELAY_S), ceiling)
 
 
 @dataclass(frozen=True)

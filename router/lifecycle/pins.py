@@ -1,9 +1,10 @@
-"""The sweep that keeps every D's pinned share bounded. Each second, per D, the handles left
-unread past the release delay (idle and ended conversations); and every tenth of a second, a
-D whose KV usage is past its low-water mark is read again (its /metrics) and, while over
-the high-water mark, its oldest handles are released until it falls below the low-water mark
-(those idle past the p95 time between turns first, so that conversations still going keep
-theirs).
+"""The sweep that keeps every D's pinned share bounded, pressure first. Each second, per D,
+the handles left unread past the release delay (--handle-ttl unless --release-after is set:
+while D has room a handle costs nothing, and a slow human's next turn still hits); and every
+tenth of a second, a D whose KV usage is past its low-water mark is read again (its /metrics)
+and, while over the high-water mark, the handles least likely to be read (idle longest
+relative to their own conversation's cadence, release_order.py) are released until it falls
+below the low-water mark.
 Handles are taken from the store first (one replica takes each, never one a turn holds)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 
 from router.engines.pool import Instance
 from router.engines.release import Releaser
+from router.lifecycle import release_order
 from router.lifecycle.health import read_started
 from router.services import Services
 from router.turn.aim import aims_at_its_d
@@ -26,6 +28,10 @@ TICK_S = 0.1  # the pressure check on a D near its high-water mark
 IDLE_EVERY = 10  # ticks between idle sweeps (one a second)
 IDLE_BATCH = 64  # idle handles taken per D and sweep
 MAX_PRESSURE_BATCH = 256
+# The oldest entries of a pressured D's index whose conversations' cadences are read (one
+# round trip) to choose the batch from: this many per handle to release, within these bounds.
+WINDOW_PER_HANDLE = 4
+MIN_WINDOW, MAX_WINDOW = 64, 1024
 
 
 def releaser(svc: Services) -> Releaser | None:
@@ -60,8 +66,11 @@ async def sweep_loop(svc: Services) -> None:
 
 
 def release_delay(svc: Services) -> float:
+    """How long a handle may sit unread on a D under no pressure: --release-after when set,
+    else --handle-ttl (past it no turn reads the handle, so it only costs D memory), never
+    more than --handle-ttl."""
     s = svc.settings
-    return svc.gaps.delay(s.release_after, s.handle_ttl)
+    return min(s.release_after, s.handle_ttl) if s.release_after > 0 else s.handle_ttl
 
 
 async def sweep(svc: Services) -> int:
@@ -78,9 +87,9 @@ async def sweep(svc: Services) -> int:
 
 async def relieve(svc: Services, *, every_d: bool = True) -> int:
     """Read the KV usage of every D past its low-water mark (of every D with `every_d`, once
-    a second), and while one is over its high-water mark, release its oldest handles whatever
-    their age; the number taken. D's usage is read here, not only by the health loop, because
-    one-turn conversations can fill a D within seconds."""
+    a second), and while one is over its high-water mark, release the handles on it least
+    likely to be read, whatever their age; the number taken. D's usage is read here, not
+    only by the health loop, because one-turn conversations can fill a D within seconds."""
     if svc.releaser is None or svc.guard.is_open:
         return 0
     taken = 0
@@ -95,16 +104,24 @@ async def relieve(svc: Services, *, every_d: bool = True) -> int:
 
 
 async def _relieve_decode(svc: Services, inst: Instance, batch: int) -> int:
-    """The oldest handles unread for longer than the p95 time between turns first (those of
-    conversations still going are younger), then the oldest of any age if that was not
-    enough: a D full of young one-turn pins must still drain."""
-    p95 = svc.gaps.p95()
-    taken = 0
-    if p95 is not None:
-        taken = await _release_due(svc, inst, "pressure", svc.clock() - p95, batch)
-    if taken < batch:
-        taken += await _release_due(svc, inst, "pressure", math.inf, batch - taken)
-    return taken
+    """`batch` handles of D's oldest (WINDOW_PER_HANDLE times as many), those least likely to
+    be read first: idle for the most of their own conversation's cadences (a scripted
+    conversation quiet for a minute before one of a human who types for a minute; a D full
+    of young one-turn pins still drains, oldest first)."""
+    now = svc.clock()
+    window = min(MAX_WINDOW, max(MIN_WINDOW, WINDOW_PER_HANDLE * batch))
+    due = await svc.guard.call(lambda: svc.store.pins_due(inst.url, math.inf, window))
+    keys = [key for key, _ in due]
+    times = await svc.guard.call(lambda: svc.store.turn_times(keys))
+    ranked = release_order.least_likely_first(
+        due,
+        times,
+        now=now,
+        prior=release_order.prior(svc.gaps.p95()),
+        ttl=svc.settings.handle_ttl,
+    )
+    # Taken only if not committed again since this pass began (a newer handle is younger).
+    return await _release(svc, inst, "pressure", ranked[:batch], now)
 
 
 def pressure_batch(inst: Instance) -> int:
@@ -127,6 +144,14 @@ async def _release_due(
     svc: Services, inst: Instance, reason: str, before: float, limit: int
 ) -> int:
     due = await svc.guard.call(lambda: svc.store.pins_due(inst.url, before, limit))
+    return await _release(svc, inst, reason, due, before)
+
+
+async def _release(
+    svc: Services, inst: Instance, reason: str, due: list[tuple[str, float]], before: float
+) -> int:
+    """Take and release the handles of these index entries that are still unread since
+    `before`; the number taken."""
     taken = 0
     for key, _ in due:
         state = await _take(svc, inst, key, before)

@@ -1,10 +1,12 @@
 """D's pinned blocks (bidirectional_kv_xfer, the simulator's default 480 s TTL): every handle
 nobody will read is released through P's read-nothing request, so D frees its blocks at once:
 superseded (an edited history, a failed turn), ended (DELETE /v1/conversations/{id}, the admin
-API), idle past --release-after, and the oldest on a D above --pin-high-water."""
+API), idle past --handle-ttl (or --release-after), and on a D above --pin-high-water those
+least likely to be read; only through a P of D's connector group."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +18,7 @@ import pytest
 from router.turn.tenant import tenant_of
 from tests.e2e.conftest import BIDIR, V032, pd_stack
 from tests.support.chat import chat_turn, client, get_json, post
-from tests.support.metrics import metric
+from tests.support.metrics import matching, metric, scrape
 from tests.support.procs import wait_until
 from tests.support.router import router
 from tests.support.stack import Stack, start_stack
@@ -166,14 +168,62 @@ def pressed(redis_url_session: str) -> Iterator[Stack]:
         yield st
 
 
+def lost_to_releases(st: Stack) -> float:
+    """Turns that found their handle released: the hits releases cost."""
+    return metric(st.url, "kvbaton_kv_reuse_total", outcome="miss", reason="released")
+
+
 def test_an_idle_conversation_s_handle_is_released(idle: Stack) -> None:
     api, cid = client(idle.url + "/v1"), uuid.uuid4().hex
-    held = pinned_by(idle, lambda: chat_turn(api, question("One turn only."), cid=cid))
+    turns: list[Any] = []
+    held = pinned_by(idle, lambda: turns.append(chat_turn(api, question("Only?"), cid=cid)))
     assert len(held) == 1
     wait_until(lambda: not held & decoder_pins(idle), "the idle handle released", 10)
     assert released(idle, "idle") >= 1
     status = get_json(idle.url + "/status")
     assert status["pins"]["release"] is True and status["pins"]["release_after_s"] == 1.0
+    # The conversation comes back after all: a miss that says why, and is counted as such.
+    lost = lost_to_releases(idle)
+    history = [*question("Only?"), {"role": "assistant", "content": turns[0].text}]
+    assert chat_turn(api, [*history, *question("Then?")], cid=cid).reuse == "miss;reason=released"
+    assert lost_to_releases(idle) == lost + 1
+
+
+@pytest.fixture(scope="module")
+def patient(redis_url_session: str) -> Iterator[Stack]:
+    """A router with the default release policy: no --release-after (pressure first)."""
+    with pd_stack(redis_url_session, "patient") as st:
+        yield st
+
+
+def test_a_person_s_slow_next_turn_hits_on_a_d_with_room(patient: Stack) -> None:
+    """Quick scripted turns drive the measured p95 time between turns under 5 s (the floor of
+    the former idle delay, which released a handle after it); a person's next turn typed
+    7.5 s after the first still hits on a D under no pressure: handles are kept until
+    --handle-ttl there."""
+    st = patient
+    api = client(st.url + "/v1")
+    for n in range(7):  # 21 gaps: the p95 is used from 20
+        cid, messages = uuid.uuid4().hex, question(f"Script {n}, step 0.")
+        for step in range(1, 5):
+            turn = chat_turn(api, messages, cid=cid, max_tokens=8)
+            assert turn.reuse.startswith("hit") == (step > 1), turn.reuse
+            messages = [*messages, {"role": "assistant", "content": turn.text}]
+            messages += question(f"Script {n}, step {step}.")
+    pins = get_json(st.url + "/status")["pins"]
+    assert pins["inter_turn_p95_s"] is not None and pins["inter_turn_p95_s"] < 5.0, pins
+    lost, idle_released = lost_to_releases(st), released(st, "idle")
+    cid, messages = uuid.uuid4().hex, question("Let me think about this one.")
+    first = chat_turn(api, messages, cid=cid)
+    time.sleep(7.5)  # the one deliberate gap: a person reading and typing
+    messages = [*messages, {"role": "assistant", "content": first.text}, *question("Well?")]
+    assert chat_turn(api, messages, cid=cid).reuse == "hit"
+    assert lost_to_releases(st) == lost and released(st, "idle") == idle_released
+    assert get_json(st.url + "/status")["pins"]["release_after_s"] == 450.0  # --handle-ttl
+    (d,) = get_json(st.url + "/status")["instances"]["decode"]
+    assert d["pin_pressure"] is False
+    (gauge,) = matching(scrape(st.url), "kvbaton_decode_pin_pressure", instance=st.d.url)
+    assert gauge.value == 0
 
 
 def _one_turn(url: str, i: int, timeout: float = 30.0) -> str:

@@ -11,7 +11,7 @@ import pytest
 from router.connectors.nixl.params import release_body
 from router.engines.metrics_text import kv_usage
 from router.engines.pool import Instance, Pool
-from router.engines.release import DEFAULT_DELAY_S, MIN_DELAY_S, Gaps, Job, Releaser
+from router.engines.release import Gaps, Job, Releaser
 from router.lifecycle import pins
 from router.services import Services
 from router.turn import decide
@@ -142,18 +142,32 @@ def test_which_taken_handles_may_be_released(reason: Reason | None, releasable: 
     assert decide.releasable(reason) is releasable
 
 
-def test_the_release_delay_follows_the_measured_time_between_turns() -> None:
+@pytest.mark.parametrize(
+    ("release_after", "handle_ttl", "delay"),
+    [
+        (0.0, 450.0, 450.0),  # the default: kept until the handle TTL, whatever the gaps
+        (7.0, 450.0, 7.0),  # a fixed delay, as an operator set it
+        (900.0, 450.0, 450.0),  # never past --handle-ttl: no turn reads the handle then
+    ],
+)
+def test_the_release_delay_is_the_handle_ttl_unless_fixed(
+    release_after: float, handle_ttl: float, delay: float
+) -> None:
+    svc = services(FakeEngines(), release_after=release_after, handle_ttl=handle_ttl)
+    for _ in range(50):  # quick scripted turns: the measured gaps do not shorten it
+        svc.gaps.note(0.5)
+    assert pins.release_delay(svc) == delay
+
+
+def test_the_measured_gaps_p95_needs_twenty_samples() -> None:
     gaps = Gaps()
-    assert gaps.delay(0, 450) == DEFAULT_DELAY_S  # nothing measured yet
-    assert gaps.delay(7, 450) == 7 and gaps.delay(900, 450) == 450  # fixed, capped
-    for seconds in range(1, 101):
+    for seconds in range(1, 20):
         gaps.note(float(seconds))
-    assert gaps.p95() == 95.0 and gaps.delay(0, 450) == 95.0
-    assert gaps.delay(0, 30) == 30  # never past --handle-ttl
-    quick = Gaps()
-    for _ in range(50):
-        quick.note(0.5)
-    assert quick.delay(0, 450) == MIN_DELAY_S
+    assert gaps.p95() is None
+    for seconds in range(20, 101):
+        gaps.note(float(seconds))
+    gaps.note(-1.0)  # a clock step back is not a gap
+    assert gaps.p95() == 95.0
 
 
 async def test_a_full_queue_drops_its_oldest_and_no_p_waits() -> None:
