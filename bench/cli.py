@@ -34,6 +34,8 @@ from bench import (
     overhead,
     peers,
     pins,
+    pins_faults,
+    pins_mixed,
     plots,
     profile,
     report,
@@ -86,7 +88,7 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     if "profile" in parts and plan.profile_s > 0:
         n += len(profile.PROFILES) + 1  # and the hits
     if "pins" in parts:
-        n += pins.steps(plan)
+        n += pins.steps(plan) + pins_mixed.steps(plan) + pins_faults.steps(plan)
     if "peers" in parts:
         n += peers.steps(plan)
     return n
@@ -216,6 +218,8 @@ def run_parts(
             results["profile"] = profile.run(plan, lg, tick)
         if "pins" in parts:
             results["pins"] = pins.run(plan, lg, tick)
+            results["pins"]["mixed"] = pins_mixed.run(plan, lg, tick)
+            results["pins"]["faults"] = pins_faults.run(plan, lg, tick)
         if "peers" in parts:
             results["peers"] = peers.run(plan, lg, tick)
     return results

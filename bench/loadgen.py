@@ -13,7 +13,9 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import random
+import statistics
 import sys
 import time
 import uuid
@@ -373,6 +375,58 @@ async def arrivals(spec: dict[str, Any]) -> dict[str, Any]:
     return {"turns": turns, "wall_s": wall, "conversations": c}
 
 
+async def mixed(spec: dict[str, Any]) -> dict[str, Any]:
+    """Several `arrivals` jobs at once through the same targets (`groups`: name -> its spec,
+    the shared fields of `spec` under each); every turn's record says its `group`."""
+    shared = {k: v for k, v in spec.items() if k not in ("kind", "groups")}
+    names = list(spec["groups"])
+    results = await asyncio.gather(
+        *(arrivals({**shared, **spec["groups"][name]}) for name in names)
+    )
+    turns = [
+        {**t, "group": name} for name, r in zip(names, results, strict=True) for t in r["turns"]
+    ]
+    return {
+        "turns": turns,
+        "wall_s": max(r["wall_s"] for r in results),
+        "conversations": {name: r["conversations"] for name, r in zip(names, results, strict=True)},
+    }
+
+
+# A lognormal's p95 is its median times exp(Z95 sigma).
+Z95 = statistics.NormalDist().inv_cdf(0.95)
+
+
+def think_time(spec: dict[str, Any], rng: random.Random) -> float:
+    """The pause before a turn after the first: `think` {"dist": "uniform", "lo", "hi"} or
+    {"dist": "lognormal", "median_s", "p95_s"}, else exponential of mean `think_s` (cut at 4
+    means; 0: none)."""
+    think = spec.get("think")
+    if think is None:
+        mean = float(spec.get("think_s", 0.0))
+        return min(rng.expovariate(1 / mean), 4 * mean) if mean > 0 else 0.0
+    if think["dist"] == "uniform":
+        return rng.uniform(float(think["lo"]), float(think["hi"]))
+    median = float(think["median_s"])
+    sigma = math.log(float(think["p95_s"]) / median) / Z95
+    return rng.lognormvariate(math.log(median), sigma)
+
+
+async def send_copies(
+    target: Target,
+    s: aiohttp.ClientSession,
+    body: dict[str, Any],
+    conv: str | None,
+    copies: int,
+) -> list[Sample]:
+    """The same turn sent `copies` times at once (a client's retries, duplicated requests)."""
+    if copies <= 1:
+        return [await _guarded(target, s, body, conv, True)]
+    return list(
+        await asyncio.gather(*(_guarded(target, s, body, conv, True) for _ in range(copies)))
+    )
+
+
 async def run_conversation(
     s: aiohttp.ClientSession,
     target: Target,
@@ -384,15 +438,17 @@ async def run_conversation(
     use_ids: bool,
     t0: float | None = None,
 ) -> None:
-    """One conversation's turns; with t0, each turn's record has its start from t0, and a
-    `think_s` (mean) pause comes before every turn after the first."""
+    """One conversation's turns; with t0, each turn's record has its start from t0. A pause
+    (think_time) comes before every turn after the first; with `copies` > 1 each turn is sent
+    that many times at once (a record each, `copy` 0.., the first answer goes on)."""
     lo, hi = spec["system_words"]
     history: list[dict[str, Any]] = [{"role": "system", "content": words(rng, rng.randint(lo, hi))}]
     conv = f"bench-{spec.get('seed', 0)}-{c}-{uuid.uuid4().hex[:8]}" if use_ids else None
-    think = float(spec.get("think_s", 0.0))
+    copies = int(spec.get("copies", 1))
     for t in range(1, int(spec["turns"]) + 1):
-        if t > 1 and think > 0:
-            await asyncio.sleep(min(rng.expovariate(1 / think), 4 * think))
+        pause = think_time(spec, rng) if t > 1 else 0.0
+        if pause > 0:
+            await asyncio.sleep(pause)
         if time.monotonic() >= deadline:
             return
         started = time.perf_counter() - t0 if t0 is not None else 0.0
@@ -405,13 +461,17 @@ async def run_conversation(
         }
         if body["stream"]:
             body["stream_options"] = {"include_usage": True}
-        sample = await _guarded(target, s, body, conv, True)
-        record = {**_turn_record(c, t, sample), "start": started}
-        if t0 is not None:  # the answer, to compare across arms
-            record["answer"] = hashlib.blake2b(
-                "".join(sample.text).encode(), digest_size=8
-            ).hexdigest()
-        turns.append(record)
+        sent = await send_copies(target, s, body, conv, copies)
+        for i, x in enumerate(sent):
+            record = {**_turn_record(c, t, x), "start": started}
+            if copies > 1:
+                record["copy"] = i
+            if t0 is not None:  # the answer, to compare across arms
+                record["answer"] = hashlib.blake2b(
+                    "".join(x.text).encode(), digest_size=8
+                ).hexdigest()
+            turns.append(record)
+        sample = next((x for x in sent if x.ok), sent[0])
         if not sample.ok:
             return  # the history would no longer match what D holds
         history += [user, {"role": "assistant", "content": "".join(sample.text)}]
@@ -461,6 +521,7 @@ KINDS: dict[str, Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]
     "open": open_loop,
     "conversations": conversations,
     "arrivals": arrivals,
+    "mixed": mixed,
 }
 
 

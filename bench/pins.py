@@ -11,10 +11,13 @@ pressure) and kvbaton with `--no-release-pins`. The arms cannot take turns on on
 are the state measured), so they run one after the other; load and noise differ between them.
 A thread samples D's `/sim/state` twice a second: the share of its blocks pinned for P and its
 usage. Every turn is stamped with its start, and TTFT is summarized per window of time.
+The section's mixed workload and its faults build on this module: bench/pins_mixed.py and
+bench/pins_faults.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import urllib.error
@@ -47,6 +50,8 @@ WORKLOAD: dict[str, Any] = {
     "stream": True,
 }
 SAMPLE_S = 0.5
+# The answer of a later turn whose handle the router released before the turn came.
+RELEASED = "miss;reason=released"
 
 
 def steps(_: Plan) -> int:
@@ -93,7 +98,7 @@ class Sampler:
             except (TimeoutError, urllib.error.URLError):
                 continue  # a D stalled on pins may not answer in time either
             total = sum(s["blocks"]["total"] for s in states)
-            pins = [p for s in states for p in s["pins"] if p["kind"] == "decoder"]
+            pins = [p for s in states for p in decoder_pins(s)]
             used = sum(s["blocks"]["usage"] * s["blocks"]["total"] for s in states)
             self.samples.append(
                 {
@@ -105,9 +110,15 @@ class Sampler:
             )
 
 
+def decoder_pins(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pins a D's /sim/state lists for P's reads (not P's leases)."""
+    return [p for p in state["pins"] if p["kind"] == "decoder"]
+
+
 def windows(res: dict[str, Any], step: float) -> list[dict[str, Any]]:
     """Per window of `step` seconds: the turns started in it (TTFT of those that answered,
-    and how many failed) and D's pinned share and usage sampled in it."""
+    how many failed; of the later ones, the hits and those lost to a release) and D's pinned
+    share and usage sampled in it."""
     turns, samples = res["turns"], res["samples"]
     end = max([t["start"] for t in turns] + [s["t"] for s in samples] + [0.0])
     out = []
@@ -120,6 +131,8 @@ def windows(res: dict[str, Any], step: float) -> list[dict[str, Any]]:
                 "t": lo,
                 "turns": len(ts),
                 "failed": sum(not t["ok"] for t in ts),
+                "hits": sum(t["turn"] > 1 and t["reuse"].startswith("hit") for t in ts),
+                "released": sum(t["turn"] > 1 and t["reuse"] == RELEASED for t in ts),
                 "ttft": summary_ms([t["ttft"] for t in ts if t["ok"]]),
                 "pinned_max": max((s["pinned"] for s in ss), default=float("nan")),
                 "usage_max": max((s["usage"] for s in ss), default=float("nan")),
@@ -150,17 +163,23 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def stack(plan: Plan, *router_flags: list[str]) -> contextlib.AbstractContextManager[Stack]:
+    """A fresh P and a D of plan.pins_blocks blocks, a private Redis, and one router per
+    flags list (ROUTER_ARGS and those flags), sharing that Redis."""
+    d_args = [*D_ARGS, "--num-blocks", str(plan.pins_blocks), *plan.gpu.sim_args()]
+    return start_stack(
+        prefill_args=[[*P_ARGS, *plan.gpu.sim_args()]],
+        decode_args=[d_args],
+        router_args=[[*ROUTER_ARGS, *flags] for flags in router_flags],
+        name="pins",
+    )
+
+
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out: dict[str, Any] = {"arms": {}, "commands": {}, "window_s": plan.pins_window_s}
-    d_args = [*D_ARGS, "--num-blocks", str(plan.pins_blocks), *plan.gpu.sim_args()]
     for name, flags in ARMS.items():
         tick(f"pins: {name}")
-        with start_stack(
-            prefill_args=[[*P_ARGS, *plan.gpu.sim_args()]],
-            decode_args=[d_args],
-            router_args=[[*ROUTER_ARGS, *flags]],
-            name="pins",
-        ) as st:
+        with stack(plan, flags) as st:
             out["arms"][name] = one_arm(plan, lg, st)
             out["commands"][name] = commands(st)
     return out

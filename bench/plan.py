@@ -124,6 +124,19 @@ class Plan:
     pins_blocks: int
     pins_timeout_s: float  # a client gives up on a turn after this long
     pins_window_s: float  # the time series' step
+    # 7, mixed: scripted conversations (1-3 s between turns) and human-paced ones (lognormal
+    # think times, median 20 s and p95 2 min, times pins_think_scale) arriving at
+    # pins_mixed_rate per second each for pins_mixed_s, their later turns until
+    # pins_mixed_drain_s after that; the time series' step
+    pins_mixed_rate: float
+    pins_mixed_s: float
+    pins_mixed_drain_s: float
+    pins_think_scale: float
+    pins_mixed_window_s: float
+    # 7, faults: conversations (all at once) of the load each fault meets, and how far into
+    # it the fault strikes (bench/pins_faults.py)
+    pins_fault_convs: int
+    pins_fault_at_s: float
     # 8. peers: section 7's arrivals for peers_s seconds per arm and round (the variants
     # for a share of it; bench/peers.py, SCENARIOS)
     peers_s: float
@@ -174,6 +187,13 @@ FULL = Plan(
     pins_blocks=8192,
     pins_timeout_s=30.0,
     pins_window_s=10.0,
+    pins_mixed_rate=0.5,
+    pins_mixed_s=180.0,
+    pins_mixed_drain_s=240.0,
+    pins_think_scale=1.0,
+    pins_mixed_window_s=30.0,
+    pins_fault_convs=20,
+    pins_fault_at_s=1.0,
     peers_s=60.0,
 )
 
@@ -217,5 +237,12 @@ QUICK = Plan(
     pins_blocks=2048,
     pins_timeout_s=5.0,
     pins_window_s=3.0,
+    pins_mixed_rate=1.0,
+    pins_mixed_s=12.0,
+    pins_mixed_drain_s=24.0,
+    pins_think_scale=0.25,  # human think times of median 5 s, p95 30 s: a run under a minute
+    pins_mixed_window_s=6.0,
+    pins_fault_convs=8,
+    pins_fault_at_s=1.0,
     peers_s=6.0,
 )

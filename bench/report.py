@@ -5,7 +5,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench import events, hitpath, peers, pins, redis_cost, reuse, throughput
+from bench import (
+    events,
+    hitpath,
+    peers,
+    pins,
+    pins_faults,
+    pins_mixed,
+    redis_cost,
+    reuse,
+    throughput,
+)
 from bench import targets as bench_targets
 from bench.plan import SOURCES, Plan
 from bench.stats import fmt, table
@@ -58,6 +68,8 @@ def render(results: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> str:
         lines += events.section(results["events"])
     if "pins" in results:
         lines += pins.section(results["pins"], plan, pngs.get("pins"))
+        lines += pins_mixed.section(results["pins"].get("mixed"), plan)
+        lines += pins_faults.section(results["pins"].get("faults"), plan)
     if "peers" in results:
         lines += peers.section(results["peers"], plan, pngs.get("peers"))
     lines += config_section(results)
@@ -1023,8 +1035,18 @@ def config_section(results: dict[str, Any]) -> list[str]:
         "",
     ]
     for part in ("overhead", "reuse", "pins", "peers"):
-        for name, commands in results.get(part, {}).get("commands", {}).items():
+        for name, commands in part_commands(results.get(part, {})).items():
             lines += [f"**{part} / {name}**", "", "```"]
             lines += [f"{label}: {' '.join(argv)}" for label, argv in commands.items()]
             lines += ["```", ""]
     return lines
+
+
+def part_commands(res: dict[str, Any]) -> dict[str, dict[str, list[str]]]:
+    """A part's command lines by arm; section 7's mixed workload and each of its faults too."""
+    found = dict(res.get("commands", {}))
+    if res.get("mixed"):
+        found["mixed workload"] = res["mixed"]["commands"]
+    for name, arm in res.get("faults", {}).get("arms", {}).items():
+        found[name] = arm["commands"]
+    return found

@@ -22,7 +22,7 @@ import redis
 
 from tests.support.metrics import samples
 from tests.support.procs import ROOT, stop
-from tests.support.router import RouterProc, http_process
+from tests.support.router import RouterProc, http_process, router
 from tests.support.stack import Stack
 from tests.support.stack import start_stack as support_stack
 
@@ -184,6 +184,15 @@ def start_stack(
         router_timeout=READY_TIMEOUT,
     ) as st:
         yield st
+
+
+@contextlib.contextmanager
+def another_router(st: Stack, *args: str, name: str) -> Iterator[RouterProc]:
+    """One more `kvbaton serve` for the stack's engines, on its Redis (a replica, or one that
+    replaces a router that died), with the benchmark's start-up wait; stopped after."""
+    ps, ds = [p.url for p in st.ps], [d.url for d in st.ds]
+    with router(ps, ds, *args, redis_url=st.redis_url, name=name, ready_timeout=READY_TIMEOUT) as r:
+        yield r
 
 
 class LoadGen:
