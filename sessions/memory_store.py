@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -235,9 +236,9 @@ class MemorySessionStore:
             del index[oldest]
             self._hold(decode, oldest, None)
 
-    async def forget_pin(self, decode: str, key: str) -> None:
+    async def forget_pin(self, decode: str, key: str, not_after: float = math.inf) -> None:
         index = self._pin_index(decode)
-        if index is not None:
+        if index is not None and index.get(key, -math.inf) <= not_after:
             index.pop(key, None)
             self._hold(decode, key, None)
             if not index:  # as Redis deletes an empty ZSET (its expiry with it)

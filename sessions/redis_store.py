@@ -237,8 +237,10 @@ class RedisSessionStore:
         args: list[str | int] = [repr(float(at)), key, ttl_ms, *_size_args(size)]
         await self._run("note pin", self._note_pin(keys=_pin_keys(decode), args=args))
 
-    async def forget_pin(self, decode: str, key: str) -> None:
-        await self._run("forget pin", self._forget_pin(keys=_pin_keys(decode), args=[key]))
+    async def forget_pin(self, decode: str, key: str, not_after: float = math.inf) -> None:
+        bound = "" if not_after == math.inf else repr(float(not_after))
+        forget = self._forget_pin(keys=_pin_keys(decode), args=[key, bound])
+        await self._run("forget pin", forget)
 
     async def pins_due(self, decode: str, before: float, limit: int) -> list[tuple[str, float]]:
         name = pins_key(decode)

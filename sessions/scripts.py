@@ -280,12 +280,18 @@ return 1
 """
 )
 
-# A conversation out of D's pin index, its sizes and its blocks. An index that empties takes
+# A conversation out of D's pin index, its sizes and its blocks; with ARGV[2] (not ''), only
+# while its entry is not newer than that (a handle it committed since stays indexed). An
+# index that empties takes
 # the keys beside it along, so whatever they held for no member (written by an older router,
 # which forgets without taking blocks back) is not counted for ever.
 FORGET_PIN = (
     _HOLD
     + """
+if ARGV[2] ~= '' then
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  if score and tonumber(score) > tonumber(ARGV[2]) then return 0 end
+end
 hold(KEYS[3], KEYS[4], ARGV[1], '')
 redis.call('HDEL', KEYS[2], ARGV[1])
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -138,8 +139,10 @@ class SessionStore(Protocol):
         expiry grows to at least ttl_s, so an index nobody notes into disappears."""
         ...
 
-    async def forget_pin(self, decode: str, key: str) -> None:
-        """Remove key from D's pin index, its blocks no longer counted (no-op when absent)."""
+    async def forget_pin(self, decode: str, key: str, not_after: float = math.inf) -> None:
+        """Remove key from D's pin index, its blocks no longer counted (no-op when absent),
+        only if its entry's time is not after `not_after` (a sweep's due entry: a handle the
+        conversation committed since keeps its entry)."""
         ...
 
     async def pins_due(self, decode: str, before: float, limit: int) -> list[tuple[str, float]]:

@@ -49,6 +49,7 @@ def releaser(svc: Services) -> Releaser | None:
         prefilled_request=connector.release_prefilled,
         clock=svc.clock,
         keep_for=svc.settings.handle_ttl,
+        spent=svc.spent,
     )
 
 
@@ -153,8 +154,8 @@ async def _release(
     """Take and release the handles of these index entries that are still unread since
     `before`; the number taken."""
     taken = 0
-    for key, _ in due:
-        state = await _take(svc, inst, key, before)
+    for key, at in due:
+        state = await _take(svc, inst, key, before, at)
         if state is None or state.kv_transfer_params is None or svc.releaser is None:
             continue  # read, replaced or in flight since: nothing of it is pinned for nobody
         if not aims_at_its_d(svc, key, state):
@@ -168,10 +169,13 @@ async def _release(
     return taken
 
 
-async def _take(svc: Services, inst: Instance, key: str, before: float) -> SessionState | None:
+async def _take(
+    svc: Services, inst: Instance, key: str, before: float, at: float
+) -> SessionState | None:
     """The conversation's handle if it is still unread since `before` (atomic: one replica,
-    never a handle a turn holds), and its entry out of D's index either way."""
+    never a handle a turn holds), and its entry (made at `at`) out of D's index either way,
+    unless a commit noted a newer one meanwhile."""
     store = svc.store
     state = await svc.guard.call(lambda: store.take_handle(key, before))
-    await svc.guard.call(lambda: store.forget_pin(inst.url, key))
+    await svc.guard.call(lambda: store.forget_pin(inst.url, key, at))
     return state

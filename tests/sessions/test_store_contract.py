@@ -625,3 +625,16 @@ async def test_turn_times_read_each_conversation_s_pace_and_leave_its_handle(
     assert times[0] is not None and times[0].cadence() == 10.75
     assert times[2] is not None and times[2].cadence() is None  # one turn: no cadence yet
     assert await store.get(OTHER) == third  # nothing taken, nothing changed
+
+
+async def test_a_sweep_forgets_only_the_entry_it_found_due(harness: Harness) -> None:
+    """A sweep lists an entry, a commit notes a newer handle of the same conversation, then
+    the sweep (whose take found nothing) forgets what it listed: the newer entry stays."""
+    store = harness.store
+    await store.note_pin(D1, KEY, 100.0, TTL, PinSize(2, 20))
+    ((key, at),) = await store.pins_due(D1, math.inf, 10)
+    await store.note_pin(D1, KEY, 200.0, TTL, PinSize(3, 30))
+    await store.forget_pin(D1, key, at)
+    assert await store.pins_due(D1, math.inf, 10) == [(KEY, 200.0)]
+    await store.forget_pin(D1, key, 200.0)
+    assert await store.pins_due(D1, math.inf, 10) == []
