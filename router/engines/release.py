@@ -21,6 +21,7 @@ import msgspec
 
 from router.engines.client import EngineClient
 from router.engines.pool import Pool, Role
+from router.engines.spent import Spent
 from router.errors import Unavailable, UpstreamFailure
 
 log = logging.getLogger("kvbaton.pins")
@@ -91,6 +92,9 @@ class Releaser:
     prefilled_request: ReleaseRequest | None = None
     clock: Callable[[], float] = time.monotonic
     keep_for: float = DEFAULT_KEEP_FOR_S
+    # Where each released handle is remembered as spent (None: nowhere; a state naming it
+    # again is then caught by the store's spent keys alone).
+    spent: Spent | None = None
     queue: asyncio.Queue[Job] = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED))
     waiting: deque[Job] = field(default_factory=deque)
     released: int = 0
@@ -99,9 +103,12 @@ class Releaser:
     _workers: list[asyncio.Task[None]] = field(default_factory=list)
 
     def submit(self, handle: Mapping[str, Any] | None, decode: str, reason: str) -> None:
-        """Queue a release; never waits (a full queue drops the oldest: D's TTL frees it)."""
+        """Queue a release; never waits (a full queue drops the oldest: D's TTL frees it).
+        The handle is spent from now on, whether or not its release goes out."""
         if handle is None:
             return
+        if self.spent is not None:
+            self.spent.add(handle)
         if self.queue.full():
             with contextlib.suppress(asyncio.QueueEmpty):
                 old = self.queue.get_nowait()

@@ -60,8 +60,7 @@ def release_new(turn: Turn, captured: Captured | None, reason: str) -> None:
     params = captured.kv_transfer_params if captured is not None else None
     if svc.releaser is None or turn.decode is None or not svc.connector.is_handle(params):
         return
-    svc.spent.add(params)
-    svc.releaser.submit(params, turn.decode.url, reason)
+    svc.releaser.submit(params, turn.decode.url, reason)  # spent from now on
 
 
 def spend_later(turn: Turn, key: str, state: SessionState) -> None:
