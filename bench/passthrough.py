@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -72,7 +73,8 @@ class WorkStore:
         if self.client is None or not conversation:
             return None
         key = f"floor:{conversation}"
-        fields = await self._claim(keys=[key], args=[request_id, ""])
+        spent = f"floor-spent:{conversation}"  # the claim marks what it takes as spent
+        fields = await self._claim(keys=[key, spent], args=[request_id, "", repr(time.time())])
         found = dict(zip(fields[::2], fields[1::2], strict=True)) if fields else {}
         turn = int(found.get(b"turn", 0))
         if not turn:

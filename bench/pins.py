@@ -5,9 +5,10 @@ With `bidirectional_kv_xfer`, D pins every finished turn's KV for the engine's
 workload is an open arrival process: conversations arrive at a rate (Poisson), a share of them
 have one turn, the others several, with a client's think time between turns, and then they end
 without saying so (as most clients do). The same seeded arrivals go through two stacks, each with
-a fresh P and a small D under the H100/8B cost model: kvbaton as shipped (it releases what
-nobody will read: superseded, ended, idle past the measured p95 time between turns, and under
-pressure) and kvbaton with `--no-release-pins`. The arms cannot take turns on one D (its pins
+a fresh P and a small D under the H100/8B cost model: kvbaton as shipped (it releases at once
+what nobody will read: superseded, unsaved, ended; and, once D passes its high-water mark,
+those least likely to be read; a handle on a D with room is kept until --handle-ttl) and
+kvbaton with `--no-release-pins`. The arms cannot take turns on one D (its pins
 are the state measured), so they run one after the other; load and noise differ between them.
 A thread samples D's `/sim/state` twice a second: the share of its blocks pinned for P and its
 usage. Every turn is stamped with its start, and TTFT is summarized per window of time.
