@@ -48,9 +48,11 @@ def services(engines: FakeEngines, **overrides: Any) -> Services:
 
 
 async def turn(
-    svc: Services, messages: list[dict[str, Any]], request_id: str = "rid"
+    svc: Services, messages: list[dict[str, Any]], request_id: str = "rid", cid: str | None = "c1"
 ) -> tuple[int, dict[str, str], dict[str, Any]]:
-    body = {"model": "m", "messages": messages, "conversation_id": "c1"}
+    body: dict[str, Any] = {"model": "m", "messages": messages}
+    if cid is not None:
+        body["conversation_id"] = cid
     inc = read_incoming(
         msgspec.json.encode(body),
         {"content-type": "application/json"},
