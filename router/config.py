@@ -144,8 +144,8 @@ def build_parser(prog: str = "kvbaton serve") -> argparse.ArgumentParser:
             parser.add_argument(
                 _cli_name(flag.name),
                 dest=flag.name,
-                nargs=1 if flag.repeat else "+",
-                action="extend" if flag.repeat else "store",
+                nargs=1 if flag.repeat else "+",  # repeated, they add up (--prefill A --prefill B)
+                action="extend",
                 default=None,
                 metavar="URL=ENDPOINT" if flag.repeat else "URL",
                 help=help_text,

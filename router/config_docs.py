@@ -24,8 +24,9 @@ command line. `kvbaton serve --help` prints the same list.
 
 - TOML keys are the setting names; `handle-ttl` and `handle_ttl` are the same key. An unknown
   key is an error. See [deploy/router.example.toml](../deploy/router.example.toml).
-- URL lists (`--prefill`, `--decode`) take several values on the command line, a list in TOML,
-  and a space- or comma-separated string in the environment.
+- URL lists (`--prefill`, `--decode`) take several values on the command line, after one flag
+  or with the flag repeated (`--prefill A B` and `--prefill A --prefill B` are the same), a list
+  in TOML, and a space- or comma-separated string in the environment.
 - Booleans: `--flag` / `--no-flag`; in the environment `1/true/yes/on` or `0/false/no/off`.
 - Instances added, drained or removed through the admin API apply on top of `--prefill` and
   `--decode` (see [operations.md](operations.md#the-instance-registry)).

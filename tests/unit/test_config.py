@@ -76,6 +76,24 @@ def test_bare_host_port_is_an_http_url_as_the_demo_proxies_take_it() -> None:
     assert s.prefill == ("http://p:1", "https://q:2")
 
 
+def test_repeated_prefill_and_decode_add_up_as_vllm_router_writes_them() -> None:
+    """`--prefill A --prefill B` is both (the last one alone used to win, silently); a list
+    after one flag, both forms mixed, and the environment's list keep working."""
+    s = load_settings(["--prefill", "p1:1", "--prefill", "p2:1", "--decode", "d:1"], env={})
+    assert s.prefill == ("http://p1:1", "http://p2:1")
+    s = load_settings(["--prefill", "p1:1", "p2:1", "--decode", "d1:1", "--decode", "d2:1"], {})
+    assert (s.prefill, s.decode) == (("http://p1:1", "http://p2:1"), ("http://d1:1", "http://d2:1"))
+    s = load_settings(["--prefill", "p1:1", "p2:1", "--prefill", "p3:1", "--decode", "d:1"], {})
+    assert s.prefill == ("http://p1:1", "http://p2:1", "http://p3:1")
+    env = {"KVBATON_PREFILL": "p1:1 p2:1", "KVBATON_DECODE": "d:1"}
+    assert load_settings([], env=env).prefill == ("http://p1:1", "http://p2:1")
+    # The command line still replaces the environment's list, not adds to it.
+    assert load_settings(["--prefill", "q:1", "--prefill", "r:1"], env=env).prefill == (
+        "http://q:1",
+        "http://r:1",
+    )
+
+
 def test_admin_api_key_reads_the_demo_proxies_variable_below_its_own() -> None:
     assert load_settings(URLS, env={"ADMIN_API_KEY": "seed"}).admin_api_key == "seed"
     both = {"ADMIN_API_KEY": "seed", "KVBATON_ADMIN_API_KEY": "ours"}
