@@ -5,7 +5,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from router import kvbaton_version
+
 USAGE = """usage: kvbaton {serve,sim,demo} [options]
+       kvbaton --version
 
   serve   run the router (kvbaton serve --help)
   sim     run a vLLM-compatible engine simulator (kvbaton sim --help)
@@ -15,9 +18,15 @@ USAGE = """usage: kvbaton {serve,sim,demo} [options]
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:  # a usage error, as argparse makes one: usage on stderr, status 2
+        print(USAGE, file=sys.stderr, end="")
+        return 2
+    if args[0] in ("-h", "--help"):
         print(USAGE, end="")
-        return 0 if args else 2
+        return 0
+    if args[0] == "--version":
+        print(f"kvbaton {kvbaton_version()}")
+        return 0
     command, rest = args[0], args[1:]
     if command == "sim":
         # The simulator is a separate program that shares no code with the router.
