@@ -14,13 +14,13 @@ from typing import Any, Literal
 
 import msgspec
 
+from router import command_line
 from router.connectors.names import ConnectorName
 from router.engines import ranks
 from router.errors import ConfigError
-from router.flags import FLAGS, Flag
+from router.flags import ENV_PREFIX, FLAGS, Flag, cli_name, env_name
 
-ENV_PREFIX = "KVBATON_"
-# FLAGS and Flag live in flags.py; they are part of this module's interface too.
+# ENV_PREFIX, FLAGS and Flag live in flags.py; they are part of this module's interface too.
 __all__ = [
     "ENV_PREFIX",
     "FLAGS",
@@ -102,14 +102,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return tuple(s for s in (p.strip() for p in self.session_secret.split(",")) if s)
 
 
-def _cli_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -120,52 +112,14 @@ def _parse_bool(text: str) -> bool:
 
 
 def build_parser(prog: str = "kvbaton serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Route multi-turn conversations over vLLM prefill/decode instances, "
-        "reusing each conversation's KV cache from the previous decode node. Every flag is "
-        "also read from the environment as KVBATON_<FLAG> (e.g. KVBATON_REDIS_URL).",
-    )
-    parser.add_argument("--config", help="TOML file with settings (keys as flag names)")
-    defaults = Settings(prefill=(), decode=())
-    for flag in FLAGS:
-        default = getattr(defaults, flag.name)
-        shown = f" (default: {default})" if not flag.many else ""
-        help_text = f"{flag.help}{shown} [env {_env_name(flag.name)}]"
-        if flag.kind is bool:
-            parser.add_argument(
-                _cli_name(flag.name),
-                dest=flag.name,
-                default=None,
-                action=argparse.BooleanOptionalAction,
-                help=help_text,
-            )
-        elif flag.many:
-            parser.add_argument(
-                _cli_name(flag.name),
-                dest=flag.name,
-                nargs=1 if flag.repeat else "+",  # repeated, they add up (--prefill A --prefill B)
-                action="extend",
-                default=None,
-                metavar="URL=ENDPOINT" if flag.repeat else "URL",
-                help=help_text,
-            )
-        else:
-            parser.add_argument(
-                _cli_name(flag.name),
-                dest=flag.name,
-                default=None,
-                type=flag.kind,
-                choices=flag.choices or None,
-                help=help_text,
-            )
-    return parser
+    """The `kvbaton serve` command line, its help showing each flag's default."""
+    return command_line.build_parser(Settings(prefill=(), decode=()), prog)
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for flag in FLAGS:
-        source = _env_name(flag.name)
+        source = env_name(flag.name)
         raw = env.get(source)
         if raw is None and flag.env_alias:
             source, raw = flag.env_alias, env.get(flag.env_alias)
@@ -216,7 +170,7 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
     values.update(_from_env(env))
     for flag in FLAGS:
         if args.get(flag.name) is not None:
-            values[flag.name] = _convert(flag, args[flag.name], source=_cli_name(flag.name))
+            values[flag.name] = _convert(flag, args[flag.name], source=cli_name(flag.name))
     return validate(values)
 
 

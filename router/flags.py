@@ -7,6 +7,18 @@ from dataclasses import dataclass
 
 from router.connectors.names import ConnectorName
 
+ENV_PREFIX = "KVBATON_"
+
+
+def cli_name(name: str) -> str:
+    """A setting's flag: `redis_url` is `--redis-url`."""
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """A setting's variable: `redis_url` is `KVBATON_REDIS_URL`."""
+    return ENV_PREFIX + name.upper()
+
 
 @dataclass(frozen=True)
 class Flag:
