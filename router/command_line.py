@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from router.flags import FLAGS, cli_name, env_name
+from router.flags import FLAGS, cli_name, env_name, placeholder
 
 
 def build_parser(defaults: object, prog: str = "kvbaton serve") -> argparse.ArgumentParser:
@@ -18,7 +18,9 @@ def build_parser(defaults: object, prog: str = "kvbaton serve") -> argparse.Argu
         "reusing each conversation's KV cache from the previous decode node. Every flag is "
         "also read from the environment as KVBATON_<FLAG> (e.g. KVBATON_REDIS_URL).",
     )
-    parser.add_argument("--config", help="TOML file with settings (keys as flag names)")
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file with settings (keys as flag names)"
+    )
     for flag in FLAGS:
         default = getattr(defaults, flag.name)
         shown = f" (default: {default})" if not flag.many else ""
@@ -38,7 +40,7 @@ def build_parser(defaults: object, prog: str = "kvbaton serve") -> argparse.Argu
                 nargs=1 if flag.repeat else "+",  # repeated, they add up (--prefill A --prefill B)
                 action="extend",
                 default=None,
-                metavar="URL=ENDPOINT" if flag.repeat else "URL",
+                metavar=placeholder(flag),
                 help=help_text,
             )
         else:
@@ -48,6 +50,7 @@ def build_parser(defaults: object, prog: str = "kvbaton serve") -> argparse.Argu
                 default=None,
                 type=flag.kind,
                 choices=flag.choices or None,
+                metavar=None if flag.choices else placeholder(flag),  # choices show themselves
                 help=help_text,
             )
     return parser

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from router.config import ENV_PREFIX, FLAGS, Flag, Settings
+from router.flags import cli_name, placeholder
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -37,17 +38,23 @@ command line. `kvbaton serve --help` prints the same list.
 
 
 def _cli(flag: Flag) -> str:
-    name = "--" + flag.name.replace("_", "-")
+    name, value = cli_name(flag.name), placeholder(flag)
     if flag.kind is bool:
         return f"`{name}` / `--no-{name[2:]}`"
+    if flag.repeat:
+        return f"`{name} {value}` (repeatable)"
     if flag.many:
-        return f"`{name} URL [URL ...]`"
-    return f"`{name}`"
+        return f"`{name} {value} [{value} ...]`"
+    if flag.choices:
+        return f"`{name}`"
+    return f"`{name} {value}`"
 
 
 def _default(flag: Flag, defaults: Settings) -> str:
-    if flag.many:
+    if flag.required:
         return "(required)"
+    if flag.many:
+        return "(none)"
     value = getattr(defaults, flag.name)
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"

@@ -34,6 +34,15 @@ class Flag:
     # A list flag given once per value (--kv-events A --kv-events B); its values may hold
     # commas, so the environment separates them by spaces only.
     repeat: bool = False
+    # What the flag takes, as --help and docs/configuration.md show it (empty: by its type).
+    metavar: str = ""
+    # Needed to start (unless instances announce themselves: --moriio-register).
+    required: bool = False
+
+
+def placeholder(flag: Flag) -> str:
+    """The value a flag takes as help shows it: by default an int is N, a float SECONDS."""
+    return flag.metavar or {int: "N", float: "SECONDS"}.get(flag.kind, "VALUE")
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -42,15 +51,19 @@ FLAGS: tuple[Flag, ...] = (
         "prefill (P) instance base URLs (a bare host:port means http://host:port); none needed "
         "with --moriio-register",
         many=True,
+        metavar="URL",
+        required=True,
     ),
     Flag(
         "decode",
         "decode (D) instance base URLs (a bare host:port means http://host:port); none needed "
         "with --moriio-register",
         many=True,
+        metavar="URL",
+        required=True,
     ),
-    Flag("host", "address to listen on"),
-    Flag("port", "port to listen on", int),
+    Flag("host", "address to listen on", metavar="HOST"),
+    Flag("port", "port to listen on", int, metavar="PORT"),
     Flag(
         "workers",
         "router processes sharing the listening socket, each with its own event loop and "
@@ -63,7 +76,7 @@ FLAGS: tuple[Flag, ...] = (
         "the standard library's 'asyncio' (docs/benchmarks.md compares the two)",
         choices=("uvloop", "asyncio"),
     ),
-    Flag("redis_url", "Redis URL for session state"),
+    Flag("redis_url", "Redis URL for session state", metavar="URL"),
     Flag(
         "session_store",
         "where sessions live ('memory': one replica, no Redis)",
@@ -94,8 +107,14 @@ FLAGS: tuple[Flag, ...] = (
         "the most of their conversation's own time between turns) are released, and new "
         "conversations go to another D, until it is below --pin-low-water",
         float,
+        metavar="FRACTION",
     ),
-    Flag("pin_low_water", "the KV usage (0-1) a D under pin pressure is brought below", float),
+    Flag(
+        "pin_low_water",
+        "the KV usage (0-1) a D under pin pressure is brought below",
+        float,
+        metavar="FRACTION",
+    ),
     Flag("reuse", "send the previous D's handle to P (--no-reuse keeps affinity only)", bool),
     Flag(
         "history_sessions",
@@ -108,8 +127,18 @@ FLAGS: tuple[Flag, ...] = (
         "how a new prompt is checked against the KV D holds before a read",
         choices=("tokens", "digest"),
     ),
-    Flag("block_size", "engine KV block size in tokens (0: read vllm:cache_config_info)", int),
-    Flag("min_reuse_tokens", "smallest verified prefix worth a D->P pull (0: one block)", int),
+    Flag(
+        "block_size",
+        "engine KV block size in tokens (0: read vllm:cache_config_info)",
+        int,
+        metavar="TOKENS",
+    ),
+    Flag(
+        "min_reuse_tokens",
+        "smallest verified prefix worth a D->P pull (0: one block)",
+        int,
+        metavar="TOKENS",
+    ),
     Flag(
         "stream_kv_params",
         "the decode engines stream kv_transfer_params in the final SSE chunk (vLLM PR #40186), "
@@ -121,6 +150,7 @@ FLAGS: tuple[Flag, ...] = (
         "the decode plan: a turn whose new tokens (those the previous D's prefix cache lacks) "
         "are at most this many runs on that D alone, no P leg (0: never)",
         int,
+        metavar="TOKENS",
     ),
     Flag(
         "decode_local_max_inflight",
@@ -139,6 +169,7 @@ FLAGS: tuple[Flag, ...] = (
         "moriio_register",
         "a ZMQ endpoint (tcp://HOST:PORT) the router binds for MoRI-IO instances' "
         "announcements (vLLM's toy proxy binds tcp://0.0.0.0:36367); empty: none",
+        metavar="tcp://HOST:PORT",
     ),
     Flag(
         "moriio_register_ttl",
@@ -147,19 +178,21 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "data_parallel_size",
-        "an engine's internal data-parallel size (vllm serve --data-parallel-size), URL=N "
-        "(repeatable): each conversation stays on one rank (X-data-parallel-rank), new ones "
+        "an engine's internal data-parallel size (vllm serve --data-parallel-size), once per "
+        "engine: each conversation stays on one rank (X-data-parallel-rank), new ones "
         "are spread over the ranks",
         many=True,
         repeat=True,
+        metavar="URL=N",
     ),
     Flag(
         "prefill_coordinates",
-        "nixl-push: a P instance's coordinates, URL=ENGINE_ID@SIDE_HOST:SIDE_PORT[,tp=N][,pp=N] "
-        "(repeatable; a P not named is probed for them), e.g. "
+        "nixl-push: a P instance's side-channel coordinates, once per P (a P not named is "
+        "probed for them), e.g. "
         "http://10.0.0.1:8100=prefill-0@10.0.0.1:5600",
         many=True,
         repeat=True,
+        metavar="URL=ENGINE_ID@SIDE_HOST:SIDE_PORT[,tp=N][,pp=N]",
     ),
     Flag(
         "prefill_token_ids",
@@ -169,32 +202,40 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "kv_events",
-        "an engine's KV events: ENGINE_URL=ZMQ_ENDPOINT[,REPLAY_ENDPOINT] (repeatable; replay "
-        "defaults to the next port), e.g. http://10.0.0.1:8000=tcp://10.0.0.1:5557",
+        "an engine's KV-events publisher and its replay endpoint (by default the next port), "
+        "once per engine, e.g. http://10.0.0.1:8000=tcp://10.0.0.1:5557",
         many=True,
         repeat=True,
+        metavar="ENGINE_URL=ZMQ_ENDPOINT[,REPLAY]",
     ),
     Flag(
         "kv_events_port",
         "every engine not named by --kv-events publishes KV events on its own host at this "
         "port, replay on the next one (0: none)",
         int,
+        metavar="PORT",
     ),
-    Flag("kv_events_topic", "the engines' KV-events topic (empty: any)"),
+    Flag("kv_events_topic", "the engines' KV-events topic (empty: any)", metavar="TOPIC"),
     Flag(
         "kv_index_max_blocks",
         "most blocks the KV-events index keeps per engine (the oldest go first)",
         int,
+        metavar="BLOCKS",
     ),
-    Flag("engine_api_key", "Bearer key sent to the engines (vLLM --api-key)"),
-    Flag("tenant_header", "header whose value scopes conversations (default: the bearer token)"),
-    Flag("admin_key", "Bearer key for /admin/ (empty: admin API disabled)"),
+    Flag("engine_api_key", "Bearer key sent to the engines (vLLM --api-key)", metavar="KEY"),
+    Flag(
+        "tenant_header",
+        "header whose value scopes conversations (default: the bearer token)",
+        metavar="HEADER",
+    ),
+    Flag("admin_key", "Bearer key for /admin/ (empty: admin API disabled)", metavar="KEY"),
     Flag(
         "session_secret",
         "secret(s) signing each session's handle and digests (HMAC, comma-separated: the first "
         "signs, each verifies, for rotation), at least 16 characters each, the same on every "
         "replica; required with --session-store redis unless --unsigned-sessions (the memory "
         "store makes its own)",
+        metavar="SECRET[,SECRET...]",
     ),
     Flag(
         "unsigned_sessions",
@@ -207,8 +248,13 @@ FLAGS: tuple[Flag, ...] = (
         "X-API-Key for POST /instances/add, the demo proxies' convention (empty: --admin-key; "
         "both empty: the route is disabled)",
         env_alias="ADMIN_API_KEY",
+        metavar="KEY",
     ),
-    Flag("model", "served model name the engines must report (empty: take the engines')"),
+    Flag(
+        "model",
+        "served model name the engines must report (empty: take the engines')",
+        metavar="NAME",
+    ),
     Flag("connect_timeout", "seconds to connect to an engine", float),
     Flag(
         "prefill_timeout",
@@ -231,6 +277,7 @@ FLAGS: tuple[Flag, ...] = (
         "largest accepted request body: a larger declared Content-Length gets 413 before any "
         "of it is read, a chunked body is cut at the limit",
         int,
+        metavar="BYTES",
     ),
     Flag(
         "header_timeout",
@@ -269,5 +316,6 @@ FLAGS: tuple[Flag, ...] = (
         "otel_endpoint",
         "OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces (empty: no tracing; "
         "needs the 'otel' extra)",
+        metavar="URL",
     ),
 )

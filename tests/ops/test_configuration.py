@@ -3,6 +3,7 @@ environment and from a TOML file (precedence itself: tests/unit/test_config.py).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,17 @@ def test_configuration_md_is_generated_from_the_flags() -> None:
     for flag in FLAGS:
         assert f"`KVBATON_{flag.name.upper()}`" in committed
         assert f"`{flag.name}`" in committed
+
+
+def test_only_the_instance_lists_are_marked_required() -> None:
+    """--data-parallel-size, --prefill-coordinates and --kv-events are optional lists; only
+    --prefill and --decode are needed to start (unless instances announce themselves)."""
+    committed = config_docs.DOC_PATH.read_text()
+    required = re.findall(r"^\| `(--[\w-]+)[^|]*\|[^|]*\|[^|]*\| \(required\) \|", committed, re.M)
+    assert required == ["--prefill", "--decode"]
+    assert {f.name for f in FLAGS if f.required} == {"prefill", "decode"}
+    for flag in ("--data-parallel-size URL=N", "--kv-events ENGINE_URL=ZMQ_ENDPOINT[,REPLAY]"):
+        assert f"| `{flag}` (repeatable) |" in committed
 
 
 def test_check_fails_when_out_of_date(

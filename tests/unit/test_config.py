@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from router.config import (
     load_settings,
     worker_slot,
 )
+from router.flags import placeholder
 
 URLS = ["--prefill", "http://p:8100", "--decode", "http://d:8200/"]
 
@@ -122,6 +124,39 @@ def test_every_setting_has_a_flag_and_help() -> None:
     for flag in FLAGS:
         assert "--" + flag.name.replace("_", "-") in help_text
         assert "KVBATON_" + flag.name.upper() in help_text.replace("\n", "").replace(" ", "")
+
+
+@pytest.mark.parametrize(
+    ("flag", "shown"),
+    [
+        ("--prefill", "URL [URL ...]"),
+        ("--redis-url", "URL"),
+        ("--data-parallel-size", "URL=N"),
+        ("--prefill-coordinates", "URL=ENGINE_ID@SIDE_HOST:SIDE_PORT[,tp=N][,pp=N]"),
+        ("--kv-events", "ENGINE_URL=ZMQ_ENDPOINT[,REPLAY]"),
+        ("--moriio-register", "tcp://HOST:PORT"),
+        ("--handle-ttl", "SECONDS"),
+        ("--pin-high-water", "FRACTION"),
+        ("--max-body-bytes", "BYTES"),
+        ("--session-secret", "SECRET[,SECRET...]"),
+        ("--config", "FILE"),
+    ],
+)
+def test_help_shows_what_each_flag_takes(flag: str, shown: str) -> None:
+    line = rf"^  {flag} {re.escape(shown)}(  |$)"
+    assert re.search(line, build_parser().format_help(), re.MULTILINE), flag
+
+
+def test_no_placeholder_is_a_flag_name_or_a_guess() -> None:
+    """argparse's default placeholder is the setting's name in capitals (REDIS_URL), which
+    says nothing; "URL=ENDPOINT" was shown for flags that take neither."""
+    for flag in FLAGS:
+        if flag.kind is bool or flag.choices:
+            continue
+        shown = placeholder(flag)
+        assert "_" not in flag.name or shown != flag.name.upper(), flag.name
+        assert flag.kind is not str or flag.metavar, f"{flag.name}: say what it takes (metavar)"
+    assert "URL=ENDPOINT" not in build_parser().format_help()
 
 
 def test_worker_slot_round_trip_and_garbage() -> None:
