@@ -228,7 +228,13 @@ FLAGS: tuple[Flag, ...] = (
         "header whose value scopes conversations (default: the bearer token)",
         metavar="HEADER",
     ),
-    Flag("admin_key", "Bearer key for /admin/ (empty: admin API disabled)", metavar="KEY"),
+    Flag(
+        "admin_key",
+        "the admin API's key: every call under /admin/ sends `Authorization: Bearer KEY`; "
+        "also the X-API-Key of POST /instances/add while --admin-api-key is empty (empty: "
+        "the admin API is disabled)",
+        metavar="KEY",
+    ),
     Flag(
         "session_secret",
         "secret(s) signing each session's handle and digests (HMAC, comma-separated: the first "
@@ -245,8 +251,9 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "admin_api_key",
-        "X-API-Key for POST /instances/add, the demo proxies' convention (empty: --admin-key; "
-        "both empty: the route is disabled)",
+        "a key for POST /instances/add alone, the demo proxies' route, sent as `X-API-Key: KEY` "
+        "as they send it (their ADMIN_API_KEY variable is read too); it opens nothing under "
+        "/admin/ (empty: --admin-key; both empty: the route is disabled)",
         env_alias="ADMIN_API_KEY",
         metavar="KEY",
     ),

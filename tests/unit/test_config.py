@@ -104,6 +104,18 @@ def test_admin_api_key_reads_the_demo_proxies_variable_below_its_own() -> None:
     assert load_settings(URLS, env={}).admin_api_key == ""
 
 
+def test_the_two_admin_keys_say_how_they_differ() -> None:
+    """--admin-key guards /admin/ (Bearer); --admin-api-key is the demo proxies' X-API-Key for
+    POST /instances/add alone, falling back to --admin-key: not duplicates, and --help says so."""
+    helps = {f.name: f.help for f in FLAGS}
+    assert "/admin/" in helps["admin_key"] and "Authorization: Bearer" in helps["admin_key"]
+    assert "POST /instances/add" in helps["admin_key"]  # the fallback, said on both sides
+    assert "X-API-Key" in helps["admin_api_key"] and "POST /instances/add" in helps["admin_api_key"]
+    assert "opens nothing under /admin/" in helps["admin_api_key"]
+    s = load_settings([*URLS, "--admin-key", "a" * 16, "--admin-api-key", "b" * 16], env={})
+    assert (s.admin_key, s.admin_api_key) == ("a" * 16, "b" * 16)
+
+
 def test_unknown_and_broken_config_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("colour = 'blue'\n")
