@@ -5,7 +5,10 @@ with what it takes, its default and its variable. `config.py` turns what it pars
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from typing import Any
 
+from router import kvbaton_version, vllm_router_flags
 from router.flags import FLAGS, cli_name, env_name, placeholder
 
 
@@ -21,6 +24,7 @@ def build_parser(defaults: object, prog: str = "kvbaton serve") -> argparse.Argu
     parser.add_argument(
         "--config", metavar="FILE", help="TOML file with settings (keys as flag names)"
     )
+    parser.add_argument("--version", action="version", version=f"kvbaton {kvbaton_version()}")
     for flag in FLAGS:
         default = getattr(defaults, flag.name)
         shown = f" (default: {default})" if not flag.many else ""
@@ -38,7 +42,7 @@ def build_parser(defaults: object, prog: str = "kvbaton serve") -> argparse.Argu
                 cli_name(flag.name),
                 dest=flag.name,
                 nargs=1 if flag.repeat else "+",  # repeated, they add up (--prefill A --prefill B)
-                action="extend",
+                action=vllm_router_flags.PrefillUrls if flag.name == "prefill" else "extend",
                 default=None,
                 metavar=placeholder(flag),
                 help=help_text,
@@ -53,4 +57,12 @@ def build_parser(defaults: object, prog: str = "kvbaton serve") -> argparse.Argu
                 metavar=None if flag.choices else placeholder(flag),  # choices show themselves
                 help=help_text,
             )
+    vllm_router_flags.add_to(parser)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, Any]:
+    """The flags given (None: not given); ConfigError for a vllm-router spelling kvbaton
+    refuses, naming what to write instead."""
+    vllm_router_flags.check_values(argv)
+    return vars(parser.parse_args(list(argv)))

@@ -164,7 +164,7 @@ def _from_file(path: str) -> dict[str, Any]:
 def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Settings:
     """Settings from (lowest to highest precedence) defaults, file, env, command line."""
     env = os.environ if env is None else env
-    args = vars(build_parser().parse_args(list(argv)))
+    args = command_line.parse(build_parser(), argv)
     config_file = args.pop("config") or env.get(ENV_PREFIX + "CONFIG")
     values: dict[str, Any] = _from_file(config_file) if config_file else {}
     values.update(_from_env(env))
