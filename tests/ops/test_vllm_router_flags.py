@@ -1,6 +1,7 @@
 """docs/migrating.md's "Coming from vllm-router" is what `kvbaton serve` does: each vllm-router
 flag in its table is accepted, or refused with one line naming the kvbaton flags the table
-names, and every vllm-router flag the parser knows is in the table."""
+names, and every vllm-router flag the parser knows is in the table. One real router started
+with `--prefill` once per P serves both."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import pytest
 from router import vllm_router_flags
 from router.config import FLAGS, build_parser, load_settings
 from router.errors import ConfigError
+from tests.ops.conftest import BIDIR, call, chat
+from tests.support.procs import SimProc, sim
+from tests.support.router import router
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
 BASE = ["--prefill", "http://p0:8000", "--decode", "http://d0:8001"]
@@ -122,3 +126,18 @@ def test_bootstrap_ports_as_vllm_router_parses_them() -> None:
     # The environment's list is kvbaton's own: no vllm-router forms there.
     env = {"KVBATON_PREFILL": "http://p1:1 http://p2:1", "KVBATON_DECODE": "d:1"}
     assert load_settings([], env=env).prefill == ("http://p1:1", "http://p2:1")
+
+
+@pytest.mark.e2e
+def test_a_router_started_with_prefill_per_p_serves_both(p: SimProc, d: SimProc) -> None:
+    """`--prefill P1 none ... --prefill P2`, vllm-router's way, on a real router: /status
+    counts both P (before, only the last --prefill was kept) and turns are served."""
+    with sim("prefill", *BIDIR, name="ops-vr-p2") as p2:
+        extra = ("--prefill", p2.url, "--vllm-pd-disaggregation")
+        with router([p.url, "none"], [d.url], *extra, name="ops-vllm-router") as r:
+            status, body = call("GET", r.url + "/status", key=None)
+            assert status == 200
+            assert body["prefill_node_count"] == 2
+            assert body["prefill_nodes"] == [p.url, p2.url]
+            for i in range(4):  # new conversations: both P are in the pool
+                assert chat(r.url, f"vllm-router-{i}", f"hello {i}")[0] == 200
