@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import uuid
 
+import redis
+
 from tests.support.chat import post
 from tests.support.metrics import metric
 from tests.support.procs import wait_until
 from tests.support.router import RouterProc
 from tests.vllm import engines
 from tests.vllm.conftest import Engines
-from tests.vllm.turns import chat, opening, reference
+from tests.vllm.engines import by_source
+from tests.vllm.turns import chat, opening, reference, session_fields
 
 
 def d_usage(e: Engines) -> float:
@@ -44,3 +47,33 @@ def ending_a_conversation_frees_its_blocks_on_d(e: Engines, r: RouterProc) -> No
     # Counted once P answers the release; D frees the blocks when P notifies it, before that.
     wait_until(lambda: metric(r.url, "kvbaton_pin_releases_total", **labels) >= 1, "counted", 10)
     assert p_completions(e) == calls + 1, "one read-nothing request to P"
+
+
+def a_restored_record_is_never_read(e: Engines, r: RouterProc, redis_url: str) -> None:
+    """issue 48: turn 1's session record, put back (`DUMP`/`RESTORE`) after turn 2 took its
+    handle, names blocks D freed once it was read or released: the next turn is
+    `miss;reason=stale-handle`, P reads nothing from D, and every answer is the reference's."""
+    cid = f"restore-{uuid.uuid4().hex[:8]}"
+    messages = opening("restore")
+    answer, _, _ = chat(r, messages, cid=cid)
+    key, _ = session_fields(redis_url, cid)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        record = raw.dump(key)
+        assert isinstance(record, bytes)
+        for follow_up in ("And the afternoon?", "And the evening?"):
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": follow_up},
+            ]
+            external = by_source(e.p.url, "external_kv_transfer")
+            answer, reuse, _ = chat(r, messages, cid=cid)
+            assert answer == reference(e, messages), reuse
+            if follow_up.endswith("evening?"):  # turn 1's record again, its handle spent
+                assert reuse == "miss;reason=stale-handle"
+                assert by_source(e.p.url, "external_kv_transfer") == external, "P read from D"
+            else:
+                assert reuse.startswith("hit"), reuse  # turn 2 took turn 1's handle
+                raw.restore(key, 0, record, replace=True)
+    finally:
+        raw.close()

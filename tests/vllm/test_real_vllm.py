@@ -294,6 +294,13 @@ def test_ending_a_conversation_frees_its_blocks_on_d(
     pins.ending_a_conversation_frees_its_blocks_on_d(vllm_engines, vllm_router)
 
 
+def test_a_restored_session_record_is_never_read(
+    vllm_engines: Engines, vllm_router: RouterProc, redis_url_session: str
+) -> None:
+    """A record older than the conversation (a restore): a miss, never a read of blocks D freed."""
+    pins.a_restored_record_is_never_read(vllm_engines, vllm_router, redis_url_session)
+
+
 def test_responses_turns_are_verified_by_p_s_render(
     vllm_engines: Engines, vllm_router: RouterProc, redis_url_session: str
 ) -> None:
