@@ -119,6 +119,19 @@ class UpstreamFailure(Exception):
         self.busy = busy
 
 
+class MalformedAnswer(Exception):
+    """An engine answered 200 with something other than what the API promises: not the JSON
+    object (an HTML page, half a body), or a stream cut without its terminator or with an
+    event that is not JSON. `sample` is a short prefix of what came, for the log."""
+
+    def __init__(self, message: str, sample: bytes = b"") -> None:
+        super().__init__(message)
+        self.sample = sample[:SAMPLE_BYTES]
+
+
+SAMPLE_BYTES = 120  # of a malformed answer, logged
+
+
 class StartupError(RuntimeError):
     """The engines do not form a valid deployment (e.g. different models)."""
 

@@ -69,6 +69,8 @@ class AbortReason(StrEnum):
     CLIENT_DISCONNECTED = "client-disconnected"
     DECODE_BROKE = "decode-broke"  # D's stream failed after the first byte
     DECODE_ERROR_EVENT = "decode-error-event"  # D sent an SSE error event
+    # D answered 200 with what the API does not promise (HTML, half a body, a cut stream)
+    DECODE_MALFORMED = "decode-malformed"
 
     @staticmethod
     def finish(finish_reason: str | None) -> str:

@@ -67,6 +67,8 @@ class Chunk(msgspec.Struct):
 
 
 decode_chunk = msgspec.json.Decoder(Chunk).decode
+# The events that end a Responses stream (a chat or completions stream ends with `[DONE]`).
+TERMINAL_EVENTS = frozenset(("response.completed", "response.incomplete", "response.failed"))
 
 
 def _int_list(value: object) -> list[int] | None:
@@ -88,6 +90,7 @@ class Capture:
     def __init__(self) -> None:
         self.cap = Captured()
         self.text: list[str] = []
+        self.terminal = False  # a Responses stream's last event was seen
 
     def result(self) -> Captured:
         if len(self.text) > 1:
@@ -188,6 +191,8 @@ class Capture:
             cap.reasoning = True
         elif kind.startswith("response.function_call"):
             cap.tool_calls = True
+        elif kind in TERMINAL_EVENTS:
+            self.terminal = True
         if c.response is not None:
             self.response(c.response)
 

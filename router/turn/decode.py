@@ -15,7 +15,14 @@ from starlette.types import Send
 from router.engines.client import EngineStream
 from router.engines.pool import Instance
 from router.engines.versions import engine_paused
-from router.errors import EngineReply, UpstreamFailure, sse_error_event
+from router.errors import (
+    EngineReply,
+    MalformedAnswer,
+    UpstreamError,
+    UpstreamFailure,
+    error_bytes,
+    sse_error_event,
+)
 from router.http.disconnect import RelayResponse
 from router.tracing import span
 from router.turn import asks
@@ -27,6 +34,7 @@ from router.turn.state import Turn
 from sessions.vocabulary import AbortReason, LegOutcome
 
 log = logging.getLogger("kvbaton.turn")
+JSON = "application/json"
 
 
 def final_headers(turn: Turn) -> dict[str, str]:
@@ -104,7 +112,10 @@ async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
     strip = not inc.wants_token_ids and turn.want_token_ids
     if inc.stream:
         relay = functools.partial(_relay, turn, d_inst, resp, strip)
-        return RelayResponse(relay, final_headers(turn), resp.content_type)
+        # D's content type is not trusted: a stream is relayed as one whatever D labelled it.
+        kind = resp.content_type
+        kind = kind if kind.startswith("text/event-stream") else "text/event-stream"
+        return RelayResponse(relay, final_headers(turn), kind)
     try:
         with svc.pool.busy(d_inst):
             chunks = [c async for c in resp.chunks(svc.settings.decode_idle_timeout)]
@@ -112,22 +123,39 @@ async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
         resp.close()  # the client left or D broke: D cancels the request
         raise
     resp.release()
-    client_bytes, captured = capture_body(b"".join(chunks), strip_token_ids=strip)
+    try:
+        client_bytes, captured = capture_body(b"".join(chunks), strip_token_ids=strip)
+    except MalformedAnswer as exc:
+        await _malformed(turn, d_inst, exc)
+        error = UpstreamError(f"the decode engine's answer was malformed: {exc}", code="malformed")
+        return Response(error_bytes(error), 502, headers=final_headers(turn), media_type=JSON)
     turn.mark_first_byte()
     await finish(turn, captured)
-    return Response(client_bytes, 200, headers=final_headers(turn), media_type="application/json")
+    return Response(client_bytes, 200, headers=final_headers(turn), media_type=JSON)
+
+
+async def _malformed(turn: Turn, d_inst: Instance, exc: MalformedAnswer) -> None:
+    """D answered 200 with what the API does not promise (its content type is not trusted):
+    one WARNING with what came, counted against D, and nothing stored."""
+    log.warning("decode answer from %s refused: %s: %r", d_inst.url, exc, exc.sample)
+    turn.svc.metrics.malformed.labels(d_inst.url).inc()
+    turn.svc.pool.record_failure(d_inst, f"malformed answer: {exc}")
+    await abort(turn, AbortReason.DECODE_MALFORMED)
 
 
 async def _relay(turn: Turn, d_inst: Instance, resp: EngineStream, strip: bool, send: Send) -> None:
     """Send D's SSE bytes on as they come; capture D's handle; commit before `[DONE]` goes
-    out. Cancelled (the client left): D's request is cancelled and the turn aborted."""
+    out. Cancelled (the client left): D's request is cancelled and the turn aborted. An
+    event that is not JSON or a stream cut without its terminator ends with
+    one error event, as a stall does."""
     relay = SseRelay(strip_token_ids=strip, responses=turn.inc.api == "responses")
     ended = False
     d_inst.outstanding += 1
     try:
         async for chunk in resp.chunks(turn.svc.settings.decode_idle_timeout):
             out = relay.feed(chunk)
-            if relay.done and not ended:
+            if relay.bad or (relay.done and not ended):
+                relay.check(at_end=False)  # an event that is not JSON: not passed on
                 ended = True
                 await finish(turn, relay.captured)
             if out:
@@ -135,17 +163,14 @@ async def _relay(turn: Turn, d_inst: Instance, resp: EngineStream, strip: bool, 
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         tail = relay.flush()
         if not ended:
+            relay.check(at_end=True, sample=tail)
             ended = True
             await finish(turn, relay.captured)
         if tail:
             await send(_body(tail))
-    except UpstreamFailure as exc:
-        # After the first byte the status is sent: end with one SSE error event, no commit.
-        log.warning("decode stream from %s broke: %s", d_inst.url, exc)
-        turn.svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
+    except (MalformedAnswer, UpstreamFailure) as exc:
         ended = True
-        await abort(turn, AbortReason.DECODE_BROKE)
-        await send(_body(sse_error_event(f"the decode engine failed mid-stream: {exc}")))
+        await send(_body(await _broke(turn, d_inst, exc)))
     except Exception as exc:
         # Design rule 8: after the first byte every failure ends the stream with one error
         # event, never a cut 200; one log line, the traceback at debug level.
@@ -162,6 +187,18 @@ async def _relay(turn: Turn, d_inst: Instance, resp: EngineStream, strip: bool, 
             resp.close()  # cancels D's request: the client left or D broke
         if not ended:
             await asyncio.shield(abort(turn, AbortReason.CLIENT_DISCONNECTED))
+
+
+async def _broke(turn: Turn, d_inst: Instance, exc: MalformedAnswer | UpstreamFailure) -> bytes:
+    """After the first byte the status is sent: the turn aborted (no commit), and the one SSE
+    error event that ends the stream."""
+    if isinstance(exc, MalformedAnswer):
+        await _malformed(turn, d_inst, exc)
+        return sse_error_event(f"the decode engine's stream was malformed: {exc}")
+    log.warning("decode stream from %s broke: %s", d_inst.url, exc)
+    turn.svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
+    await abort(turn, AbortReason.DECODE_BROKE)
+    return sse_error_event(f"the decode engine failed mid-stream: {exc}")
 
 
 def _body(chunk: bytes) -> dict[str, Any]:

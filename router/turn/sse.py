@@ -11,6 +11,7 @@ import contextlib
 
 import msgspec
 
+from router.errors import MalformedAnswer
 from router.turn.capture import (
     Capture,
     Captured,
@@ -77,6 +78,7 @@ class SseRelay:
         # output_messages (looked for only there: no extra scan of a chat stream's chunks).
         self._strip_raw = strip_token_ids and responses
         self._capture = Capture()
+        self.bad = b""  # the first event data seen that is not JSON (seen when decoded)
         self._pending: list[bytes] = []  # events' data not captured yet (decoded in batches)
         self._done = False
         self._held = bytearray()
@@ -107,8 +109,26 @@ class SseRelay:
         except (msgspec.ValidationError, msgspec.DecodeError):
             chunks = []
         if len(chunks) != len(pending):  # an event of another shape, or not JSON: one by one
-            chunks = [c for c in map(_chunk_or_none, pending) if c is not None]
+            chunks = []
+            for data in pending:
+                try:
+                    chunks.append(decode_chunk(data))
+                except msgspec.ValidationError:
+                    pass  # JSON of another shape: nothing to capture
+                except msgspec.DecodeError:
+                    self.bad = self.bad or data  # passed on as it came; `check` raises
         self._capture.chunks(chunks)
+
+    def check(self, *, at_end: bool, sample: bytes = b"") -> None:
+        """Raise MalformedAnswer for a stream unlike the API's: an event that is not JSON, or
+        (`at_end`: D closed it) an end without the terminator (`[DONE]`; a Responses stream's
+        last event) and without an error event of D's own."""
+        self._capture_pending()
+        cap = self._capture
+        if at_end and not (self._done or cap.terminal or cap.cap.error is not None):
+            raise MalformedAnswer("the stream ended without its terminator", sample)
+        if self.bad:
+            raise MalformedAnswer("an event that is not JSON", self.bad)
 
     def _end_of_event(self, data: bytes | bytearray, start: int) -> tuple[int, int]:
         """(index of the blank line that ends the event at `start`, its length) or (-1, 0)."""
@@ -275,26 +295,25 @@ class SseRelay:
         return _with_data(block, _encode(obj), eol) + sep
 
 
-def _chunk_or_none(data: bytes) -> Chunk | None:
-    try:
-        return decode_chunk(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None  # JSON of another shape, or not JSON: nothing to capture
-
-
 def capture_body(body: bytes, *, strip_token_ids: bool) -> tuple[bytes, Captured]:
     """A non-streaming D body: what it tells the router, and the body for the client.
 
     Only our fields are removed (top-level kv_transfer_params, and token ids when the
-    client did not ask for them); usage and everything else stay as D sent them.
+    client did not ask for them); usage and everything else stay as D sent them. A body that
+    is not the object the API promises (choices, a Responses object, or an error) raises
+    MalformedAnswer, whatever its content type said.
     """
     capture = Capture()
     try:
         obj = _decode_any(body)
     except msgspec.DecodeError:
-        return body, capture.result()
-    if not isinstance(obj, dict):
-        return body, capture.result()
+        raise MalformedAnswer("a body that is not JSON", body) from None
+    if not isinstance(obj, dict) or not (
+        isinstance(obj.get("choices"), list)
+        or obj.get("object") == "response"
+        or isinstance(obj.get("error"), dict)
+    ):
+        raise MalformedAnswer("JSON that is not a response object", body)
     with contextlib.suppress(msgspec.ValidationError):
         capture.chunk(msgspec.convert(obj, Chunk))
         if obj.get("object") == "response":  # a Responses API body

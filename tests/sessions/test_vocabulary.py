@@ -53,4 +53,5 @@ def test_abort_families() -> None:
         "client-disconnected",
         "decode-broke",
         "decode-error-event",
+        "decode-malformed",
     ]

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.errors import SAMPLE_BYTES, MalformedAnswer
 from router.turn.capture import Capture, Captured, decode_chunk
 from router.turn.sse import SseRelay, capture_body
 
@@ -750,8 +751,6 @@ CHAT_BODY = {
                 error={"message": "no", "type": "BadRequestError", "param": None, "code": 400}
             ),
         ),
-        ({"choices": "x", "kv_transfer_params": KV}, False, {"choices": "x"}, Captured()),
-        ([1, 2], False, None, Captured()),
     ],
 )
 def test_capture_body(body: Any, strip: bool, client_body: Any, expected: Captured) -> None:
@@ -765,11 +764,24 @@ def test_capture_body(body: Any, strip: bool, client_body: Any, expected: Captur
     assert cap == expected
 
 
-@pytest.mark.parametrize("raw", [b"", b"not json", b"{", b"\xff"])
-def test_capture_body_not_json(raw: bytes) -> None:
-    out, cap = capture_body(raw, strip_token_ids=True)
-    assert out is raw
-    assert cap == Captured()
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"not json",
+        b"{",
+        b"\xff",
+        b"<html><body>502 Bad Gateway</body></html>",
+        b'{"id":"chatcmpl-1","choices":[{"index":0,"message":{"content":"hal',
+        b"[1, 2]",
+        b'{"choices": "x", "kv_transfer_params": {}}',
+        b'{"id": "x"}',
+    ],
+)
+def test_a_body_that_is_not_a_response_object_is_malformed(raw: bytes) -> None:
+    with pytest.raises(MalformedAnswer) as caught:
+        capture_body(raw, strip_token_ids=True)
+    assert caught.value.sample == raw[:SAMPLE_BYTES]
 
 
 def test_capture_body_keeps_floats_and_unicode() -> None:
@@ -878,3 +890,34 @@ def _batch_equals_single(picked: list[dict[str, Any]]) -> None:
     for c in picked:  # decoded again: a capture may keep (and extend) a decoded list
         single.chunk(decode_chunk(enc(c)))
     assert batch.result() == single.result()
+
+
+_TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n'
+_LAST = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+_COMPLETED = b'data: {"type":"response.completed","response":{"status":"completed"}}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("stream", "responses", "problem"),
+    [
+        ([_TOKEN, _LAST, b"data: [DONE]\n\n"], False, None),
+        ([_TOKEN, _LAST], False, "without its terminator"),
+        ([_TOKEN, _LAST[:30]], False, "without its terminator"),
+        ([_TOKEN, b"data: <html>oops</html>\n\n", _LAST, b"data: [DONE]\n\n"], False, "not JSON"),
+        ([_TOKEN, b'data: {"error":{"message":"boom"}}\n\n'], False, None),
+        ([b'data: {"type":"response.output_text.delta","delta":"a"}\n\n', _COMPLETED], True, None),
+        ([b'data: {"type":"response.output_text.delta","delta":"a"}\n\n'], True, "terminator"),
+    ],
+)
+def test_a_stream_unlike_the_api_is_malformed_at_its_end(
+    stream: list[bytes], responses: bool, problem: str | None
+) -> None:
+    relay = SseRelay(strip_token_ids=False, responses=responses)
+    for chunk in stream:
+        relay.feed(chunk)
+    tail = relay.flush()
+    if problem is None:
+        relay.check(at_end=True, sample=tail)
+        return
+    with pytest.raises(MalformedAnswer, match=problem):
+        relay.check(at_end=True, sample=tail)
