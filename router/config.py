@@ -18,9 +18,10 @@ from router import command_line
 from router.connectors.names import ConnectorName
 from router.engines import ranks
 from router.errors import ConfigError
-from router.flags import ENV_PREFIX, FLAGS, Flag, cli_name, env_name
+from router.flag import ENV_PREFIX, Flag, cli_name, env_name
+from router.flags import FLAGS
 
-# ENV_PREFIX, FLAGS and Flag live in flags.py; they are part of this module's interface too.
+# ENV_PREFIX and Flag live in flag.py, FLAGS in flags.py; part of this module's interface too.
 __all__ = [
     "ENV_PREFIX",
     "FLAGS",

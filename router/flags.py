@@ -1,49 +1,11 @@
-"""Every setting as the command line, the environment and a TOML file see it: name, help,
-type, choices. `config.py` builds `Settings` from these; `config_docs.py` documents them."""
+"""Every setting `kvbaton serve` takes (name, help, type, choices) and the help group each is
+listed in. `config.py` builds `Settings` from them, `command_line.py` the parser and
+`config_docs.py` docs/configuration.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from router.connectors.names import ConnectorName
-
-ENV_PREFIX = "KVBATON_"
-
-
-def cli_name(name: str) -> str:
-    """A setting's flag: `redis_url` is `--redis-url`."""
-    return "--" + name.replace("_", "-")
-
-
-def env_name(name: str) -> str:
-    """A setting's variable: `redis_url` is `KVBATON_REDIS_URL`."""
-    return ENV_PREFIX + name.upper()
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One setting as the command line, env and file see it."""
-
-    name: str
-    help: str
-    kind: type = str
-    many: bool = False
-    choices: tuple[str, ...] = ()
-    # Another variable read when KVBATON_<FLAG> is unset (a convention other proxies use).
-    env_alias: str = ""
-    # A list flag given once per value (--kv-events A --kv-events B); its values may hold
-    # commas, so the environment separates them by spaces only.
-    repeat: bool = False
-    # What the flag takes, as --help and docs/configuration.md show it (empty: by its type).
-    metavar: str = ""
-    # Needed to start (unless instances announce themselves: --moriio-register).
-    required: bool = False
-
-
-def placeholder(flag: Flag) -> str:
-    """The value a flag takes as help shows it: by default an int is N, a float SECONDS."""
-    return flag.metavar or {int: "N", float: "SECONDS"}.get(flag.kind, "VALUE")
-
+from router.flag import GROUPS, Flag, Group
 
 FLAGS: tuple[Flag, ...] = (
     Flag(
@@ -326,3 +288,9 @@ FLAGS: tuple[Flag, ...] = (
         metavar="URL",
     ),
 )
+
+
+def grouped() -> list[tuple[Group, tuple[Flag, ...]]]:
+    """Each group with its flags, in the order GROUPS lists them."""
+    by_name = {flag.name: flag for flag in FLAGS}
+    return [(group, tuple(by_name[name] for name in names)) for group, names in GROUPS.items()]

@@ -292,7 +292,8 @@ class Usage:
     """What `kvbaton COMMAND --help` in the image lists: its flags and KVBATON_* variables."""
 
     def __init__(self, command: str) -> None:
-        text = podman("run", "--rm", "--no-healthcheck", IMAGE, command, "--help")
+        help_flag = "--help=all" if command == "serve" else "--help"  # serve's --help: a summary
+        text = podman("run", "--rm", "--no-healthcheck", IMAGE, command, help_flag)
         self.flags = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", text))
         self.env = set(re.findall(r"\bKVBATON_\w+", text)) - {"KVBATON_"}
         assert len(self.flags) > 10, text

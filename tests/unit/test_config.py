@@ -17,7 +17,7 @@ from router.config import (
     load_settings,
     worker_slot,
 )
-from router.flags import placeholder
+from router.flag import placeholder
 
 URLS = ["--prefill", "http://p:8100", "--decode", "http://d:8200/"]
 
