@@ -1,5 +1,7 @@
 """The session store's circuit breaker: after a failure, turns skip the store for `retry_after`
-seconds instead of each paying a timeout; a direct ping that succeeds closes it at once."""
+seconds instead of each paying a timeout; a direct ping that succeeds closes it at once. An
+outage is logged once when it begins (with `hint`, how to fix the address), then reminded at
+most every `remind_every` seconds, and once more when the store answers again."""
 
 from __future__ import annotations
 
@@ -29,6 +31,12 @@ class StoreGuard:
     open_until: float = 0.0
     failures: int = 0
     on_failure: Callable[[], None] | None = None
+    # How the logs name the store (its address) and what to check when it does not answer.
+    name: str = "session store"
+    hint: str = ""
+    remind_every: float = 60.0
+    down_since: float | None = None  # the outage's first failure, None while it answers
+    _said_at: float = 0.0
 
     @property
     def is_open(self) -> bool:
@@ -46,15 +54,50 @@ class StoreGuard:
             self.failures += 1
             if self.on_failure is not None:
                 self.on_failure()
-            if not self.is_open:
-                log.warning(
-                    "session store failed (%s); routing without reuse for %.1fs",
-                    exc,
-                    self.retry_after,
-                )
-            self.open_until = self.clock() + self.retry_after
+            self._down(exc)
             raise
+        self._up()
         return result
+
+    async def check(self, store: SessionStore) -> bool:
+        """At start: ping the store; when it does not answer, say so once (with the hint) and
+        open the breaker, so the first turns do not each wait for a timeout."""
+        try:
+            await store.ping()
+        except StoreError as exc:
+            self._down(exc)
+            return False
+        return True
+
+    def _down(self, exc: StoreError) -> None:
+        now = self.clock()
+        self.open_until = now + self.retry_after
+        if self.down_since is None:
+            self.down_since = self._said_at = now
+            hint = f"; {self.hint}" if self.hint else ""
+            log.warning(
+                "%s does not answer (%s): routing without reuse until it does%s",
+                self.name,
+                exc,
+                hint,
+            )
+        elif now - self._said_at >= self.remind_every:
+            self._said_at = now
+            log.warning(
+                "%s still does not answer after %.0f s (%s): routing without reuse",
+                self.name,
+                now - self.down_since,
+                exc,
+            )
+
+    def _up(self) -> None:
+        if self.down_since is not None:
+            log.info(
+                "%s answers again after %.0f s; routing with reuse",
+                self.name,
+                self.clock() - self.down_since,
+            )
+            self.down_since = None
 
     async def ping(self, store: SessionStore) -> None:
         """Ping the store past the breaker; raise StoreError if it does not answer. An answer
@@ -62,10 +105,10 @@ class StoreGuard:
         ping changes nothing (it is not a turn's failure, and is not counted as one)."""
         opened = self.open_until
         await store.ping()
-        if self.open_until == opened and opened:
-            if self.is_open:
-                log.info("session store answers again; routing with reuse")
-            self.open_until = 0.0
+        if self.open_until == opened:
+            if opened:
+                self.open_until = 0.0
+            self._up()
 
     async def watch(self, store: SessionStore, interval: float) -> None:
         """Every `interval` seconds while the breaker is open, ping the store (until cancelled).

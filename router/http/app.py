@@ -38,10 +38,11 @@ from router.http.disconnect import CLIENT_CLOSED, until_disconnect
 from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
 from router.lifecycle import pins, registry
+from router.lifecycle.advice import store_guard
 from router.lifecycle.discovery import discover
 from router.lifecycle.health import health_loop
 from router.metrics import CONTENT_TYPE, Metrics
-from router.services import Services, StoreGuard
+from router.services import Services
 from router.tracing import span
 from router.turn.incoming import Api, read_incoming
 from router.turn.outcomes import Reason, Reuse
@@ -223,7 +224,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
             settings.pin_high_water,
             settings.pin_low_water,
         )
-        guard = StoreGuard(settings.store_retry_after)
+        guard = store_guard(settings)  # names Redis by its URL and flag when it is down
         metrics = Metrics(pool, lambda: guard.is_open, shared=settings.workers > 1)
         guard.on_failure = metrics.store_errors.inc
         connector = select(settings)
@@ -247,6 +248,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         background: list[asyncio.Task[None]] = []  # the connector's (registration), the sweep
         svc.releaser = pins.releaser(svc)
         try:
+            await guard.check(backend.store)  # Redis down: said once, now, with the flag
             await discover(svc)
             app.state.services = svc
             app.state.operations = ops

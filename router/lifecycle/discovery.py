@@ -15,6 +15,7 @@ from router.engines.client import Upstream
 from router.engines.metrics_text import matches, process_started
 from router.engines.pool import Instance, Pool
 from router.errors import StartupError, UpstreamFailure
+from router.lifecycle.advice import v1_hint, warn_v1_suffixes
 from router.lifecycle.health import read_version
 from router.metrics import Metrics
 from router.services import Services, StoreGuard
@@ -29,8 +30,9 @@ _BLOCK_SIZE = (
 )
 
 
-async def inspect(svc: Services, inst: Instance) -> None:
-    """Fill in the instance's model and block size; mark it unhealthy if it cannot answer."""
+async def inspect(svc: Services, inst: Instance, report: bool = True) -> None:
+    """Fill in the instance's model and block size; mark it unhealthy if it cannot answer
+    (said in the log when `report`)."""
     timeout = svc.settings.connect_timeout + 5.0
     try:
         status, raw = await svc.engines.get(inst.url + "/v1/models", timeout=timeout)
@@ -43,7 +45,15 @@ async def inspect(svc: Services, inst: Instance) -> None:
     except (UpstreamFailure, msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
         inst.healthy = False
         inst.last_error = f"check failed: {exc}"
-        log.warning("%s instance %s is not answering: %s", inst.role, inst.url, exc)
+        if report:
+            hint = v1_hint(inst.url)
+            log.warning(
+                "%s instance %s is not answering: %s%s",
+                inst.role,
+                inst.url,
+                exc,
+                f" ({hint})" if hint else "",
+            )
         return
     match = next(matches(_BLOCK_SIZE, metrics, whole=False), None) if status == 200 else None
     inst.block_size = int(match.group(1)) if match else 0
@@ -61,14 +71,17 @@ def _max_model_len(card: dict[str, object]) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-async def discover(svc: Services) -> None:
-    """Check all instances; refuse to start when they serve different models."""
+async def discover(svc: Services, report: bool = True) -> None:
+    """Check all instances; refuse to start when they serve different models. With `report`,
+    log what start-up found (the pre-flight check does not: the lifespan says it, once)."""
+    if report:
+        warn_v1_suffixes(svc.settings)
     if not svc.settings.check_models:
         svc.model = svc.settings.model
         svc.block_size = svc.settings.block_size
         return
     instances = svc.pool.instances()
-    await asyncio.gather(*(inspect(svc, inst) for inst in instances))
+    await asyncio.gather(*(inspect(svc, inst, report) for inst in instances))
     models = {inst.model for inst in instances if inst.model}
     if svc.settings.model:
         models.add(svc.settings.model)
@@ -89,13 +102,27 @@ async def discover(svc: Services) -> None:
         svc.block_size = sizes.pop()
     elif sizes:
         raise StartupError(f"instances use different KV block sizes: {sorted(sizes)}")
-    log.info(
-        "model %r, block size %s, %d prefill and %d decode instances",
-        svc.model,
-        svc.block_size or "unknown",
-        len(svc.settings.prefill),
-        len(svc.settings.decode),
-    )
+    if report:
+        _log_found(svc)
+
+
+def _log_found(svc: Services) -> None:
+    counts = (len(svc.settings.prefill), len(svc.settings.decode))
+    if not svc.model:
+        log.warning(
+            "no engine answered at start (%d prefill and %d decode instances): each is probed "
+            "every --health-interval and serves once it answers, but the model and KV block "
+            "size are not learned (give --model and --block-size, or restart the router once "
+            "the engines are up)",
+            *counts,
+        )
+    else:
+        log.info(
+            "model %r, block size %s, %d prefill and %d decode instances",
+            svc.model,
+            svc.block_size or "unknown",
+            *counts,
+        )
     _log_groups(svc)
 
 
@@ -131,6 +158,6 @@ async def preflight(settings: Settings) -> None:
             Metrics(pool, lambda: False),
             select(settings),
         )
-        await discover(svc)
+        await discover(svc, report=False)
     finally:
         await upstream.close()

@@ -224,7 +224,10 @@ def _check_common(body: Mapping[str, Any], model: str) -> bool:
         raise BadRequest("'model' must be a string", param="model")
     if requested and model and requested != model:
         raise NotFound(
-            f"The model `{requested}` does not exist.", code="model_not_found", param="model"
+            f"The model `{requested}` does not exist: the engines serve `{model}` "
+            "(GET /v1/models lists it)",
+            code="model_not_found",
+            param="model",
         )
     return stream
 

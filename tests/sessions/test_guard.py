@@ -88,3 +88,36 @@ async def test_watch_closes_the_breaker_when_the_store_is_back(outage: Outage) -
     finally:
         watching.cancel()
     assert guard.failures == 1  # the watch's failed pings were not turn failures
+
+
+async def test_an_outage_is_said_once_reminded_each_minute_and_its_end_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A failure every 2 s for two minutes: one line when it begins (with the hint), one
+    reminder per minute, one line when the store answers again."""
+    now = [0.0]
+    guard = StoreGuard(retry_after=2.0, clock=lambda: now[0], name="Redis at X", hint="fix it")
+
+    async def fails() -> None:
+        raise StoreError("Error 111 connecting")
+
+    async def answers() -> str:
+        return "ok"
+
+    caplog.set_level("INFO", logger="kvbaton.store")
+    for second in range(0, 121, 2):
+        now[0] = float(second)
+        with pytest.raises(StoreError):
+            await guard.call(fails)
+    now[0] = 125.0
+    assert await guard.call(answers) == "ok"
+    assert await guard.call(answers) == "ok"
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "Redis at X does not answer (Error 111 connecting): routing without reuse until it "
+        "does; fix it",
+        "Redis at X still does not answer after 60 s (Error 111 connecting): routing without reuse",
+        "Redis at X still does not answer after 120 s (Error 111 connecting): routing without "
+        "reuse",
+        "Redis at X answers again after 125 s; routing with reuse",
+    ]

@@ -1,0 +1,89 @@
+"""A misconfigured router says so once, at start, with the fix (issue 51): a Redis that does
+not answer (its URL, password masked, and the flag), a /v1 suffix on an engine URL, no engine
+reachable; a request naming a model the engines do not serve gets a 404 naming theirs.
+Real processes: `kvbaton serve`, simulator P/D, a Redis URL on a port nobody listens on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.chat import post
+from tests.support.metrics import metric
+from tests.support.procs import SimProc, free_port, sims, wait_until
+from tests.support.router import RouterProc, router
+
+PASSWORD = "hunter2-not-logged"
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[SimProc]]:
+    with sims(("prefill",), ("decode",), name="misconf") as pair:
+        yield pair
+
+
+def lines(r: RouterProc, text: str) -> list[str]:
+    return [line for line in r.log.read_text().splitlines() if text in line]
+
+
+@pytest.fixture(scope="module")
+def misconfigured(engines: list[SimProc]) -> Iterator[RouterProc]:
+    """P given with /v1, Redis on a port nobody listens on, the breaker retried every 0.1 s."""
+    p, d = engines
+    redis_url = f"redis://:{PASSWORD}@127.0.0.1:{free_port()}/0"
+    flags = ("--store-retry-after", "0.1", "--store-timeout", "0.2", "--health-interval", "0.1")
+    with router([p.url + "/v1"], [d.url], *flags, redis_url=redis_url, name="misconf-router") as r:
+        yield r
+
+
+def test_a_redis_that_does_not_answer_is_said_once_with_the_flag(
+    misconfigured: RouterProc,
+) -> None:
+    # Let the store fail many times over (turns, the pin sweep, the watch): still one line.
+    wait_until(
+        lambda: metric(misconfigured.url, "kvbaton_store_errors_total") >= 5,
+        "several session-store failures",
+    )
+    said = lines(misconfigured, "does not answer")
+    assert len(said) == 1, said
+    (line,) = said
+    assert "WARNING" in line and "Redis at redis://:***@127.0.0.1:" in line
+    assert "--redis-url / KVBATON_REDIS_URL" in line and "routing without reuse" in line
+    assert PASSWORD not in misconfigured.log.read_text()
+    assert not lines(misconfigured, "still does not answer")  # a reminder: once a minute
+    assert not lines(misconfigured, "session store failed")  # the old line every retry
+
+
+def test_a_v1_suffix_gets_a_hint_at_start_and_in_the_failure(
+    misconfigured: RouterProc, engines: list[SimProc]
+) -> None:
+    p = engines[0]
+    hint = f"drop the /v1 suffix: the engine's base URL is {p.url}"
+    at_start = lines(misconfigured, f"--prefill {p.url}/v1: {hint}")
+    assert len(at_start) == 1, at_start
+    failing = lines(misconfigured, "is not answering")
+    assert len(failing) == 1 and hint in failing[0], failing
+
+
+def test_start_up_lines_are_logged_once(misconfigured: RouterProc) -> None:
+    found = lines(misconfigured, "model 'sim-model', block size")
+    assert len(found) == 1, found
+
+
+def test_an_unknown_model_is_a_404_naming_the_served_one(misconfigured: RouterProc) -> None:
+    body = {"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": "hi"}]}
+    reply = post(misconfigured.url + "/v1/chat/completions", body)
+    assert reply.status == 404
+    error = reply.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "`Qwen/Qwen3-0.6B` does not exist" in error["message"]
+    assert "`sim-model`" in error["message"]
+
+
+def test_no_engine_reachable_says_so_not_an_empty_model() -> None:
+    nowhere = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    with router(nowhere[:1], nowhere[1:], name="misconf-nowhere") as r:
+        said = lines(r, "no engine answered at start (1 prefill and 1 decode instances)")
+        assert len(said) == 1, r.log.read_text()
+        assert not lines(r, "model ''")
