@@ -43,6 +43,7 @@ async def finish(turn: Turn, captured: Captured) -> None:
 
 
 async def _settle(turn: Turn, captured: Captured) -> None:
+    turn.settled = True
     pins.release_unread(turn, "superseded")
     if turn.svc.kv_events is not None:  # their streams should show this turn's blocks
         ran = (turn.prefill, turn.decode)
@@ -57,6 +58,9 @@ async def abort(turn: Turn, reason: AbortReason | str, captured: Captured | None
     """A failed or cancelled turn commits nothing; it only gives back its claim, and releases
     any handle it took or D gave it. `reason` is an `AbortReason` or one of its families'
     spellings (`AbortReason.engine(status)`, ...)."""
+    if turn.settled:  # committed or released already (a bad event after D's last one)
+        report(turn, f"aborted:{reason}", captured)
+        return
     await release(turn)
     pins.release_unread(turn, "aborted")
     pins.release_new(turn, captured, "aborted")

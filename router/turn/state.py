@@ -34,6 +34,7 @@ class Turn:
     leg_id: str = ""
     early: EarlyTokens | None = None  # P's /tokenize sent during the claim (turn/early.py)
     handle_sent: bool = False  # the claimed handle reached a P (read, or D notified)
+    settled: bool = False  # the end of the turn ran: D's new handle is committed or released
 
     def miss(self, reason: Reason) -> None:
         """The turn's verdict becomes a miss (its handle, if any, is not sent)."""
