@@ -6,10 +6,18 @@ record older than the conversation is a miss, never a read)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
+import msgspec
 import pytest
 
+from router.turn.capture import Captured
+from router.turn.claim import Claim
+from router.turn.commit import abort
+from router.turn.incoming import read_incoming
+from router.turn.outcomes import Reason, Reuse
+from router.turn.state import Turn
 from router.turn.tenant import DEFAULT_TENANT
 from sessions.codec import handle_id
 from sessions.keys import conversation_key
@@ -195,3 +203,59 @@ def test_a_handle_s_digest_is_the_one_the_redis_scripts_compute() -> None:
         handle_id({"remote_request_id": "x", "n": 1.5})
         == hashlib.sha1(stored.encode(), usedforsecurity=False).hexdigest()
     )
+
+
+class LandsThenTimesOut(MemorySessionStore):
+    """A commit that lands, then times out before its reply: the turn cannot know."""
+
+    async def commit(
+        self,
+        key: str,
+        state: SessionState,
+        expected_turn: int,
+        ttl_s: float,
+        pin: PinNote | None = None,
+    ) -> bool:
+        await super().commit(key, state, expected_turn, ttl_s, pin)
+        raise StoreError("session store commit failed: timed out")
+
+
+async def test_a_commit_that_timed_out_but_landed_is_spent_in_the_store() -> None:
+    """The turn releases D's new handle (unsaved) and, once the store answers, takes it out of
+    the state the commit wrote: no replica reads a handle that was released."""
+    engines = FakeEngines()
+    svc = releasing(engines)
+    svc.store = LandsThenTimesOut()
+    await turn(svc, second_turn("and then?")[:2], request_id="r0")
+    assert len(await released_ids(svc, engines)) == 1 and counted(svc, "unsaved") == 1
+    await asyncio.gather(*svc.background)  # the spend, written once the store answers
+    state = await state_of(svc)
+    assert state.kv_transfer_params is None and state.no_handle_reason == "released"
+    await svc.releaser.stop()
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["unsettled", "settled"])
+async def test_an_abort_releases_d_s_handle_unless_the_turn_settled(settled: bool) -> None:
+    """An abort after the turn's end ran (a bad event after D's last one) must not release a
+    handle the commit stored."""
+    engines = FakeEngines()
+    svc = releasing(engines)
+    await conversation(svc, 1)
+    state = await state_of(svc)
+    messages = second_turn("and then?")[:2]
+    body = msgspec.json.encode({"model": "m", "messages": messages, "conversation_id": "c1"})
+    inc = read_incoming(
+        body,
+        {"content-type": "application/json"},
+        api="chat",
+        model="m",
+        max_bytes=1 << 20,
+        tenant_header="",
+    )
+    claim = Claim(KEY, None, Reuse.miss(Reason.NO_SESSION))
+    t = Turn(svc, inc, "r1", claim, time.monotonic())
+    t.decode = svc.pool.find("decode", state.decode)
+    t.settled = settled
+    await abort(t, "decode-malformed", Captured(kv_transfer_params=state.kv_transfer_params))
+    assert len(await released_ids(svc, engines)) == (0 if settled else 1)
+    await svc.releaser.stop()
