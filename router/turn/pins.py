@@ -15,6 +15,7 @@ from router.turn import decide
 from router.turn.aim import aims_at_its_d
 from router.turn.capture import Captured
 from router.turn.state import Turn
+from sessions.codec import handle_id
 from sessions.model import SessionState
 from sessions.store import PinNote, StoreError
 from sessions.vocabulary import CommitResult
@@ -67,9 +68,9 @@ def spend_later(turn: Turn, key: str, state: SessionState) -> None:
     """A commit whose outcome is not known may have stored the handle it carried, which the
     turn then releases: once the store answers, it is marked spent there too, so that no
     replica reads it (this one knows already)."""
-    svc = turn.svc
-    hid = svc.spent.add(state.kv_transfer_params)
-    svc.unspent.append((key, hid, state.handle_expires_at))
+    svc = turn.svc  # this process marks it spent as it releases it (Releaser.submit)
+    assert state.kv_transfer_params is not None
+    svc.unspent.append((key, handle_id(state.kv_transfer_params), state.handle_expires_at))
     if not svc.flushing:
         svc.flushing = True
         svc.spawn(_flush_unspent(svc))

@@ -40,12 +40,14 @@ KEY = conversation_key(DEFAULT_TENANT, "c1")
 
 
 class FailingCommits(MemorySessionStore):
-    """A store whose commits fail (`error`), lose (`lost`), or wait for `go` first."""
+    """A store whose commits fail (`error`), lose (`lost`), land then time out before their
+    reply (`lands`: the turn cannot know), or wait for `go` first."""
 
     def __init__(self) -> None:
         super().__init__()
         self.error = False
         self.lost = False
+        self.lands = False
         self.go: asyncio.Event | None = None
         self.started = asyncio.Event()
 
@@ -60,6 +62,9 @@ class FailingCommits(MemorySessionStore):
         self.started.set()
         if self.go is not None:
             await self.go.wait()
+        if self.lands:
+            await super().commit(key, state, expected_turn, ttl_s, pin)
+            raise StoreError("session store commit failed: timed out")
         if self.error:
             raise StoreError("session store commit failed: Redis is over maxmemory")
         if self.lost:
@@ -205,27 +210,14 @@ def test_a_handle_s_digest_is_the_one_the_redis_scripts_compute() -> None:
     )
 
 
-class LandsThenTimesOut(MemorySessionStore):
-    """A commit that lands, then times out before its reply: the turn cannot know."""
-
-    async def commit(
-        self,
-        key: str,
-        state: SessionState,
-        expected_turn: int,
-        ttl_s: float,
-        pin: PinNote | None = None,
-    ) -> bool:
-        await super().commit(key, state, expected_turn, ttl_s, pin)
-        raise StoreError("session store commit failed: timed out")
-
-
 async def test_a_commit_that_timed_out_but_landed_is_spent_in_the_store() -> None:
     """The turn releases D's new handle (unsaved) and, once the store answers, takes it out of
     the state the commit wrote: no replica reads a handle that was released."""
     engines = FakeEngines()
     svc = releasing(engines)
-    svc.store = LandsThenTimesOut()
+    store = FailingCommits()
+    store.lands = True
+    svc.store = store
     await turn(svc, second_turn("and then?")[:2], request_id="r0")
     assert len(await released_ids(svc, engines)) == 1 and counted(svc, "unsaved") == 1
     await asyncio.gather(*svc.background)  # the spend, written once the store answers
