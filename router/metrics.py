@@ -242,6 +242,12 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.moved_handles = _Counter(
+            "kvbaton_decode_moved_handles",
+            "D handles refused for naming a side channel other than the one D showed it owns",
+            ["instance"],
+            registry=r,
+        )
         self.releases = _Counter(
             "kvbaton_pin_releases",
             "Handles released so that D frees their pinned blocks, by reason and outcome",

@@ -19,7 +19,7 @@ log = logging.getLogger("kvbaton.backends")
 REFUSALS_TO_PAUSE = 3
 PAUSE_FIRST_S = 30.0  # then doubled each time the handle tried after a pause is refused too
 PAUSE_MAX_S = 600.0
-MAX_ORIGINS = 64  # side channels kept per D (its data-parallel ranks, a few restarts)
+MAX_RANKS = 64  # side channels pinned per D process: one per data-parallel rank
 
 # vLLM appends `_dp<rank>` to the engine id of each data-parallel engine of one D process.
 _DP_SUFFIX = re.compile(r"_dp\d+$")
@@ -80,17 +80,51 @@ class EngineIdentity:
     # 403 unless started with --enable-scale-out, older ones 404: learned from the first
     # answer, so that its Responses turns are not asked again; a restart asks again.
     renders: bool | None = None
-    # (engine id, side-channel host, port) as this D announced them in its handles (one per
-    # data-parallel rank): a stored handle may send P only there (turn/aim.py). Insertion
-    # ordered, the oldest dropped past MAX_ORIGINS; a restart forgets them.
-    origins: dict[tuple[str, str, int], None] = field(default_factory=dict)
+    # Each rank's side channel (engine id -> host, port), pinned from the first handle that
+    # named it: a stored handle may send P only there (turn/aim.py), and a later answer that
+    # names another address is refused until the process is seen to restart (a new start
+    # time on its /metrics), which forgets them.
+    sides: dict[str, tuple[str, int]] = field(default_factory=dict)
+    refused_sides: set[tuple[str, str, int]] = field(default_factory=set)  # each warned once
 
-    def note_origin(self, origin: tuple[str, str, int] | None) -> None:
-        if origin is None or origin in self.origins:
-            return
-        if len(self.origins) >= MAX_ORIGINS:
-            del self.origins[next(iter(self.origins))]
-        self.origins[origin] = None
+    def owns(self, origin: tuple[str, str, int]) -> bool:
+        """Whether that side channel is the one pinned for its rank."""
+        engine, host, port = origin
+        return self.sides.get(engine) == (host, port)
+
+    def admissible(self, origin: tuple[str, str, int]) -> bool:
+        """Whether a handle naming that side channel may be kept: the rank's pinned one, or a
+        rank not seen yet beside its siblings (the same engine family, the same host, a port
+        no other rank has); the first handle of a process pins the first rank."""
+        engine, host, port = origin
+        pinned = self.sides.get(engine)
+        return pinned == (host, port) if pinned is not None else self._joins(engine, host, port)
+
+    def admit(self, origin: tuple[str, str, int]) -> bool:
+        """Pin the side channel if admissible; else say so (once per address) and refuse."""
+        if self.admissible(origin):
+            self.sides.setdefault(origin[0], origin[1:])
+            return True
+        if origin not in self.refused_sides and len(self.refused_sides) < MAX_RANKS:
+            self.refused_sides.add(origin)
+            seen = ", ".join(f"{e} at {h}:{p}" for e, (h, p) in self.sides.items())
+            log.warning(
+                "%s answered with a handle naming side channel %s at %s:%d, not the one it "
+                "showed it owns (%s), and it has not restarted: the handle is not kept, and no "
+                "P is sent there",
+                self.label,
+                *origin,
+                seen,
+            )
+        return False
+
+    def _joins(self, engine: str, host: str, port: int) -> bool:
+        if not self.sides:
+            return True
+        if len(self.sides) >= MAX_RANKS or (host, port) in self.sides.values():
+            return False
+        family = engine_family(engine)
+        return all(engine_family(e) == family and h == host for e, (h, _) in self.sides.items())
 
     @property
     def streams_handles(self) -> bool:
@@ -150,7 +184,8 @@ class EngineIdentity:
         self.streams_params = False
         self.version = EngineVersion()  # read again by the health loop
         self.registration = 0
-        self.origins.clear()  # its side channel may have moved
+        self.sides.clear()  # its side channel may have moved
+        self.refused_sides.clear()
         self.renders = None  # it may have been started with other flags
 
     @property

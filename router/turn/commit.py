@@ -7,13 +7,15 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from router.engines.versions import registration_generation
 from router.tracing import span
-from router.turn import decide, early, history, pins
+from router.turn import aim, decide, early, history, pins
 from router.turn.capture import Captured
 from router.turn.incoming import Incoming
+from router.turn.outcomes import Reason
 from router.turn.state import Turn
 from router.turn.tenant import conversation_hash
 from sessions import digests, integrity
@@ -81,7 +83,8 @@ async def _commit(turn: Turn, captured: Captured) -> tuple[CommitResult, bool]:
     key = turn.claim.key
     if key is None or turn.decode is None:
         return CommitResult.NO_CONVERSATION_ID, False
-    state = next_state(turn, captured)
+    owned = await aim.d_owns(turn.svc, turn.decode, captured.kv_transfer_params)
+    state = next_state(turn, captured, d_owns=owned)
     expected = turn.claim.state.turn if turn.claim.state else 0
     svc = turn.svc
     ok = False
@@ -126,7 +129,7 @@ async def _index_history(turn: Turn, state: sm.SessionState, captured: Captured)
         log.warning("history index write failed: the next turn of this history will miss")
 
 
-def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
+def next_state(turn: Turn, captured: Captured, *, d_owns: bool = True) -> sm.SessionState:
     svc, inc = turn.svc, turn.inc
     assert turn.decode is not None
     params = captured.kv_transfer_params
@@ -149,13 +152,14 @@ def next_state(turn: Turn, captured: Captured) -> sm.SessionState:
     )
     if end.ids_differ:
         _switch_ids_leg_off(turn, captured)
+    if end.keep_handle and not d_owns:  # it names a side channel D did not show it owns
+        end = replace(end, keep_handle=False, reason=Reason.HANDLE_INVALID)
     token_ids: list[int] | None = None
     if turn.want_token_ids and captured.prompt_token_ids is not None:
         token_ids = [*captured.prompt_token_ids, *captured.output_token_ids]
     kept = params if end.keep_handle else None
     if kept is not None:
         turn.decode.ident.note_engine_id(svc.connector.engine_id(kept))
-        turn.decode.ident.note_origin(svc.connector.origin(kept))  # D's own answer
     if handle:  # kept or not, it says which registration D is on
         turn.decode.ident.note_registration(registration_generation(params))
     prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)

@@ -61,6 +61,10 @@ def release_new(turn: Turn, captured: Captured | None, reason: str) -> None:
     params = captured.kv_transfer_params if captured is not None else None
     if svc.releaser is None or turn.decode is None or not svc.connector.is_handle(params):
         return
+    assert params is not None  # is_handle said so
+    origin = svc.connector.origin(params)
+    if origin is None or not turn.decode.ident.admit(origin):
+        return  # a release would send P to a side channel D did not show it owns
     svc.releaser.submit(params, turn.decode.url, reason)  # spent from now on
 
 

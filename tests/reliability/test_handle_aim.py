@@ -15,8 +15,11 @@ from collections.abc import Iterator
 import redis
 
 from tests.reliability.conftest import ROUTER_FLAGS, SESSION_SECRET, Stack
-from tests.reliability.helpers import Conversation, new_cid, router, session
+from tests.reliability.helpers import Conversation, instance, new_cid, router, session
 from tests.support.chat import JSON, post
+from tests.support.fake_d import Shape, fake_d
+from tests.support.metrics import metric
+from tests.support.procs import free_port, wait_until
 
 UNSIGNED = [f for f in ROUTER_FLAGS if f not in ("--session-secret", SESSION_SECRET)]
 
@@ -91,3 +94,63 @@ def test_a_handle_aimed_at_another_address_is_never_sent(main: Stack) -> None:
     assert t.connections == 0, "P connected to the address the stored handle named"
     invalid = [line for line in log.splitlines() if "not used (handle-invalid)" in line]
     assert len(invalid) == 2, invalid  # one line for each turn that found a handle aimed away
+
+
+def moved_to(port: int) -> Shape:
+    """D's answer with its handle's side channel moved to `port` (a middlebox, a bad D)."""
+
+    def shape(body: bytes) -> tuple[bytes, str]:
+        answer = json.loads(body)
+        assert answer["kv_transfer_params"]["remote_port"] != port
+        answer["kv_transfer_params"]["remote_port"] = port
+        return json.dumps(answer).encode(), "application/json"
+
+    return shape
+
+
+def test_a_d_answer_naming_another_address_sends_no_p_there(main: Stack) -> None:
+    """Issue 50, item 2: D's side channel is pinned from its first handle. An answer whose
+    handle names another port is not kept (the next turn is `miss;reason=handle-invalid`),
+    said once with D's URL, counted, and no P connects there, not to read nor to release."""
+    ps = [p.url for p in main.ps]
+    with (
+        trap() as t,
+        fake_d(main.ds[0].url) as d,
+        router(ps, [d.url], *ROUTER_FLAGS, redis_url=main.redis_url, name="rel-moved") as r,
+    ):
+        wait_until(lambda: instance(r.url, "decode", d.url)["usable"], "the fake D is not usable")
+        conv = Conversation(r.url, main.ref, new_cid("moved"))
+        conv.turn()  # pins D's side channel
+        assert conv.turn().reuse == "hit"
+        moved = metric(r.url, "kvbaton_decode_moved_handles_total", instance=d.url)
+        d.shape = moved_to(t.port)
+        conv.turn()  # served as usual; its handle names the trap
+        assert d.broken == 1
+        assert conv.turn().reuse == "miss;reason=handle-invalid"
+        assert conv.turn().reuse == "hit", "D's next own handle was not kept"
+        assert metric(r.url, "kvbaton_decode_moved_handles_total", instance=d.url) == moved + 1
+        log = r.log.read_text()
+    assert t.connections == 0, "P connected to the address D's answer named"
+    said = [line for line in log.splitlines() if "not the one it showed it owns" in line]
+    assert len(said) == 1 and d.url in said[0], said
+
+
+def test_a_d_restarted_on_a_new_side_channel_is_followed(main: Stack) -> None:
+    """A D that restarts on another side-channel port (a new engine id too) before the health
+    loop reads its new start time: its first new handle is believed once D's /metrics shows
+    the new process, asked at once, so the turn after is a hit on the new address."""
+    ps = [p.url for p in main.ps]
+    slow_health = [*ROUTER_FLAGS, "--health-interval", "3600"]
+    with router(ps, [main.ds[0].url], *slow_health, redis_url=main.redis_url, name="rel-mv") as r:
+        conv = Conversation(r.url, main.ref, new_cid("moved-restart"))
+        conv.turn()
+        assert conv.turn().reuse == "hit"
+        new_port = free_port()
+        main.restart("decode", 0, "--kv-port", str(new_port), "--engine-id", f"re-{new_cid('e')}")
+        wait_until(lambda: instance(r.url, "decode", main.ds[0].url)["usable"], "D not usable")
+        conv.turn(check=False)  # the old handle names blocks of the old process
+        assert conv.turn().reuse == "hit", "the restarted D's handle was not kept"
+        assert conv.turn().reuse == "hit"
+        assert metric(r.url, "kvbaton_decode_moved_handles_total", instance=main.ds[0].url) == 0
+        params = json.loads(session(main.redis_url, str(conv.cid))["kv_transfer_params"])
+    assert params["remote_port"] == new_port

@@ -102,7 +102,7 @@ def swept(clock: Clock, **settings: Any) -> Services:
     assert d1 is not None
     origin = svc.connector.origin(HANDLE)
     assert origin is not None
-    d1.ident.note_origin(origin)
+    d1.ident.admit(origin)
     return svc
 
 
