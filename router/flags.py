@@ -240,7 +240,12 @@ FLAGS: tuple[Flag, ...] = (
         float,
     ),
     Flag("store_timeout", "seconds per session-store call before it counts as down", float),
-    Flag("store_retry_after", "seconds to route without the store after it failed", float),
+    Flag(
+        "store_retry_after",
+        "the longest the store breaker stays open (it opens on 3 failures in a row or half of "
+        "the calls over 10 s failing, and closes as soon as a ping answers)",
+        float,
+    ),
     Flag(
         "max_body_bytes",
         "largest accepted request body: a larger declared Content-Length gets 413 before any "

@@ -23,6 +23,7 @@ from sessions import connect, scripts
 from sessions.codec import StateDecodeError, from_fields, to_fields
 from sessions.connect import RedisClient
 from sessions.evaluate import evaluate, pool_of
+from sessions.failures import failure
 from sessions.keys import pin_blocks_key, pin_held_key, pin_sizes_key, pins_key, spent_key
 from sessions.model import UNKNOWN_SIZE, PinSize, PinTotals, SessionState, TurnTimes
 from sessions.run_watch import RunWatch
@@ -98,6 +99,7 @@ class RedisSessionStore:
         self._forget_pin = client.register_script(scripts.FORGET_PIN)
         self._pin_totals = client.register_script(scripts.PIN_TOTALS)
         self._spend = client.register_script(scripts.SPEND)
+        self._probe = client.register_script(scripts.PROBE)
         # The server's run id, read by each new connection (the first, and every one after a
         # restart or a failover) before its first command; not followed on Redis Cluster.
         self._watch = RunWatch(clock)
@@ -132,9 +134,9 @@ class RedisSessionStore:
         except ResponseError as exc:
             if str(exc).startswith("WRONGTYPE"):  # the key holds another type than a HASH
                 raise CorruptState(f"session store {what}: {exc}") from exc
-            raise StoreError(f"session store {what} failed: {exc}") from exc
+            raise failure(what, exc, self._timeout) from exc
         except _FAILURES as exc:
-            raise StoreError(f"session store {what} failed: {exc}") from exc
+            raise failure(what, exc, self._timeout) from exc
 
     async def claim(
         self, key: str, request_id: str, expect_prefix: str = ""
@@ -292,7 +294,11 @@ class RedisSessionStore:
         return bool(removed)
 
     async def ping(self) -> None:
-        await self._run("ping", cast(Awaitable[Any], self._client.ping()))
+        async def ping() -> None:  # it answers, and runs scripts (an ACL may allow PING only)
+            await self._client.ping()
+            await evaluate(self._pool, self._probe, [], [])
+
+        await self._run("ping", ping())
 
     async def close(self) -> None:
         """Close the connection pool, unless the client was passed in (its owner closes it)."""

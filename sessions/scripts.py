@@ -322,3 +322,6 @@ if not run then since = '0' end
 redis.call('HSET', KEYS[1], 'run_id', ARGV[1], 'since', since)
 return since
 """
+
+# The ping's second half: the server runs the router's scripts (an ACL may allow PING only).
+PROBE = "return 1"

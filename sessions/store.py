@@ -24,6 +24,11 @@ class StoreError(Exception):
     """The session store is unreachable, too slow, or returned garbage."""
 
 
+class StoreRefused(StoreError):
+    """The store answers but refuses what the router asks of it (an ACL without scripting,
+    scripts disabled): a configuration to fix, not an outage; /ready says so."""
+
+
 class CorruptState(StoreError):
     """One conversation's stored state is not a state (a field that does not decode, a key of
     another type): that conversation's turn misses and the key is dropped; the store itself is

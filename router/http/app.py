@@ -49,7 +49,7 @@ from router.turn.outcomes import Reason, Reuse
 from router.turn.rewrite import PATHS
 from router.turn.run import new_request_id, run_turn
 from sessions.backend import open_backend
-from sessions.store import StoreError
+from sessions.store import StoreError, StoreRefused
 
 log = logging.getLogger("kvbaton.app")
 
@@ -155,6 +155,8 @@ async def ready(request: Request) -> Response:
     try:
         await svc.guard.ping(svc.store)
         checks["store"] = "ok"
+    except StoreRefused as exc:  # it answers, but not to the router's scripts: reuse is off
+        checks["store"] = f"refused: {exc}"
     except StoreError as exc:
         checks["store"] = f"unavailable: {exc}"
     for role in ("prefill", "decode"):

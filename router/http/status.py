@@ -20,7 +20,7 @@ from router.engines.dns import DnsExpander
 from router.engines.pool import Instance, Role
 from router.lifecycle.pins import release_delay
 from router.services import Services
-from sessions.store import StoreError
+from sessions.store import StoreError, StoreRefused
 
 
 @functools.cache
@@ -123,7 +123,8 @@ async def store_view(svc: Services) -> dict[str, Any]:
     try:
         await svc.guard.ping(svc.store)
     except StoreError as exc:
-        view.update(status="unavailable", error=str(exc))
+        view.update(status="refused" if isinstance(exc, StoreRefused) else "unavailable")
+        view["error"] = str(exc)
     else:
         view.update(status="ok", error="")
     view["circuit_open"] = svc.guard.is_open

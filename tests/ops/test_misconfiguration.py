@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import redis
 
-from tests.support.chat import post
+from tests.support.chat import JSON, get_json, post
 from tests.support.metrics import metric
-from tests.support.procs import SimProc, free_port, sims, wait_until
+from tests.support.procs import SimProc, free_port, redis_server, sims, wait_until
 from tests.support.router import RouterProc, router
 
 PASSWORD = "hunter2-not-logged"
@@ -87,3 +88,59 @@ def test_no_engine_reachable_says_so_not_an_empty_model() -> None:
         said = lines(r, "no engine answered at start (1 prefill and 1 decode instances)")
         assert len(said) == 1, r.log.read_text()
         assert not lines(r, "model ''")
+
+
+def test_a_redis_user_without_scripts_makes_ready_say_degraded(engines: list[SimProc]) -> None:
+    """Issue 50, item 4: a Redis user whose ACL refuses EVALSHA once made every turn
+    `store-unavailable` while /ready said the store was fine. Now the start says so once with
+    the fix, /ready is degraded with the reason, and turns are served without reuse."""
+    p, d = engines
+    with redis_server() as (url, port, _):
+        admin = redis.Redis.from_url(url)
+        admin.execute_command("ACL", "SETUSER", "noscripts", "on", ">pw", "~*", "&*", "+@all")
+        admin.execute_command("ACL", "SETUSER", "noscripts", "-@scripting")
+        admin.close()
+        user_url = f"redis://noscripts:pw@127.0.0.1:{port}/0"
+        with router([p.url], [d.url], redis_url=user_url, name="misconf-noscripts") as r:
+            ready = get_json(r.url + "/ready")
+            assert ready["degraded"] is True and ready["status"] == "ready", ready
+            assert ready["store"].startswith("refused: ") and "permissions" in ready["store"], ready
+            assert "+@scripting" in ready["store"]
+            body = {"messages": [{"role": "user", "content": "hi"}], "conversation_id": "acl"}
+            reply = post(r.url + "/v1/chat/completions", body)
+            assert reply.status == 200, reply.body
+            assert reply.headers["x-kv-reuse"] == "miss;reason=store-unavailable"
+            said = lines(r, "refuses the router's commands")
+    assert len(said) == 1 and "no permissions to run the 'evalsha'" in said[0], said
+
+
+def test_the_documented_redis_acl_is_enough(engines: list[SimProc]) -> None:
+    """docs/operations.md, The Redis user: a user with exactly those rights gets reuse."""
+    p, d = engines
+    with redis_server() as (url, port, _):
+        admin = redis.Redis.from_url(url)
+        rights = ["~kvbaton:*", "&*", "+@read", "+@write", "+@scripting", "+@connection", "+info"]
+        admin.execute_command("ACL", "SETUSER", "kvbaton", "on", ">pw", *rights)
+        admin.close()
+        user_url = f"redis://kvbaton:pw@127.0.0.1:{port}/0"
+        with router([p.url], [d.url], redis_url=user_url, name="misconf-acl") as r:
+            assert get_json(r.url + "/ready")["store"] == "ok"
+            messages = [{"role": "user", "content": "hi"}]
+            first = post(
+                r.url + "/v1/chat/completions",
+                {"messages": messages},
+                headers={**JSON, "X-Conversation-Id": "acl-ok"},
+            )
+            assert first.status == 200, first.body
+            answer = first.json()["choices"][0]["message"]["content"]
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "more"},
+            ]
+            second = post(
+                r.url + "/v1/chat/completions",
+                {"messages": messages},
+                headers={**JSON, "X-Conversation-Id": "acl-ok"},
+            )
+            assert second.headers["x-kv-reuse"].startswith("hit"), second.headers
+            assert not lines(r, "refuses"), "the documented rights were not enough"

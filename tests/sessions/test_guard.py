@@ -45,9 +45,11 @@ async def outage() -> AsyncIterator[Outage]:
 
 async def open_breaker(guard: StoreGuard, o: Outage) -> None:
     o.stop()
-    with pytest.raises(StoreError):
-        await guard.call(lambda: o.store.get(KEY))
-    assert guard.is_open and guard.failures == 1
+    for _ in range(guard.trip_after):
+        assert not guard.is_open, "opened before trip_after failures in a row"
+        with pytest.raises(StoreError):
+            await guard.call(lambda: o.store.get(KEY))
+    assert guard.is_open and guard.failures == guard.trip_after
 
 
 async def test_a_ping_the_store_answers_closes_the_breaker(outage: Outage) -> None:
@@ -55,7 +57,7 @@ async def test_a_ping_the_store_answers_closes_the_breaker(outage: Outage) -> No
     await open_breaker(guard, outage)
     with pytest.raises(StoreError):
         await guard.ping(outage.store)  # still down: stays open, not counted as a failure
-    assert guard.is_open and guard.failures == 1
+    assert guard.is_open and guard.failures == guard.trip_after
     outage.start()
     await guard.ping(outage.store)
     assert not guard.is_open  # 60 s early
@@ -87,14 +89,15 @@ async def test_watch_closes_the_breaker_when_the_store_is_back(outage: Outage) -
         assert not guard.is_open, "the watch did not close the breaker"
     finally:
         watching.cancel()
-    assert guard.failures == 1  # the watch's failed pings were not turn failures
+    assert guard.failures == guard.trip_after  # the watch's failed pings were not counted
 
 
 async def test_an_outage_is_said_once_reminded_each_minute_and_its_end_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A failure every 2 s for two minutes: one line when it begins (with the hint), one
-    reminder per minute, one line when the store answers again."""
+    """A failure every 2 s for two minutes: one line for the first (which opens nothing), one
+    when the third in a row opens the breaker (with the hint), one reminder per minute, one
+    line when the store answers again."""
     now = [0.0]
     guard = StoreGuard(retry_after=2.0, clock=lambda: now[0], name="Redis at X", hint="fix it")
 
@@ -105,19 +108,20 @@ async def test_an_outage_is_said_once_reminded_each_minute_and_its_end_once(
         return "ok"
 
     caplog.set_level("INFO", logger="kvbaton.store")
-    for second in range(0, 121, 2):
+    for second in range(0, 125, 2):
         now[0] = float(second)
         with pytest.raises(StoreError):
             await guard.call(fails)
-    now[0] = 125.0
+    now[0] = 127.0
     assert await guard.call(answers) == "ok"
     assert await guard.call(answers) == "ok"
     said = [r.getMessage() for r in caplog.records]
     assert said == [
+        "Redis at X: Error 111 connecting (that turn runs without reuse; the others keep it)",
         "Redis at X does not answer (Error 111 connecting): routing without reuse until it "
         "does; fix it",
         "Redis at X still does not answer after 60 s (Error 111 connecting): routing without reuse",
         "Redis at X still does not answer after 120 s (Error 111 connecting): routing without "
         "reuse",
-        "Redis at X answers again after 125 s; routing with reuse",
+        "Redis at X answers again after 123 s; routing with reuse",
     ]

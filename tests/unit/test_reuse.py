@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -158,15 +159,43 @@ async def test_store_guard_opens_and_recovers() -> None:
         calls.append(2)
         return 7
 
-    with pytest.raises(StoreError):
-        await guard.call(failing)
+    for _ in range(3):  # one slow call is not an outage: three in a row are
+        assert not guard.is_open
+        with pytest.raises(StoreError):
+            await guard.call(failing)
     assert guard.is_open
-    with pytest.raises(StoreError, match="circuit open"):
+    with pytest.raises(StoreError, match="breaker is open"):
         await guard.call(working)
-    assert calls == [1]  # skipped while open: no timeout paid per request
+    assert calls == [1, 1, 1]  # skipped while open: no timeout paid per request
     now[0] += 2.5
     assert await guard.call(working) == 7
-    assert guard.failures == 1
+    assert guard.failures == 3
+
+
+async def test_store_guard_opens_on_a_failure_rate_not_on_scattered_failures() -> None:
+    now = [100.0]
+    guard = StoreGuard(retry_after=2.0, clock=lambda: now[0])
+
+    async def failing() -> int:
+        raise StoreError("timed out")
+
+    async def working() -> int:
+        return 7
+
+    for _ in range(30):  # one failure in three: never three in a row, a third of the calls
+        for op in (working, working, failing):
+            with contextlib.suppress(StoreError):
+                await guard.call(op)
+        now[0] += 0.1
+    assert not guard.is_open and guard.failures == 30
+    for _ in range(30):  # then two in three, over the 10 s window: over half failed
+        for op in (working, failing, failing):
+            with contextlib.suppress(StoreError):
+                await guard.call(op)
+        if guard.is_open:
+            break
+        now[0] += 0.1
+    assert guard.is_open
 
 
 def test_a_handle_from_before_a_decode_restart_is_not_used() -> None:
