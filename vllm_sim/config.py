@@ -38,6 +38,7 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     reasoning_tokens: int = 0
     prefill_ms_per_token: float = 0.0
     transfer_ms_per_block: float = 0.0
+    pull_step_ms: float = 0.0
     decode_ms_per_token: float = 0.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -132,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--reasoning-tokens", type=int, default=0, help="first N output tokens are reasoning")
     a("--prefill-ms-per-token", type=float, default=0.0)
     a("--transfer-ms-per-block", type=float, default=0.0)
+    a(
+        "--pull-step-ms",
+        type=float,
+        default=0.0,
+        help="an idle engine's empty step: the wait of a finished pull for the step that "
+        "reports it (vLLM's WAITING_FOR_REMOTE_KVS)",
+    )
     a("--decode-ms-per-token", type=float, default=0.0)
     a("--max-num-seqs", type=int, default=256, help="concurrent requests; the rest queue")
     a("--max-num-batched-tokens", type=int, default=8192, help="prompt tokens per step")
@@ -188,6 +196,7 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         reasoning_tokens=ns.reasoning_tokens,
         prefill_ms_per_token=ns.prefill_ms_per_token,
         transfer_ms_per_block=ns.transfer_ms_per_block,
+        pull_step_ms=ns.pull_step_ms,
         decode_ms_per_token=ns.decode_ms_per_token,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,

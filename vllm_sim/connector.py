@@ -84,13 +84,24 @@ class Connector:
             return
         if leg.kind != "pull_prompt" or leg.source is None:
             return
-        src = leg.source
-        task = asyncio.get_running_loop().create_task(
-            self.channel.notify(src.host, src.port, src.engine_id, src.request_id)
+        self._notify_later(leg.source)
+
+    def _notify_later(self, src: transfer.RemoteSource) -> None:
+        """Tell the producer to free its blocks, beside the request: vLLM's notification goes
+        out with the worker's next transfers and holds up no request."""
+        notify = self.channel.notify(
+            src.host, src.port, src.engine_id, src.request_id, src.generation
         )
+        task = asyncio.get_running_loop().create_task(notify)
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged nowhere
+        task.add_done_callback(self._notified)
+
+    def _notified(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.warning("KV free notification failed: %s", task.exception())
+        self.counters.nixl_failed_notifications += 1
 
     # -- loading a request's KV -----------------------------------------------------------
 
@@ -101,12 +112,8 @@ class Connector:
         ch = self.channel
         if count == 0:
             # Nothing to read: only tell the producer to free its blocks (vLLM sends the
-            # notification through an empty read).
-            try:
-                await ch.notify(src.host, src.port, src.engine_id, src.request_id, src.generation)
-            except TransferError as exc:
-                logger.warning("KV free notification failed: %s", exc)
-                self.counters.nixl_failed_notifications += 1
+            # notification through an empty read, which the request does not wait for).
+            self._notify_later(src)
             return 0
         started = time.monotonic()
         try:

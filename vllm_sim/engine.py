@@ -58,6 +58,7 @@ class Engine:
             settings.prefill_ms_per_token,
             settings.decode_ms_per_token,
             settings.max_num_batched_tokens,
+            settings.pull_step_ms,
         )
         self._clock = clock
         self._on_events = on_events
@@ -219,6 +220,7 @@ class Engine:
         if leg.source is not None or self.store is not None:
             c.external_prefix_cache_queries += n - hit
         pulled = 0
+        wire = time.monotonic()
         if leg.source is not None:
             pulled = await self.kv.pull_or_notify(leg.source, seq, hit, count)
         elif leg.kind in ("push_consumer", "push_broken"):
@@ -250,8 +252,10 @@ class Engine:
             res.cached_tokens = leg.source.cached_tokens or 0
         c.prompt_tokens_cached += res.cached_tokens
         self._publish()
-        pulled_blocks = -(-pulled // self.block_size) if pulled else 0
-        await spend(self.costs.transfer_s(pulled_blocks))  # NIXL reads: outside the steps
+        if pulled:  # the modelled read, less the side channel's own HTTP; then its report
+            wire = time.monotonic() - wire
+            await spend(self.costs.transfer_s(-(-pulled // self.block_size)) - wire)
+            await self.steps.transfer_reported()
         await self.steps.prefill(computed)  # shares its step with the running decodes
 
     def _cache_blocks(self, seq: Seq, num_kv: int) -> None:

@@ -2,7 +2,10 @@
 in vLLM's continuous batching on one GPU. A step lasts `--decode-ms-per-token` when it carries
 any decode, plus `--prefill-ms-per-token` for every prompt token it computes: a prefill on D
 slows every decode batched with it, and concurrent prefills share the GPU instead of running
-side by side. KV pulls (`--transfer-ms-per-block`) are asynchronous reads outside the steps.
+side by side. KV pulls (`--transfer-ms-per-block`) are asynchronous reads outside the steps;
+a finished pull waits for the step that reports it (`--pull-step-ms` on an idle engine), as
+vLLM's scheduler parks the request in WAITING_FOR_REMOTE_KVS until a step's get_finished says
+its transfer is done, and schedules it in the step after.
 
 A step computes at most `--max-num-batched-tokens` prompt tokens (vLLM's chunked prefill):
 a long prompt, or many at once, take several steps, and a short request queued behind them
@@ -31,7 +34,9 @@ class StepLoop:
     prefill_ms_per_token: float = 0.0
     decode_ms_per_token: float = 0.0
     max_batched_tokens: int = 8192  # prompt tokens one step computes (chunked prefill)
+    pull_step_ms: float = 0.0  # an empty step's time: one that only reports a finished pull
     steps: int = 0  # steps run so far
+    _step: asyncio.Future[None] | None = None  # the step in progress (None: the loop is idle)
     _prefills: list[_Prefill] = field(default_factory=list)
     _decodes: list[asyncio.Future[None]] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
@@ -50,6 +55,15 @@ class StepLoop:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._prefills.append(_Prefill(tokens, fut))
         await self._wait(fut)
+
+    async def transfer_reported(self) -> None:
+        """A pull just finished: its request waits for the step that reports it (the one in
+        progress, or an empty one of `pull_step_ms` on an idle engine, whose loop keeps
+        stepping while a request waits for remote KV); its prefill then joins the next."""
+        if self._step is not None and not self._step.done():
+            await asyncio.shield(self._step)
+        elif self.pull_step_ms > 0:
+            await asyncio.sleep(self.pull_step_ms / 1000.0)
 
     async def decode(self) -> None:
         """One output token: the next step that carries this decode."""
@@ -71,7 +85,12 @@ class StepLoop:
             done, tokens = self._chunk()
             decodes, self._decodes = self._decodes, []
             live = sum(1 for fut in decodes if not fut.done())
-            await asyncio.sleep(self.step_s(tokens, live))
+            self._step = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.sleep(self.step_s(tokens, live))
+            finally:
+                self._step.set_result(None)
+                self._step = None
             self.steps += 1
             for fut in done + decodes:
                 if not fut.done():  # a cancelled request (client gone) is skipped
