@@ -1,16 +1,22 @@
 """Whether the prompt plus the tokens asked for fit D's context (max_model_len), checked
 before P prefills: D refuses what does not fit only after P has pinned the prompt's blocks
-for it (issue 32). Known cheaply or not at all: the count a verified hit has, a byte bound
-for the rest, and P's /tokenize only for requests whose bound comes near the limit."""
+for it (issue 32). Known cheaply or not at all: the count a verified hit has; for a later
+turn, the conversation's state (D's token count for the prefix its digest verifies, plus the
+bytes of what follows); a byte bound for the rest; and P's /tokenize only for requests whose
+bound comes near the limit (issue 49: a turn that pulls nothing makes no /tokenize call)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from router.errors import BadRequest
-from router.turn.claim import prompt_token_ids
+from router.turn import decide
+from router.turn.claim import prefix_verdict, prompt_token_ids
 from router.turn.incoming import Incoming
 from router.turn.state import Turn
+from sessions.model import SessionState
 
 # vLLM's order: a chat request's max_completion_tokens, when set, wins over max_tokens.
 _LIMITS = {"chat": ("max_completion_tokens", "max_tokens"), "completions": ("max_tokens",)}
@@ -46,6 +52,26 @@ def may_not_fit(inc: Incoming, want: int, max_model_len: int) -> bool:
     return not bounded(inc) or inc.size + TEMPLATE_MARGIN + want > max_model_len
 
 
+def state_bound(inc: Incoming, state: SessionState | None) -> int | None:
+    """The prompt's tokens at most, from the conversation's state: D's whole sequence for the
+    stored prefix (its digest verified; a re-rendered answer's markers are in the margin),
+    plus one token per byte of the text after it. None: the state vouches for nothing."""
+    if state is None or state.token_count <= 0 or inc.api not in ("chat", "completions"):
+        return None
+    if prefix_verdict(inc, state) is not decide.Prefix.EXTENDS:
+        return None
+    if inc.api == "completions":
+        if not isinstance(inc.prompt, str):
+            return None
+        rest = len(inc.prompt[state.prefix_len :].encode())
+    else:
+        after = inc.messages[state.prefix_len :]
+        if not all(isinstance(m, dict) and _text_only(m.get("content")) for m in after):
+            return None
+        rest = len(msgspec.json.encode(after))
+    return state.token_count + rest + TEMPLATE_MARGIN
+
+
 def refusal(key: str, want: int, prompt: int, max_model_len: int) -> BadRequest:
     # vLLM's own words for the same refusal (its max_tokens check against the prompt).
     return BadRequest(
@@ -70,6 +96,8 @@ async def check(turn: Turn, prefill_url: str) -> None:
             tokens = list(inc.prompt)
         elif not bounded(inc) or not may_not_fit(inc, want, limit):
             return  # fits for sure, or cannot be known cheaply: D says
+        elif (bound := state_bound(inc, turn.claim.state)) is not None and bound + want <= limit:
+            return  # the conversation's state says it fits: no /tokenize on the way to P
         else:
             tokens = await prompt_token_ids(svc, inc, prefill_url, turn.request_id)
             if tokens is None:

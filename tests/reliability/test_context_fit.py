@@ -5,6 +5,7 @@ limit; and when the router could not know, D's refusal frees what P pinned at on
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -101,3 +102,29 @@ def test_what_d_refuses_after_all_leaves_nothing_pinned_on_p(main: Stack) -> Non
         assert reply.status == 400, reply.body[:300]  # D's own refusal, relayed
         assert work(main)[0] > computed, "P prefilled it (the router could not know)"
         wait_until(lambda: work(main)[1] <= pinned + 1, "P's blocks freed", timeout=5)
+
+
+def tokenize_calls(stack: Stack) -> float:
+    return sum(
+        metric(p.url, "http_requests_total", handler="/tokenize", status="2xx") for p in stack.ps
+    )
+
+
+def test_a_later_turn_is_bounded_by_its_state_not_p_tokenize(main: Stack) -> None:
+    """Issue 49: a later turn whose body's bytes leave doubt (3.6 bytes a token here) but
+    whose conversation state bounds its tokens (D's count for the verified prefix, plus the
+    bytes after it) asks no /tokenize on the way to P. Verified by digests: no pull needs
+    P's tokens either, so the turn makes no /tokenize call at all."""
+    ps, ds = [p.url for p in main.ps], [d.url for d in main.ds]
+    flags = ["--engine-api-key", ENGINE_KEY, "--verify-prefix", "digest"]
+    with router(ps, ds, *flags, redis_url=main.redis_url, name="rel-fit-state") as r:
+        conv = Conversation(r.url, main.ref, new_cid("fit-state"))
+        conv.headers = AUTH
+        conv.messages.append({"role": "system", "content": words(2300)})
+        want = 1000
+        conv.turn(max_tokens=want)
+        body_bytes = len(json.dumps(conv.messages))
+        assert body_bytes + 64 + want > MAX_MODEL_LEN, "the byte bound would leave no doubt"
+        before = tokenize_calls(main)
+        assert conv.turn(max_tokens=want).reuse == "hit"
+        assert tokenize_calls(main) == before, "P's /tokenize was asked"
