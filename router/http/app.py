@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -39,7 +40,7 @@ from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
 from router.lifecycle import pins, registry
 from router.lifecycle.advice import store_guard
-from router.lifecycle.discovery import discover
+from router.lifecycle.discovery import discover, learn_late
 from router.lifecycle.health import health_loop
 from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services
@@ -260,7 +261,11 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
                 svc.releaser.start()
                 background.append(asyncio.create_task(pins.sweep_loop(svc)))
             svc.kv_events.start()
-            prober = asyncio.create_task(health_loop(pool, upstream, settings.health_interval))
+            # Engines that did not answer at start: their model and block size when they do.
+            learn = functools.partial(learn_late, svc) if settings.check_models else None
+            prober = asyncio.create_task(
+                health_loop(pool, upstream, settings.health_interval, learn)
+            )
             # While the store breaker is open, ping the store so reuse resumes when it is back.
             watcher = asyncio.create_task(guard.watch(backend.store, settings.health_interval))
             if metrics.published is not None:

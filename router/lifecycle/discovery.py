@@ -30,9 +30,9 @@ _BLOCK_SIZE = (
 )
 
 
-async def inspect(svc: Services, inst: Instance, report: bool = True) -> None:
+async def inspect(svc: Services, inst: Instance, report: bool = True) -> bool:
     """Fill in the instance's model and block size; mark it unhealthy if it cannot answer
-    (said in the log when `report`)."""
+    (said in the log when `report`). Whether it answered."""
     timeout = svc.settings.connect_timeout + 5.0
     try:
         status, raw = await svc.engines.get(inst.url + "/v1/models", timeout=timeout)
@@ -54,7 +54,7 @@ async def inspect(svc: Services, inst: Instance, report: bool = True) -> None:
                 exc,
                 f" ({hint})" if hint else "",
             )
-        return
+        return False
     match = next(matches(_BLOCK_SIZE, metrics, whole=False), None) if status == 200 else None
     inst.block_size = int(match.group(1)) if match else 0
     if status == 200:
@@ -63,6 +63,7 @@ async def inspect(svc: Services, inst: Instance, report: bool = True) -> None:
     await read_version(svc.engines, inst, timeout)
     model = svc.model or inst.model or svc.settings.model
     await svc.connector.inspect(svc.engines, inst, model, timeout)
+    return True
 
 
 def _max_model_len(card: dict[str, object]) -> int:
@@ -106,14 +107,50 @@ async def discover(svc: Services, report: bool = True) -> None:
         _log_found(svc)
 
 
+async def learn_late(svc: Services, inst: Instance) -> bool:
+    """An instance that did not answer at start now answers its /health: learn its model and
+    block size as start-up would have, and the router's own while it knows none (said in one
+    line). False while it cannot serve: /v1/models not answering yet, or another model or
+    block size than the router's (said, and it stays out)."""
+    if not await inspect(svc, inst, report=False):
+        return False
+    why = ""
+    if svc.model and inst.model and inst.model != svc.model:
+        why = f"serves model {inst.model!r}, the router serves {svc.model!r}"
+    elif svc.block_size and inst.block_size and inst.block_size != svc.block_size:
+        why = f"uses KV blocks of {inst.block_size} tokens, the router {svc.block_size}"
+    if why:
+        inst.healthy = False
+        if inst.last_error != why:
+            log.warning("%s instance %s is kept out: it %s", inst.role, inst.url, why)
+        inst.last_error = why
+        return False
+    learned = not svc.model and bool(inst.model)
+    if learned:
+        svc.model = inst.model
+    if not svc.block_size and inst.block_size:
+        svc.block_size = inst.block_size
+        learned = True
+    if inst.role == "decode" and inst.max_model_len:
+        svc.max_model_len = min(filter(None, (svc.max_model_len, inst.max_model_len)))
+    if learned:
+        log.info(
+            "model %r, block size %s: learned from %s instance %s, which answers now",
+            svc.model,
+            svc.block_size or "unknown",
+            inst.role,
+            inst.url,
+        )
+    return True
+
+
 def _log_found(svc: Services) -> None:
     counts = (len(svc.settings.prefill), len(svc.settings.decode))
     if not svc.model:
         log.warning(
             "no engine answered at start (%d prefill and %d decode instances): each is probed "
-            "every --health-interval and serves once it answers, but the model and KV block "
-            "size are not learned (give --model and --block-size, or restart the router once "
-            "the engines are up)",
+            "every --health-interval and serves once it answers; the model and KV block size "
+            "are learned from the first that does",
             *counts,
         )
     else:

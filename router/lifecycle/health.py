@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -61,14 +62,25 @@ async def probe(engines: EngineClient, inst: Instance, timeout: float) -> bool:
     return status == 200
 
 
-async def health_loop(pool: Pool, engines: EngineClient, interval: float) -> None:
+# An instance never inspected (it did not answer at start) is inspected before it serves:
+# False keeps it out (discovery.learn_late).
+Learn = Callable[[Instance], Awaitable[bool]]
+
+
+async def health_loop(
+    pool: Pool, engines: EngineClient, interval: float, learn: Learn | None = None
+) -> None:
     while True:
         await asyncio.sleep(interval)
-        await asyncio.gather(*(check(engines, inst, interval) for inst in pool.instances()))
+        await asyncio.gather(*(check(engines, inst, interval, learn) for inst in pool.instances()))
 
 
-async def check(engines: EngineClient, inst: Instance, timeout: float) -> None:
+async def check(
+    engines: EngineClient, inst: Instance, timeout: float, learn: Learn | None = None
+) -> None:
     if not inst.healthy and await probe(engines, inst, timeout=timeout):
+        if learn is not None and not inst.model and not await learn(inst):
+            return
         if inst.role == "decode":  # a D back from a restart: no old handle once it is usable
             await read_started(engines, inst, timeout)
         await read_version(engines, inst, timeout)  # it may be another vLLM now

@@ -144,3 +144,32 @@ def test_the_documented_redis_acl_is_enough(engines: list[SimProc]) -> None:
             )
             assert second.headers["x-kv-reuse"].startswith("hit"), second.headers
             assert not lines(r, "refuses"), "the documented rights were not enough"
+
+
+def test_engines_that_come_up_after_the_router_are_learned_then() -> None:
+    """The router starts before its engines (a deployment's usual race): when they answer,
+    it learns the model and block size from them, says so in one line, and a turn that names
+    no model gets theirs, with reuse from the second turn."""
+    p_port, d_port = free_port(), free_port()
+    urls = [f"http://127.0.0.1:{port}" for port in (p_port, d_port)]
+    with router(urls[:1], urls[1:], "--health-interval", "0.2", name="misconf-late") as r:
+        assert lines(r, "no engine answered at start"), r.log.read_text()
+        assert get_json(r.url + "/status")["model"] == ""
+        with sims(("prefill", "--port", str(p_port)), ("decode", "--port", str(d_port))):
+            wait_until(lambda: bool(lines(r, "which answers now")), "the late engines learned")
+            said = lines(r, "which answers now")
+            assert len(said) == 1 and "model 'sim-model', block size 16" in said[0], said
+            status = get_json(r.url + "/status")
+            assert status["model"] == "sim-model" and status["block_size"] == 16, status
+            wait_until(lambda: post(r.url + "/ready", None, method="GET").status == 200, "ready")
+            headers = {**JSON, "X-Conversation-Id": "late"}
+            messages = [{"role": "user", "content": "hello after the engines came up"}]
+            first = post(r.url + "/v1/chat/completions", {"messages": messages}, headers=headers)
+            assert first.status == 200, first.body
+            assert first.json()["model"] == "sim-model"
+            answer = first.json()["choices"][0]["message"]["content"]
+            messages += [{"role": "assistant", "content": answer}]
+            messages += [{"role": "user", "content": "and then?"}]
+            second = post(r.url + "/v1/chat/completions", {"messages": messages}, headers=headers)
+            assert second.status == 200, second.body
+            assert second.headers["x-kv-reuse"].startswith("hit"), second.headers
