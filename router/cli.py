@@ -1,4 +1,5 @@
-"""The `kvbaton` command: `serve` (the router), `sim` (the engine simulator), `demo`."""
+"""The `kvbaton` command: `serve` (the router), `sim` (the engine simulator), `demo`,
+`session show`."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ from collections.abc import Sequence
 
 from router import kvbaton_version
 
-USAGE = """usage: kvbaton {serve,sim,demo} [options]
+USAGE = """usage: kvbaton {serve,sim,demo,session} [options]
        kvbaton --version
 
   serve   run the router (kvbaton serve --help)
   sim     run a vLLM-compatible engine simulator (kvbaton sim --help)
   demo    run a local GPU-free stack and a scripted conversation (kvbaton demo --help)
+  session look up a conversation's session in Redis (kvbaton session show --help)
 """
 
 
@@ -41,5 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from router.lifecycle.demo import demo_main
 
         return demo_main(rest)
+    if command == "session":
+        from router.session_show import main as session_main
+
+        return session_main(rest)
     print(f"kvbaton: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     return 2

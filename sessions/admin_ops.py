@@ -1,4 +1,5 @@
-"""Operator views of stored conversations: list those a decode instance holds, read a TTL.
+"""Operator views of stored conversations: list those a decode instance holds, read a TTL,
+read one conversation's HASH as stored (`kvbaton session show`).
 
 Not part of the `SessionStore` protocol the turn uses. Listing walks the keyspace with a
 bounded SCAN, one page per call (cost and paging: docs/operations.md).
@@ -14,7 +15,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from sessions.connect import RedisClient
+from sessions.connect import RedisClient, close, connect
 from sessions.keys import CONVERSATION_PATTERN, split_conversation_key
 from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState
@@ -128,6 +129,21 @@ class RedisConversationIndex:
         except (RedisError, OSError) as exc:
             raise StoreError(f"reading the TTL of {key} failed: {exc}") from exc
         return ms / 1000 if ms >= 0 else None
+
+
+async def read_conversation(url: str, key: str, timeout: float) -> tuple[dict[str, str], float]:
+    """The key's HASH fields as stored ({}: no such key) and its TTL in seconds (negative:
+    none), from the Redis at `url`; StoreError when it does not answer."""
+    client = connect(url, socket_timeout=timeout, connect_timeout=timeout, max_connections=2)
+    try:
+        raw = await client.hgetall(key)
+        ms = await client.pttl(key)
+    except (RedisError, OSError) as exc:
+        raise StoreError(str(exc)) from exc
+    finally:
+        await close(client)
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    return fields, ms / 1000 if ms >= 0 else float(ms)
 
 
 def redis_index(client: RedisClient) -> RedisConversationIndex | None:

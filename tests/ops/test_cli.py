@@ -17,13 +17,13 @@ def test_a_bare_kvbaton_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
     assert main([]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith("usage: kvbaton {serve,sim,demo}")
+    assert err.startswith("usage: kvbaton {serve,sim,demo,session}")
 
 
 @pytest.mark.parametrize("flag", ["-h", "--help"])
 def test_help_prints_usage_and_succeeds(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([flag]) == 0
-    assert capsys.readouterr().out.startswith("usage: kvbaton {serve,sim,demo}")
+    assert capsys.readouterr().out.startswith("usage: kvbaton {serve,sim,demo,session}")
 
 
 def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
