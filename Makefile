@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: install test test-unit test-component test-e2e lint typecheck check demo bench load clean
 
 $(STAMP): pyproject.toml
+	@echo "make install: $(VENV) with kvbaton and its dev tools (pip, about 40 s the first time)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[dev]'
