@@ -23,6 +23,7 @@ from sessions.connect import RedisClient
 from sessions.memory_store import MemorySessionStore
 from sessions.redis_store import RedisSessionStore, turn_retry
 from sessions.registry_store import MemoryRegistry, RedisRegistry, Registry
+from sessions.responses_store import MemoryResponseStore, RedisResponseStore, ResponseStore
 from sessions.store import SessionStore
 
 # Seconds for the registry's and the admin listing's commands (a SCAN page, its HMGETs).
@@ -37,6 +38,8 @@ class Backend:
     registry: Registry
     # None where listing is impossible: Redis Cluster has one SCAN cursor per node.
     conversations: ConversationIndex | None
+    # Stored Responses API responses (docs/responses.md).
+    responses: ResponseStore
     client: RedisClient | None = None
 
     async def close(self) -> None:
@@ -52,10 +55,13 @@ def open_backend(kind: Literal["redis", "memory"], url: str, *, store_timeout: f
     """
     if kind == "memory":
         memory = MemorySessionStore()
-        return Backend(memory, MemoryRegistry(), MemoryConversationIndex(memory))
+        return Backend(
+            memory, MemoryRegistry(), MemoryConversationIndex(memory), MemoryResponseStore()
+        )
     timeout = max(store_timeout, ADMIN_TIMEOUT)
     client = connect.connect(
         url, socket_timeout=timeout, connect_timeout=timeout, retry=turn_retry()
     )
     store = RedisSessionStore(url, timeout=store_timeout, client=client)
-    return Backend(store, RedisRegistry(client), redis_index(client), client)
+    responses = RedisResponseStore(client, timeout=store_timeout)
+    return Backend(store, RedisRegistry(client), redis_index(client), responses, client)

@@ -24,6 +24,9 @@ DOING = {
     "turn times": "reading the conversations' turn times",
     "get": "reading a conversation",
     "ping": "a ping (PING and a one-line script)",
+    "response put": "storing a Responses API response",
+    "response get": "reading a stored Responses API response",
+    "response delete": "deleting a stored Responses API response",
 }
 # A server that answers but will not run what the router sends: an ACL without the scripting
 # commands, a script it cannot load, commands renamed away.

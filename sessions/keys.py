@@ -23,6 +23,11 @@ PINS_PREFIX = "kvbaton:pins:"
 # or released -> until when D could still pin them (a handle is read at most once).
 SPENT_PREFIX = "kvbaton:spent:"
 
+# One STRING per stored Responses API response (`store`, `previous_response_id`): its signed
+# record (the input items, the response object, the conversation it belongs to), with the
+# TTL `--response-ttl` (docs/responses.md).
+RESPONSE_PREFIX = "kvbaton:resp:"
+
 # One HASH: the Redis server's run id as the routers last saw it, and since when (the store's
 # history: a restart, a restore or a failover shows another run id; docs/reliability.md).
 STORE_RUN_KEY = "kvbaton:store-run"
@@ -91,3 +96,11 @@ def pin_blocks_key(decode: str) -> str:
     """`kvbaton:pins:{<decode base URL>}:blocks`: a HASH beside D's pin index, each block of D
     its handles pin -> how many of them pin it; its HLEN is D's distinct pinned blocks."""
     return pins_key(decode) + ":blocks"
+
+
+def response_key(tenant: str, response_id: str) -> str:
+    """`kvbaton:resp:{<tenant>:<response_id>}`: a stored response, visible to its tenant only.
+    Its own hash tag (the response id), so responses spread over a Redis Cluster's slots."""
+    if "{" in tenant or "}" in tenant or "{" in response_id or "}" in response_id:
+        raise ValueError("tenant and response id must not contain braces")
+    return f"{RESPONSE_PREFIX}{{{tenant}:{response_id}}}"
