@@ -56,6 +56,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     pin_low_water: float = 0.75
     reuse: bool = True
     history_sessions: bool = True
+    response_ttl: float = 3600.0
+    response_max_bytes: int = 4 * 1024 * 1024
     verify_prefix: Literal["tokens", "digest"] = "tokens"
     block_size: int = 0
     min_reuse_tokens: int = 0
@@ -222,6 +224,8 @@ def _check(settings: Settings) -> None:
         raise ConfigError(
             "--release-after must be >= 0 and 0 < --pin-low-water <= --pin-high-water <= 1"
         )
+    if settings.response_ttl < 0 or settings.response_max_bytes < 1:
+        raise ConfigError("--response-ttl must be >= 0 and --response-max-bytes >= 1")
     if settings.decode_local_max_inflight < 1:
         raise ConfigError("--decode-local-max-inflight must be >= 1")
     if any(len(s) < 16 for s in settings.session_secrets):

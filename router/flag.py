@@ -70,6 +70,8 @@ GROUPS: dict[Group, tuple[str, ...]] = {
         "session_ttl",
         "handle_ttl",
         "history_sessions",
+        "response_ttl",
+        "response_max_bytes",
         "tenant_header",
         "store_timeout",
         "store_retry_after",

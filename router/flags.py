@@ -52,6 +52,20 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("session_ttl", "seconds a conversation's affinity and digests are kept", float),
     Flag(
+        "response_ttl",
+        "seconds a Responses API response created with `store` (the default) is kept, for "
+        "`previous_response_id` and GET /v1/responses/{id}; 0 keeps none: `store` is then "
+        "ignored, as vLLM does without VLLM_ENABLE_RESPONSES_API_STORE (docs/responses.md)",
+        float,
+    ),
+    Flag(
+        "response_max_bytes",
+        "largest stored response record (its input items, the chain's included, and the "
+        "response object); a larger one is not stored, and its id answers 404",
+        int,
+        metavar="BYTES",
+    ),
+    Flag(
         "release_pins",
         "release the handles nobody will read (superseded, ended, idle, or on a D under "
         "pressure), so that D frees their pinned blocks before its decoder_kv_blocks_ttl",
