@@ -43,6 +43,13 @@ class NotFound(RouterError):
     type = "not_found_error"
 
 
+class UnknownResponse(NotFound):
+    """A response id this tenant has no stored response for (OpenAI answers 404 with an
+    invalid_request_error)."""
+
+    type = "invalid_request_error"
+
+
 class RequestTimeout(RouterError):
     """The client did not send its whole body in time (--body-timeout)."""
 

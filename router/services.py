@@ -19,6 +19,7 @@ from router.engines.release import Gaps, Releaser
 from router.engines.spent import Spent
 from router.metrics import Metrics
 from sessions.guard import StoreGuard
+from sessions.responses_store import MemoryResponseStore, ResponseStore
 from sessions.store import SessionStore
 
 # StoreGuard lives with the store it guards (sessions/guard.py); the router imports it here.
@@ -57,6 +58,8 @@ class Services:
     # answers (conversation key, handle digest, until): router/turn/pins.py.
     unspent: deque[tuple[str, str, float]] = field(default_factory=lambda: deque(maxlen=4096))
     flushing: bool = False  # a task writes `unspent` now
+    # Stored Responses API responses (router/turn/responses_chain.py, docs/responses.md).
+    responses: ResponseStore = field(default_factory=MemoryResponseStore)
 
     def __post_init__(self) -> None:
         self.spent = Spent(self.settings.handle_ttl, lambda: self.clock())

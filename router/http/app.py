@@ -45,6 +45,7 @@ from router.lifecycle.health import health_loop
 from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services
 from router.tracing import span
+from router.turn import responses_chain
 from router.turn.incoming import Api, read_incoming
 from router.turn.outcomes import Reason, Reuse
 from router.turn.rewrite import PATHS
@@ -98,7 +99,10 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
                 max_bytes=settings.max_body_bytes,
                 tenant_header=settings.tenant_header,
                 max_model_len=svc.max_model_len,
+                keep_responses=settings.response_ttl > 0,
             )
+            if api == "responses":
+                inc = await responses_chain.expand(svc, inc)
             with span("kvbaton.request", route=route):
                 response = await until_disconnect(request, run_turn(svc, inc, request_id))
         except RouterError as exc:
@@ -232,6 +236,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         guard.on_failure = metrics.store_errors.inc
         connector = select(settings)
         svc = Services(settings, upstream, pool, backend.store, guard, metrics, connector)
+        svc.responses = backend.responses
         engine_urls = (*settings.prefill, *settings.decode)
         svc.kv_events = KvEvents(
             parse_sources(

@@ -3,6 +3,7 @@ the finish, errors, token ids, the output text. Typed views decode only the fiel
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import msgspec
@@ -21,6 +22,9 @@ class Captured(msgspec.Struct):
     reasoning: bool = False
     tool_calls: bool = False
     usage: dict[str, Any] | None = None
+    # A Responses API response object as D ended it (the stream's last event, or the body),
+    # for the router's response store (router/turn/responses_keep.py).
+    response: bytes | None = None
 
 
 # Typed views of the fields we read; everything else in a chunk is skipped by the decoder.
@@ -63,12 +67,15 @@ class Chunk(msgspec.Struct):
     code: Any = None
     type: Any = None  # Responses API event type
     delta: Any = None
-    response: Response | None = None
+    # A Responses event's response object, decoded (typed) only for the events that carry one.
+    response: msgspec.Raw = msgspec.Raw()
 
 
 decode_chunk = msgspec.json.Decoder(Chunk).decode
+_decode_response = msgspec.json.Decoder(Response).decode
 # The events that end a Responses stream (a chat or completions stream ends with `[DONE]`).
 TERMINAL_EVENTS = frozenset(("response.completed", "response.incomplete", "response.failed"))
+TERMINAL_NAMES = tuple(name.encode() for name in TERMINAL_EVENTS)  # looked for in bytes first
 
 
 def _int_list(value: object) -> list[int] | None:
@@ -193,8 +200,11 @@ class Capture:
             cap.tool_calls = True
         elif kind in TERMINAL_EVENTS:
             self.terminal = True
-        if c.response is not None:
-            self.response(c.response)
+            if c.response:
+                cap.response = bytes(c.response)
+        if c.response:
+            with contextlib.suppress(msgspec.ValidationError):  # not an object: nothing to read
+                self.response(_decode_response(c.response))
 
     def response(self, r: Response) -> None:
         cap = self.cap

@@ -12,7 +12,7 @@ from typing import Any
 
 from router.engines.versions import registration_generation
 from router.tracing import span
-from router.turn import aim, decide, early, history, pins
+from router.turn import aim, decide, early, history, pins, responses_keep
 from router.turn.capture import Captured
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reason
@@ -53,6 +53,8 @@ async def _settle(turn: Turn, captured: Captured) -> None:
     result, kept = await _commit(turn, captured)
     if not kept:  # no state holds D's new handle: nobody else will ever release it
         pins.release_new(turn, captured, pins.unsaved_reason(result))
+    if turn.inc.store:
+        await responses_keep.keep(turn, captured)
     report(turn, result, captured)
 
 
@@ -101,6 +103,8 @@ async def _commit(turn: Turn, captured: Captured) -> tuple[CommitResult, bool]:
         # A lost race: another turn of this conversation committed first (compare-and-set).
         result = CommitResult.COMMITTED if ok else CommitResult.LOST_RACE
     svc.metrics.commits.labels(result).inc()
+    if ok:
+        turn.committed = state
     if ok and note is not None and folded is None:
         pins.note_committed(turn, note)
     # The next turn's P /tokenize goes out early only after a turn that left a handle.

@@ -26,6 +26,7 @@ from router.errors import (
 from router.http.disconnect import RelayResponse
 from router.tracing import span
 from router.turn import asks
+from router.turn.capture import TERMINAL_NAMES
 from router.turn.commit import abort, finish
 from router.turn.legs import parse_answer
 from router.turn.rewrite import PATHS, decode_body
@@ -149,12 +150,15 @@ async def _relay(turn: Turn, d_inst: Instance, resp: EngineStream, strip: bool, 
     event that is not JSON or a stream cut without its terminator ends with
     one error event, as a stall does."""
     relay = SseRelay(strip_token_ids=strip, responses=turn.inc.api == "responses")
+    # A response the router stores is stored before its last event goes out, so that a client
+    # that continues it on that event finds it (router/turn/responses_keep.py).
+    hold = turn.inc.store
     ended = False
     d_inst.outstanding += 1
     try:
         async for chunk in resp.chunks(turn.svc.settings.decode_idle_timeout):
             out = relay.feed(chunk)
-            if relay.bad or (relay.done and not ended):
+            if relay.bad or (not ended and (relay.done or (hold and _ends_responses(relay, out)))):
                 relay.check(at_end=False)  # an event that is not JSON: not passed on
                 ended = True
                 await finish(turn, relay.captured)
@@ -199,6 +203,15 @@ async def _broke(turn: Turn, d_inst: Instance, exc: MalformedAnswer | UpstreamFa
     turn.svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
     await abort(turn, AbortReason.DECODE_BROKE)
     return sse_error_event(f"the decode engine failed mid-stream: {exc}")
+
+
+def _ends_responses(relay: SseRelay, out: bytes) -> bool:
+    """Whether `out` holds a Responses stream's last event (which sets its finish or error):
+    the events held are decoded only when one of those events' names is in the bytes."""
+    if not any(out.find(name) >= 0 for name in TERMINAL_NAMES):
+        return False
+    captured = relay.captured
+    return captured.finish_reason is not None or captured.error is not None
 
 
 def _body(chunk: bytes) -> dict[str, Any]:

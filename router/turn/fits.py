@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from router.errors import BadRequest
-from router.turn import decide
+from router.turn import decide, render
 from router.turn.claim import prefix_verdict, prompt_token_ids
 from router.turn.incoming import Incoming
 from router.turn.state import Turn
@@ -23,6 +23,8 @@ _LIMITS = {"chat": ("max_completion_tokens", "max_tokens"), "completions": ("max
 # Tokens a chat template adds beyond the body's own bytes (role markers, a BOS token). The
 # body's JSON syntax around each message is already more bytes than its markers take tokens.
 TEMPLATE_MARGIN = 64
+# Content parts that are text (chat's, and the Responses API's input and output text).
+_TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 def asked(inc: Incoming) -> tuple[str, int] | None:
@@ -36,14 +38,14 @@ def bounded(inc: Incoming) -> bool:
     byte): text only; an image's placeholder tokens are many more than its URL's bytes."""
     if inc.api == "completions":
         return True
-    return all(_text_only(m.get("content")) for m in inc.messages if isinstance(m, dict))
+    return all(_text_only(m.get("content")) for m in inc.items if isinstance(m, dict))
 
 
 def _text_only(content: Any) -> bool:
     if content is None or isinstance(content, str):
         return True
     return isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" for p in content
+        isinstance(p, dict) and p.get("type") in _TEXT_PARTS for p in content
     )
 
 
@@ -86,6 +88,9 @@ def refusal(key: str, want: int, prompt: int, max_model_len: int) -> BadRequest:
 async def check(turn: Turn, prefill_url: str) -> None:
     """BadRequest when the prompt plus the output limit cannot fit D's context, before P."""
     svc, inc = turn.svc, turn.inc
+    if inc.api == "responses":
+        await _check_responses(turn, prefill_url)
+        return
     limit, found = svc.max_model_len, asked(inc)
     if not limit or found is None:
         return
@@ -104,3 +109,21 @@ async def check(turn: Turn, prefill_url: str) -> None:
                 return
     if len(tokens) + want > limit:
         raise refusal(key, want, len(tokens), limit)
+
+
+async def _check_responses(turn: Turn, prefill_url: str) -> None:
+    """A Responses prompt that leaves D no room for one token (`render.too_long`). Its tokens
+    come from a verified hit, else P's render when the byte bound leaves doubt (a render that
+    refuses it says so; without the route, P refuses it itself, before any prefill)."""
+    svc, inc = turn.svc, turn.inc
+    limit, tokens = svc.max_model_len, turn.claim.tokens
+    if not limit:
+        return
+    if tokens is None:
+        if not bounded(inc) or inc.size + TEMPLATE_MARGIN < limit:
+            return
+        tokens = await prompt_token_ids(svc, inc, prefill_url, turn.request_id)
+        if tokens is None:
+            return
+    if len(tokens) >= limit:
+        raise render.too_long(len(tokens), limit)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 from router.errors import BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
+from router.turn import responses_input
 from router.turn.rewrite import client_wants_token_ids, split_client_body
 from router.turn.tenant import tenant_of_headers, validate_conversation_id
 from sessions import digests
@@ -41,6 +42,11 @@ class Incoming:
     wants_token_ids: bool
     forward_headers: Mapping[str, str] = field(default_factory=dict)
     size: int = 0  # the body's bytes, as the client sent them (router/turn/fits.py)
+    # Responses API state (router/turn/responses_chain.py): the router keeps the finished
+    # response; the one it continues; whether the client named the conversation.
+    store: bool = False
+    previous_response_id: str | None = None
+    named: bool = False
 
     @cached_property
     def heads(self) -> list[str]:
@@ -188,29 +194,6 @@ def _check_prompt(body: Mapping[str, Any]) -> None:
     raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt")
 
 
-def _check_responses(body: Mapping[str, Any]) -> None:
-    raw = body.get("input")
-    if not (isinstance(raw, str) and raw) and not (isinstance(raw, list) and raw):
-        raise BadRequest("'input' must be a non-empty string or list of items", param="input")
-    if isinstance(raw, list) and not all(isinstance(item, dict) for item in raw):
-        raise BadRequest("every 'input' item must be an object", param="input")
-    # P/D routing sends the whole conversation to P and D on every turn: server-side history
-    # lives on one engine and cannot be handed over.
-    if body.get("previous_response_id") is not None:
-        raise BadRequest(
-            "previous_response_id is not supported: P/D routing needs the full conversation "
-            "in 'input' on every turn (send the earlier items, and a conversation_id for KV "
-            "reuse)",
-            param="previous_response_id",
-        )
-    if body.get("store") is True:
-        raise BadRequest(
-            "store=true is not supported: responses are not stored by a P/D router; send the "
-            "full conversation in 'input' on every turn",
-            param="store",
-        )
-
-
 def _check_common(body: Mapping[str, Any], model: str) -> bool:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -241,19 +224,24 @@ def read_incoming(
     max_bytes: int,
     tenant_header: str = "",
     max_model_len: int = 0,
+    keep_responses: bool = False,
 ) -> Incoming:
-    """Validate the client's request; raise a RouterError with the right status otherwise."""
+    """Validate the client's request; raise a RouterError with the right status otherwise.
+    `keep_responses`: the router stores Responses API responses (--response-ttl)."""
     check_content_type(headers.get("content-type"))
     body, conversation_id = split_client_body(decode_json(raw, max_bytes))
+    asked = responses_input.Asked()
     if api == "chat":
         _check_messages(body)
     elif api == "responses":
-        _check_responses(body)
+        responses_input.check_input(body)
+        asked = responses_input.asked(body, keeping=keep_responses)
+        body = responses_input.engine_body(body)
     else:
         _check_prompt(body)
     stream = _check_common(body, model)
     _check_limits(body, api, stream, max_model_len)
-    conversation_id = _conversation_id(body, headers, conversation_id)
+    conversation_id = _conversation_id(body, headers, conversation_id, asked.conversation)
     if conversation_id is not None:
         conversation_id = validate_conversation_id(conversation_id)
     tenant = tenant_of_headers(headers, tenant_header)
@@ -266,19 +254,25 @@ def read_incoming(
         wants_token_ids=client_wants_token_ids(body, api),
         forward_headers=_forwarded(headers),
         size=len(raw),
+        store=asked.store,
+        previous_response_id=asked.previous_response_id,
+        named=conversation_id is not None,
     )
 
 
 def _conversation_id(
-    body: Mapping[str, Any], headers: Mapping[str, str], from_body: str | None
+    body: Mapping[str, Any], headers: Mapping[str, str], from_body: str | None, named: Any
 ) -> Any:
-    """Our field, our header, then vLLM's own session identity (vLLM #48048) in vLLM's order
-    of reading it: the `session_id` field, the X-Session-ID header, `vllm_xargs.session_id`;
-    all forwarded as they came."""
+    """Our field, our header, the Responses API's `conversation` (`named`), OpenAI's
+    `prompt_cache_key`, then vLLM's own session identity (vLLM #48048) in vLLM's order of
+    reading it: the `session_id` field, the X-Session-ID header, `vllm_xargs.session_id`;
+    all but ours and `conversation` forwarded as they came (docs/responses.md)."""
     xargs = body.get("vllm_xargs")
     for value in (
         from_body,
         headers.get("x-conversation-id"),
+        named,
+        responses_input.cache_key(body),
         body.get("session_id"),
         headers.get("x-session-id"),
         xargs.get("session_id") if isinstance(xargs, Mapping) else None,

@@ -9,12 +9,13 @@ serve it is learned from its first answer, and its turns keep the item-digest ch
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import msgspec
 
 from router.engines.pool import Instance
-from router.errors import UpstreamFailure
+from router.errors import BadRequest, UpstreamFailure
 from router.services import Services
 from router.tracing import span
 from router.turn.incoming import Incoming
@@ -27,6 +28,8 @@ PATH = "/v1/responses/render"
 # "The model does not support Responses Render API". A 404 counts only from the framework
 # (no such route): vLLM's own 404 (an unknown model) is an OpenAI error body.
 _NOT_SERVED = (403, 405, 501)
+# vLLM's words (and the simulator's) for a Responses prompt longer than the context.
+_TOO_LONG = re.compile(r"prompt length (\d+) exceeds the max_model_len (\d+)")
 
 
 def _instance(svc: Services, url: str) -> Instance | None:
@@ -100,5 +103,19 @@ async def prompt_ids(svc: Services, inc: Incoming, url: str, request_id: str) ->
         if inst is not None:
             inst.ident.note_renders(False, f"HTTP {status}")
         return None
+    elif status == 400 and (match := _TOO_LONG.search(raw.decode("utf-8", "replace"))):
+        raise too_long(int(match[1]), int(match[2]))
     log.warning("render on %s answered %d: %r", url, status, raw[:200])
     return None
+
+
+def too_long(tokens: int, limit: int) -> BadRequest:
+    """A Responses prompt (a `previous_response_id` chain expanded) that leaves no room for
+    output: vLLM clamps `max_output_tokens` to the room left, so only the prompt counts."""
+    return BadRequest(
+        f"This model's maximum context length is {limit} tokens and your input has {tokens} "
+        "tokens (the conversation so far, previous responses included), which leaves no room "
+        "for output. Start a new conversation or shorten the input.",
+        param="input",
+        code="context_length_exceeded",
+    )

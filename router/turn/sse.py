@@ -319,6 +319,6 @@ def capture_body(body: bytes, *, strip_token_ids: bool) -> tuple[bytes, Captured
         if obj.get("object") == "response":  # a Responses API body
             capture.response(msgspec.convert(obj, Response))
             responses_output(capture, obj.get("output"))
-    if not strip_fields(obj, strip_token_ids):
-        return body, capture.result()
-    return _encode(obj), capture.result()
+    body = _encode(obj) if strip_fields(obj, strip_token_ids) else body
+    capture.cap.response = body if obj.get("object") == "response" else None
+    return body, capture.result()

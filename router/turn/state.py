@@ -12,6 +12,7 @@ from router.turn.claim import Claim
 from router.turn.early import EarlyTokens
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reason, Reuse
+from sessions.model import SessionState
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Turn:
     early: EarlyTokens | None = None  # P's /tokenize sent during the claim (turn/early.py)
     handle_sent: bool = False  # the claimed handle reached a P (read, or D notified)
     settled: bool = False  # the end of the turn ran: D's new handle is committed or released
+    committed: SessionState | None = None  # the state this turn's commit wrote, if it did
 
     def miss(self, reason: Reason) -> None:
         """The turn's verdict becomes a miss (its handle, if any, is not sent)."""

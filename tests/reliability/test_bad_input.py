@@ -77,9 +77,32 @@ CASES: list[tuple[str, str, bytes, dict[str, str], int]] = [
     ),
     ("responses-input-missing", RESPONSES, json.dumps({"model": MODEL}).encode(), {}, 400),
     (
-        "responses-previous-id",
+        "responses-previous-id-unknown",
         RESPONSES,
         json.dumps({"model": MODEL, "input": "x", "previous_response_id": "resp_1"}).encode(),
+        {},
+        404,
+    ),
+    (
+        "responses-previous-id-key-injection",
+        RESPONSES,
+        json.dumps({"model": MODEL, "input": "x", "previous_response_id": "}x{"}).encode(),
+        {},
+        400,
+    ),
+    (
+        "responses-previous-id-and-conversation",
+        RESPONSES,
+        json.dumps(
+            {"model": MODEL, "input": "x", "previous_response_id": "r", "conversation": "c"}
+        ).encode(),
+        {},
+        400,
+    ),
+    (
+        "responses-store-not-bool",
+        RESPONSES,
+        json.dumps({"model": MODEL, "input": "x", "store": 1}).encode(),
         {},
         400,
     ),

@@ -20,6 +20,7 @@ def read(
     api: Api = "chat",
     max_bytes: int = 10_000,
     tenant_header: str = "",
+    keep_responses: bool = True,
 ) -> Any:
     raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
     return read_incoming(
@@ -29,6 +30,7 @@ def read(
         model="m",
         max_bytes=max_bytes,
         tenant_header=tenant_header,
+        keep_responses=keep_responses,
     )
 
 
@@ -111,13 +113,72 @@ def test_token_id_request_flag() -> None:
         ({"input": ""}, "input"),
         ({"input": []}, "input"),
         ({"input": ["hi"]}, "input"),
-        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"input": "hi", "store": True}, "store=true"),
+        ({"input": "hi", "previous_response_id": "a}b"}, "previous_response_id"),
+        ({"input": "hi", "previous_response_id": ""}, "previous_response_id"),
+        ({"input": "hi", "previous_response_id": 7}, "previous_response_id"),
+        ({"input": "hi", "previous_response_id": "r", "conversation": "c"}, "together"),
+        ({"input": "hi", "store": "yes"}, "store"),
+        ({"input": "hi", "conversation": {"name": "c"}}, "conversation"),
+        ({"input": "hi", "conversation": "a b"}, "conversation_id"),
     ],
 )
 def test_responses_refusals(body: dict[str, Any], match: str) -> None:
     with pytest.raises(BadRequest, match=match):
         read(body, api="responses")
+
+
+def test_previous_response_id_needs_the_store() -> None:
+    body = {"input": "hi", "previous_response_id": "resp_1"}
+    with pytest.raises(BadRequest, match="--response-ttl 0"):
+        read(body, api="responses", keep_responses=False)
+
+
+@pytest.mark.parametrize(
+    ("store", "keeping", "kept"),
+    [(None, True, True), (True, True, True), (False, True, False), (True, False, False)],
+)
+def test_store_defaults_to_true_when_the_router_keeps_responses(
+    store: bool | None, keeping: bool, kept: bool
+) -> None:
+    body: dict[str, Any] = {"input": "hi", **({} if store is None else {"store": store})}
+    inc = read(body, api="responses", keep_responses=keeping)
+    assert inc.store is kept
+    assert inc.body["store"] is False  # the engines never keep a response themselves
+
+
+def test_state_fields_are_read_and_not_forwarded() -> None:
+    body = {"input": "hi", "previous_response_id": "resp_1", "prompt_cache_key": "k"}
+    inc = read(body, api="responses")
+    assert inc.previous_response_id == "resp_1"
+    assert "previous_response_id" not in inc.body
+    assert inc.body["prompt_cache_key"] == "k"  # forwarded untouched
+    assert inc.conversation_id == "k"
+    inc = read({"input": "hi", "conversation": {"id": "conv_1"}}, api="responses")
+    assert (inc.conversation_id, inc.named) == ("conv_1", True)
+    assert "conversation" not in inc.body
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "expected"),
+    [
+        ({"conversation_id": "a", "conversation": "b", "prompt_cache_key": "c"}, {}, "a"),
+        ({"conversation": "b", "prompt_cache_key": "c"}, {"x-conversation-id": "h"}, "h"),
+        ({"conversation": "b", "prompt_cache_key": "c", "session_id": "s"}, {}, "b"),
+        ({"prompt_cache_key": "c", "session_id": "s"}, {"x-session-id": "x"}, "c"),
+        ({}, {}, None),
+    ],
+)
+def test_session_key_precedence(
+    body: dict[str, Any], headers: dict[str, str], expected: str | None
+) -> None:
+    inc = read({"input": "hi", **body}, {**JSON, **headers}, api="responses")
+    assert inc.conversation_id == expected
+    assert inc.named is (expected is not None)
+
+
+def test_chat_prompt_cache_key_names_the_session() -> None:
+    inc = read({**CHAT, "prompt_cache_key": "pk-1"})
+    assert (inc.conversation_id, inc.body["prompt_cache_key"]) == ("pk-1", "pk-1")
 
 
 def test_responses_items_and_canonical_form() -> None:
