@@ -32,7 +32,7 @@ from router.errors import (
     error_body,
     error_bytes,
 )
-from router.http import conversations
+from router.http import conversations, responses
 from router.http.admin import Operations, admin_app
 from router.http.body import read_body
 from router.http.disconnect import CLIENT_CLOSED, until_disconnect
@@ -309,6 +309,9 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         Route("/v1/responses", turn_endpoint("responses"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/conversations/{conversation_id:path}", conversations.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),

@@ -144,3 +144,20 @@ async def end(svc: Services, key: str) -> SessionState | None:
 async def _forget(svc: Services, decode: str, key: str) -> None:
     with contextlib.suppress(StoreError):
         await svc.guard.call(lambda: svc.store.forget_pin(decode, key))
+
+
+async def release_turn(svc: Services, key: str, turn: int) -> bool:
+    """Release the conversation's handle if turn `turn` committed it and no turn has read or
+    replaced it since (a deleted response's handle: nothing else continues it). Whether one
+    was released. Raises StoreError."""
+    state = await svc.guard.call(lambda: svc.store.get(key))
+    if state is None or state.turn != turn or state.kv_transfer_params is None or state.inflight:
+        return False
+    not_after = state.updated_at  # a commit since would be later: then nothing is taken
+    taken = await svc.guard.call(lambda: svc.store.take_handle(key, not_after))
+    if taken is None or taken.kv_transfer_params is None:
+        return False
+    if svc.releaser is not None and aims_at_its_d(svc, key, taken):
+        svc.releaser.submit(taken.kv_transfer_params, taken.decode, "ended")
+    svc.spawn(_forget(svc, taken.decode, key))
+    return True
