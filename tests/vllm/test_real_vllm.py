@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support.chat import get_json
+from tests.support.chat import get_json, responses_turn
 from tests.support.procs import free_port, wait_until
 from tests.support.router import RouterProc
 from tests.vllm import engines, pins, responses
@@ -285,6 +285,43 @@ def test_streaming_responses_turns_read_from_decode(
             {"role": "assistant", "content": answer},
             {"role": "user", "content": f"Thanks. And what about hour {turn} of the evening?"},
         ]
+
+
+def test_a_previous_response_id_chain_reads_from_decode(
+    vllm_engines: Engines, vllm_router: RouterProc
+) -> None:
+    """The OpenAI SDK's own loop (issue 54): each turn sends only its new input and the
+    previous response's id; the router stores each response, expands the chain into the whole
+    input for P and D, and keys the conversation by it: turns 2..4 (JSON and streamed) read
+    D's KV with no conversation id, and every answer equals the from-scratch one."""
+    p = vllm_engines.p.url
+    items = opening("chain")
+    new: list[Message] = list(items)
+    previous: str | None = None
+    with client(vllm_router.base_url) as api:
+        for turn in range(1, 5):
+            kwargs: dict[str, Any] = {
+                "model": MODEL_NAME,
+                "input": new,
+                "max_output_tokens": MAX_TOKENS,
+                "temperature": 0,
+            }
+            if previous is not None:
+                kwargs["previous_response_id"] = previous
+            p_pulled, failed = by_source(p, "external_kv_transfer"), failed_transfers(p)
+            answer, reuse, done = responses_turn(api, kwargs, stream=turn % 2 == 0)
+            assert answer == responses_reference(vllm_engines, items), f"turn {turn}"
+            assert done["id"] and "kv_transfer_params" not in done
+            if turn == 1:
+                assert reuse == "miss;reason=no-session"
+            else:
+                assert reuse == "hit", f"turn {turn}: {reuse}"
+                assert by_source(p, "external_kv_transfer") > p_pulled, f"turn {turn}: no read"
+                assert failed_transfers(p) == failed
+            assert api.responses.retrieve(done["id"]).output_text == answer
+            previous = done["id"]
+            new = [{"role": "user", "content": f"Thanks. And hour {turn} of the evening?"}]
+            items += [{"role": "assistant", "content": answer}, *new]
 
 
 def test_ending_a_conversation_frees_its_blocks_on_d(
