@@ -21,7 +21,7 @@ class StateDecodeError(ValueError):
 
 
 # The Redis HASH encoding: one field per attribute, in this order (HGETALL keeps it).
-_INT_FIELDS = ("turn", "prefix_len", "prompt_len", "token_count", "block_size")
+_INT_FIELDS = ("turn", "prefix_len", "prompt_len", "token_count", "block_size", "prefill_tokens")
 _RANK_FIELDS = ("prefill_rank", "decode_rank")
 _FLOAT_FIELDS = ("decode_started", "handle_expires_at", "created_at", "updated_at")
 _STR_FIELDS = (
@@ -80,6 +80,7 @@ def to_fields(state: SessionState) -> dict[str, str]:
         "mac": state.mac,
         "prefill_rank": "" if state.prefill_rank < 0 else str(state.prefill_rank),
         "decode_rank": "" if state.decode_rank < 0 else str(state.decode_rank),
+        "prefill_tokens": str(state.prefill_tokens),
     }
 
 

@@ -91,6 +91,9 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True):
     # (engines without internal data parallelism, or sessions stored before these fields).
     prefill_rank: int = -1
     decode_rank: int = -1
+    # Prompt tokens the last turn's P computed or found cached (its prompt: P's prefix cache
+    # holds its full blocks afterwards, unless it evicted them); 0: no P leg, or not known.
+    prefill_tokens: int = 0
 
 
 def prefix_extends(
@@ -211,6 +214,7 @@ def next_state(
     cache_tokens: bool = False,
     prefill_rank: int = -1,
     decode_rank: int = -1,
+    prefill_tokens: int = 0,
 ) -> SessionState:
     """The state after a turn that finished normally (the caller commits it with CAS).
 
@@ -248,4 +252,5 @@ def next_state(
         inflight="",
         prefill_rank=prefill_rank,
         decode_rank=decode_rank,
+        prefill_tokens=prefill_tokens,
     )

@@ -46,6 +46,8 @@ class Reason(StrEnum):
     HANDLE_UNAUTHENTICATED = "handle-unauthenticated"
     HANDLE_INVALID = "handle-invalid"
     STORE_MISSED = "store-missed"
+    # P read nothing from D and its own cache held none of the verified prefix (issue 50).
+    RECOMPUTED = "recomputed"
     REUSE_DISABLED = "reuse-disabled"
     NO_CONVERSATION_ID = "no-conversation-id"
     PUSH_AFFINITY = "push-affinity"

@@ -186,6 +186,7 @@ def next_state(turn: Turn, captured: Captured, *, d_owns: bool = True) -> sm.Ses
         decode_started=turn.decode.ident.handle_started,
         prefill_rank=turn.ranks.get("prefill", prev.prefill_rank if prev else -1),
         decode_rank=turn.ranks.get("decode", -1),
+        prefill_tokens=turn.prefill_tokens if turn.prefill else 0,
     )
     assert turn.claim.key is not None
     return integrity.sign(svc.settings.session_secrets, turn.claim.key, state)

@@ -1,13 +1,15 @@
-"""The turn's use of the engines' KV events: no handle when P already holds the verified
-prefix, none whose blocks D evicted, and P placed by the longest prefix it holds."""
+"""What the chosen P holds of the verified prefix, and the engines' KV events: no handle when
+P already holds it (its events say so, or it computed it on the conversation's last turn),
+none whose blocks D evicted, and P placed by the longest prefix it holds."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
-from router.engines.kv_index import block_digests, held_tokens
+from router.engines.kv_index import EngineIndex, block_digests, held_tokens
 from router.engines.pool import AFFINITY_SLACK, Instance
-from router.turn import decide
+from router.turn import decide, verdicts
 from router.turn.claim import prompt_token_ids
 from router.turn.state import Turn
 
@@ -15,21 +17,22 @@ log = logging.getLogger("kvbaton.reuse")
 
 
 def check_handle(turn: Turn, p_inst: Instance, source: Instance | None) -> None:
-    """After verify: keep the handle only if P lacks the verified prefix and D still holds it."""
+    """After verify: keep the handle only if P lacks the verified prefix and D still holds it
+    (a read would bring P nothing, and the turn must say so: `hit;via=prefill-cache`)."""
     kv, claim = turn.svc.kv_events, turn.claim
-    if kv is None or source is None or claim.tokens is None or claim.state is None:
+    if source is None or claim.state is None or not claim.reuse.pulls:
         return
-    if not claim.reuse.pulls:
-        return
-    verified = claim.tokens[: claim.reuse.tokens]
-    p_index = kv.index(p_inst.url)
-    p_held = held_tokens(p_index, verified) if p_index is not None else 0
-    d_index = kv.index(source.url, source.ident.restarts)
+    state = claim.state
+    block = state.block_size or turn.svc.block_size
+    p_held = verdicts.held_since_last_turn(state, p_inst.url, block)
     evicted = False
-    if d_index is not None and d_index.block_size > 0:
-        digests = block_digests(verified, d_index.block_size)
-        evicted = d_index.evicted_since(digests, claim.state.updated_at)
-    block = claim.state.block_size or turn.svc.block_size
+    if kv is not None and claim.tokens is not None:
+        verified = claim.tokens[: claim.reuse.tokens]
+        p_held = events_held(kv.index(p_inst.url), verified, p_held, state.updated_at)
+        d_index = kv.index(source.url, source.ident.restarts)
+        if d_index is not None and d_index.block_size > 0:
+            digests = block_digests(verified, d_index.block_size)
+            evicted = d_index.evicted_since(digests, state.updated_at)
     reuse = decide.cached_reuse(claim.reuse, block, p_held=p_held, d_evicted=evicted)
     if reuse != claim.reuse:
         log.info(
@@ -41,6 +44,22 @@ def check_handle(turn: Turn, p_inst: Instance, source: Instance | None) -> None:
             p_held,
         )
         turn.rejudge(reuse, drop_handle=True)
+
+
+def events_held(
+    index: EngineIndex | None, verified: Sequence[int], last_turn: int, since: float
+) -> int:
+    """What P's KV events say it holds of the verified prefix; what it computed on the last
+    turn (`last_turn` tokens) unless its events show it evicted them since (`since`): an
+    index that does not have them yet is only behind (events arrive after the turn)."""
+    if index is None or index.stale or index.block_size <= 0:
+        return last_turn
+    held = held_tokens(index, verified)
+    if last_turn > held:
+        digests = block_digests(verified[:last_turn], index.block_size)
+        if not index.evicted_since(digests, since):
+            return last_turn
+    return held
 
 
 async def place_prefill(turn: Turn, p_inst: Instance) -> Instance:

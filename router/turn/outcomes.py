@@ -11,7 +11,7 @@ from sessions.vocabulary import Reason as Reason  # re-exported: the router impo
 
 
 class Outcome(StrEnum):
-    HIT = "hit"  # P was given D's handle (possibly cut to the verified prefix)
+    HIT = "hit"  # P was given D's handle (possibly cut to the verified prefix) and read it
     MISS = "miss"  # a plain P/D turn; the reason says why nothing was read
     SKIP = "skip"  # reuse was not attempted at all
 
@@ -19,14 +19,18 @@ class Outcome(StrEnum):
 class Via(StrEnum):
     """How a hit's verified prefix reached P when P read nothing from D (`hit;via=...`)."""
 
-    PREFILL_CACHE = "prefill-cache"  # P's own prefix cache held it (KV events): no handle sent
+    PREFILL_CACHE = "prefill-cache"  # P's own prefix cache held it: nothing read from D
     DECODE = "decode"  # the decode plan: the turn ran on the previous D alone, no P leg
     STORE = "store"  # --kv-connector store: P reported cached prompt tokens (store or its own)
 
 
 VIA_MEANINGS: dict[Via, str] = {
-    Via.PREFILL_CACHE: "the verified prefix was already in the chosen P's own prefix cache "
-    "(its KV events say so): no handle was sent, nothing was read from D",
+    Via.PREFILL_CACHE: "the verified prefix was already in the chosen P's own prefix cache, "
+    "so nothing was read from D: its KV events said so, or it computed that prompt on the "
+    "conversation's last turn (no handle was sent), or P was sent the handle and reported "
+    "fewer cached prompt tokens than the verified prefix, so it read nothing (its own cache "
+    "held all but less than its `kv_recompute_threshold`, 64 by default, which it "
+    "recomputed); the reused tokens are what P's cache held",
     Via.DECODE: "the decode plan: the whole turn went to the previous D, whose prefix cache "
     "holds the verified prefix; no P leg, nothing moved, D computed only the new tokens "
     "(`--decode-local-max-tokens`)",
@@ -36,6 +40,14 @@ VIA_MEANINGS: dict[Via, str] = {
     "`vllm:prompt_tokens_by_source_total` does; with `--kv-events`, a count that P's own "
     "cache held entirely is `hit;via=prefill-cache` instead); no handle exists in this mode",
 }
+
+
+HIT_MEANING = (
+    "P was given D's handle (possibly cut to the verified prefix) and read KV from D: the "
+    "chosen P did not hold the verified prefix (by its KV events, or by what it computed on "
+    "the last turn), and its `usage.prompt_tokens_details.cached_tokens` covers the prefix "
+    "(what a read brings; without that count the router cannot tell)"
+)
 
 
 class Found(StrEnum):
@@ -114,6 +126,11 @@ MEANINGS: dict[Reason, str] = {
     Reason.STORE_MISSED: "`--kv-connector store`: P reported no cached prompt tokens for a "
     "continuing conversation (the store lost or never got its blocks, or the engines run "
     "without `--enable-prompt-tokens-details`): P computed the whole history",
+    Reason.RECOMPUTED: "P was to find the verified prefix in D's blocks or its own prefix "
+    "cache, but it reported no cached prompt tokens "
+    "(`usage.prompt_tokens_details.cached_tokens`): it read nothing from D and recomputed the "
+    "prompt (a read that failed under `kv_load_failure_policy=recompute`, or blocks its cache "
+    "was expected to hold and had evicted, or a P restarted since)",
     Reason.REUSE_DISABLED: "`--no-reuse`: affinity only",
     Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id`, "
     "`X-Session-ID` or `vllm_xargs.session_id`",
@@ -190,7 +207,7 @@ def header_values() -> list[str]:
 def docs_table() -> str:
     """docs/architecture.md's X-KV-Reuse table (tests/ops/test_docs.py checks it is there)."""
     rows = ["| value | meaning |", "|---|---|"]
-    rows.append("| `hit` | P was given D's handle (possibly cut to the verified prefix) |")
+    rows.append(f"| `hit` | {HIT_MEANING} |")
     rows += [f"| `{Reuse.hit(0, v).header()}` | {VIA_MEANINGS[v]} |" for v in Via]
     rows += [f"| `{Reuse.hit(0, found=f).header()}` | {FOUND_MEANINGS[f]} |" for f in Found]
     rows += [f"| `{Reuse.miss(r).header()}` | {MEANINGS[r]} |" for r in Reason]

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from router.engines.pool import Instance, Role
 from router.errors import Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
-from router.turn import decide, fits, kv_aware, plan
+from router.turn import decide, fits, kv_aware, moved, plan
 from router.turn.claim import verify
 from router.turn.decode import decode
 from router.turn.legs import pick_decode
@@ -55,6 +55,7 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
         sent = source if turn.claim.params is not None else None  # the handle's D, if sent
         prefilled = await prefill(turn, p_inst)
         _note_handle_result(turn, sent, prefilled)
+        moved.note_moved(turn, prefilled)
         if after_prefill is not None:
             after_prefill(turn, prefilled)
         d_inst = pick_decode(svc, state.decode if state else "", failed, prefilled.instance)

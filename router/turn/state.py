@@ -25,6 +25,7 @@ class Turn:
     prefill: Instance | None = None
     decode: Instance | None = None
     prefill_ids: list[int] | None = None  # the prompt P got as token ids, if it did
+    prefill_tokens: int = 0  # the prompt tokens P reported (its cache holds them after)
     want_token_ids: bool = False  # D is asked for return_token_ids
     first_byte: float = 0.0
     reuse_counted: bool = False

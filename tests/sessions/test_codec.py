@@ -63,6 +63,7 @@ def test_fields_are_readable() -> None:
         "mac": "",
         "prefill_rank": "",
         "decode_rank": "",
+        "prefill_tokens": "0",
     }
 
 
