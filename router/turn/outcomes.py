@@ -25,12 +25,12 @@ class Via(StrEnum):
 
 
 VIA_MEANINGS: dict[Via, str] = {
-    Via.PREFILL_CACHE: "the verified prefix was already in the chosen P's own prefix cache, "
-    "so nothing was read from D: its KV events said so, or it computed that prompt on the "
-    "conversation's last turn (no handle was sent), or P was sent the handle and reported "
-    "fewer cached prompt tokens than the verified prefix, so it read nothing (its own cache "
-    "held all but less than its `kv_recompute_threshold`, 64 by default, which it "
-    "recomputed); the reused tokens are what P's cache held",
+    Via.PREFILL_CACHE: "the chosen P's own prefix cache held the verified prefix, so "
+    "nothing was read from D: its KV events said so, or it computed that prompt on the "
+    "conversation's last turn (no handle was sent); or P was sent the handle and reported "
+    "fewer cached prompt tokens than it names, so it read nothing (what it lacked was under "
+    "its `kv_recompute_threshold`, 64 by default, and recomputed); the reused tokens are "
+    "what P's cache held",
     Via.DECODE: "the decode plan: the whole turn went to the previous D, whose prefix cache "
     "holds the verified prefix; no P leg, nothing moved, D computed only the new tokens "
     "(`--decode-local-max-tokens`)",
@@ -44,9 +44,9 @@ VIA_MEANINGS: dict[Via, str] = {
 
 HIT_MEANING = (
     "P was given D's handle (possibly cut to the verified prefix) and read KV from D: the "
-    "chosen P did not hold the verified prefix (by its KV events, or by what it computed on "
-    "the last turn), and its `usage.prompt_tokens_details.cached_tokens` covers the prefix "
-    "(what a read brings; without that count the router cannot tell)"
+    "chosen P was not known to hold the verified prefix (by its KV events, or by the prompt "
+    "it computed on the conversation's last turn), and the cached prompt tokens it reported "
+    "reach the handle's (when it reports them: `--enable-prompt-tokens-details`)"
 )
 
 
