@@ -194,7 +194,11 @@ def start_router(engines_: Engines, redis_url: str, name: str, *extra: str) -> I
     # The router checks every engine's /v1/models and /metrics before it listens, and again
     # as it starts: on a loaded machine that took over the harness's default 20 s.
     with router(*urls, *args, redis_url=redis_url, name=name, ready_timeout=START_TIMEOUT) as r:
-        yield r
+        engines.PREFILLS[r.url] = urls[0]  # every plain `hit` through it must move KV
+        try:
+            yield r
+        finally:
+            engines.PREFILLS.pop(r.url, None)
 
 
 @pytest.fixture(scope="module")

@@ -227,6 +227,19 @@ def metric(url: str, name: str, **labels: str) -> float:
     return metrics.metric(url, name, timeout=120, **labels)
 
 
+# The P instances behind each of the tier's routers (by the router's URL): every turn through
+# a router is checked to have moved KV from D when it says plain `hit` (tests/vllm/turns.py).
+PREFILLS: dict[str, list[str]] = {}
+
+
+def external_tokens(router_url: str) -> float | None:
+    """Tokens the router's P instances read from another engine (None: not a tier router)."""
+    prefills = PREFILLS.get(router_url)
+    if prefills is None:
+        return None
+    return sum(by_source(p, "external_kv_transfer") for p in prefills)
+
+
 def by_source(url: str, source: str) -> float:
     """vllm:prompt_tokens_by_source_total for local_compute, local_cache_hit or
     external_kv_transfer (tokens read over NIXL from the other engine)."""

@@ -14,7 +14,7 @@ from tests.support.metrics import metric
 from tests.support.router import RouterProc
 from tests.vllm.conftest import Engines
 from tests.vllm.engines import MODEL_NAME, by_source, failed_transfers
-from tests.vllm.turns import MAX_TOKENS, client, opening, session_fields
+from tests.vllm.turns import MAX_TOKENS, client, moved_if_hit, opening, session_fields
 
 RENDER = "/v1/responses/render"
 
@@ -41,7 +41,7 @@ def turn(r: RouterProc, items: list[Any], cid: str, *, stream: bool) -> tuple[st
         "extra_body": {"conversation_id": cid},
     }
     with client(r.base_url) as api:
-        return responses_turn(api, kwargs, stream=stream)
+        return moved_if_hit(r, lambda: responses_turn(api, kwargs, stream=stream))
 
 
 def renders(url: str) -> float:

@@ -4,7 +4,8 @@ reference engine, conversation openings, and the session a turn left in Redis.""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import openai
 import redis
@@ -13,13 +14,14 @@ from tests.support.chat import Turn, chat_turn, reference_answer
 from tests.support.chat import client as support_client
 from tests.support.router import RouterProc
 from tests.vllm.conftest import Engines
-from tests.vllm.engines import MODEL_NAME, by_source, metric
+from tests.vllm.engines import MODEL_NAME, by_source, external_tokens, metric
 
 MAX_TOKENS = 48
 SYSTEM = "You are a terse assistant. You answer questions about tea, rain and the valley."
 QUESTION = "Is it going to rain in the valley today, and should I bring tea?"
 
 Message = dict[str, str]
+T = TypeVar("T", bound=tuple[Any, ...])  # (answer, X-KV-Reuse, ...)
 
 
 TIMEOUT = 330  # seconds an SDK call may take
@@ -46,18 +48,41 @@ def chat(
     extra: dict[str, Any] | None = None,
 ) -> Turn:
     """One greedy turn through the router: (answer, X-KV-Reuse, the JSON body or {} when
-    streamed)."""
+    streamed); a plain `hit` must have moved KV from D (`moved_if_hit`)."""
     with client(r.base_url) as api:
-        return chat_turn(
-            api,
-            messages,
-            cid=cid,
-            stream=stream,
-            max_tokens=max_tokens,
-            model=MODEL_NAME,
-            extra=extra,
-            temperature=0,
+        return moved_if_hit(
+            r,
+            lambda: chat_turn(
+                api,
+                messages,
+                cid=cid,
+                stream=stream,
+                max_tokens=max_tokens,
+                model=MODEL_NAME,
+                extra=extra,
+                temperature=0,
+            ),
         )
+
+
+def reads_from_d(reuse: str) -> bool:
+    """Whether an X-KV-Reuse value says P read KV from D: `hit`, or `hit;id=history`."""
+    return reuse.split(";")[0] == "hit" and "via=" not in reuse
+
+
+def moved_if_hit(r: RouterProc, run: Callable[[], T]) -> T:
+    """Run one turn through a tier router (its result's second item is X-KV-Reuse): a turn
+    that says plain `hit` must have raised its P's `external_kv_transfer` prompt tokens (a
+    hit means KV moved from D; one P read nothing from is `hit;via=prefill-cache`)."""
+    before = external_tokens(r.url)
+    result = run()
+    reuse = result[1]
+    if before is not None and reads_from_d(reuse):
+        after = external_tokens(r.url)
+        assert after is not None and after > before, (
+            f"X-KV-Reuse {reuse!r}, but P read nothing from D (external_kv_transfer {before})"
+        )
+    return result
 
 
 def opening(tag: str, *, unique: bool = True) -> list[Message]:
