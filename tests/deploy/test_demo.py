@@ -175,7 +175,9 @@ def drive_with_the_sdk(port: int) -> None:
         raw = api.chat.completions.with_raw_response.create(
             model=model,
             messages=messages,
-            max_tokens=8,  # type: ignore[arg-type]
+            # Past the demo P's kv_recompute_threshold (64, vLLM's default): a shorter answer
+            # is not read from D (P recomputes it: `hit;via=prefill-cache`).
+            max_tokens=96,  # type: ignore[arg-type]
             extra_body={"conversation_id": "sdk-demo"},
         )
         reuse.append(raw.headers["x-kv-reuse"])
