@@ -48,7 +48,7 @@ class Conversation:
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def turn(
-        self, *, stream: bool = False, max_tokens: int = 8, check: bool = True, **extra: Any
+        self, *, stream: bool = False, max_tokens: int = 32, check: bool = True, **extra: Any
     ) -> Reply:
         """Ask the next question; on success append the answer (as a client would)."""
         self.turns += 1

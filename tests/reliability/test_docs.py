@@ -11,7 +11,7 @@ DOC = TESTS.parent / "docs" / "reliability.md"
 
 def test_every_test_named_in_the_reliability_doc_exists() -> None:
     text = DOC.read_text()
-    named = re.findall(r"`([a-z_/]+/test_\w+\.py)(?:::(\w+))?", text)
+    named = re.findall(r"`([a-z0-9_/]+/test_\w+\.py)(?:::(\w+))?", text)
     assert len(named) > 30
     for path, name in named:
         source = TESTS / path
@@ -22,7 +22,7 @@ def test_every_test_named_in_the_reliability_doc_exists() -> None:
             )
     # Shorthand rows (`::test_name` after a full reference) name tests of the file before.
     for row in text.splitlines():
-        files = re.findall(r"`([a-z_/]+\.py)::", row)
+        files = re.findall(r"`([a-z0-9_/]+\.py)::", row)
         for name in re.findall(r"`::(\w+)", row):
             assert files and re.search(
                 rf"^def {name}\(", (TESTS / files[-1]).read_text(), re.MULTILINE

@@ -36,15 +36,18 @@ def kv_view(r: RouterProc, url: str) -> dict[str, Any]:
 
 
 def turns(r: RouterProc, count: int, tag: str) -> list[str]:
-    """`count` two-turn conversations; the second turns' X-KV-Reuse."""
+    """`count` two-turn conversations; the second turns' X-KV-Reuse. The answers are longer
+    than a block: the second turn's P lacks a full block of D's, which it can only read (so
+    nothing but a wrong index could say `hit;via=prefill-cache`)."""
     reuse = []
     for i in range(count):
         messages = [{"role": "user", "content": f"{tag} {i}: tea or rain?"}]
-        first = post(r.url + "/v1/chat/completions", chat_body(messages, cid=f"{tag}-{i}"))
+        body = chat_body(messages, cid=f"{tag}-{i}", max_tokens=32)
+        first = post(r.url + "/v1/chat/completions", body)
         assert first.status == 200, first.body[:300]
         messages += [{"role": "assistant", "content": first.answer()}]
         messages += [{"role": "user", "content": "and then?"}]
-        second = post(r.url + "/v1/chat/completions", chat_body(messages, cid=f"{tag}-{i}"))
+        second = post(r.url + "/v1/chat/completions", {**body, "messages": messages})
         assert second.status == 200, second.body[:300]
         reuse.append(second.reuse)
     return reuse
