@@ -61,6 +61,14 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel_size: int = 1  # vllm_sim/dp.py
     kv_store: str = ""  # the store's redis:// URL
     kv_store_save_decode: bool = False
+    # vllm#51919 (open upstream; vllm_sim/handover.py): P ships token 1 in first_token_ids and
+    # D emits it when its load completes; /v1/pd_kv_ready releases a parked D request.
+    seed_first_token: bool = False
+    pd_kv_ready: bool = False
+    pd_park_timeout: float = 10.0
+    num_speculative_tokens: int = 0  # only rules seeding out (speculative decoding)
+    admission_ms: float = 0.0  # parse, tokenize and admit each request
+    first_token_forward_ms: float = 0.0  # the fixed cost of the forward computing token 1
 
     @property
     def version(self) -> VllmVersion:
@@ -156,6 +164,38 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="store: also write decode output blocks (on D: the prompt's too, vLLM's kv_both)",
     )
+    a(
+        "--seed-first-token",
+        action="store_true",
+        help="vllm#51919: P returns its token 1 in first_token_ids; D emits a seeded token "
+        "when its KV load completes, without the forward (fallbacks: docs/simulator.md)",
+    )
+    a(
+        "--pd-kv-ready",
+        action="store_true",
+        help="vllm#51919: serve POST /v1/pd_kv_ready and park a D request whose params say "
+        "remote_ready: false until P's params arrive there",
+    )
+    a(
+        "--pd-park-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a parked request waits for /v1/pd_kv_ready before it prefills locally",
+    )
+    a(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="speculative decoding (not simulated; it only rules out first-token seeding)",
+    )
+    a("--admission-ms", type=float, default=0.0, help="parse, tokenize and admit a request")
+    a(
+        "--first-token-forward-ms",
+        type=float,
+        default=0.0,
+        help="the fixed cost of the forward that computes a request's token 1 (seeding spares "
+        "D this one)",
+    )
     return p
 
 
@@ -209,6 +249,12 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         sweep_interval=ns.sweep_interval,
         kv_store=ns.kv_store,
         kv_store_save_decode=ns.kv_store_save_decode,
+        seed_first_token=ns.seed_first_token,
+        pd_kv_ready=ns.pd_kv_ready,
+        pd_park_timeout=ns.pd_park_timeout,
+        num_speculative_tokens=ns.num_speculative_tokens,
+        admission_ms=ns.admission_ms,
+        first_token_forward_ms=ns.first_token_forward_ms,
     )
     check(settings)
     return settings

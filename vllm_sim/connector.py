@@ -246,6 +246,8 @@ class Connector:
             expiry=None if leg.is_producer else expiry,
             cached_tokens=res.cached_tokens,
         )
+        if leg.is_producer and self.settings.seed_first_token:
+            params["first_token_ids"] = res.output_ids[:1]  # vllm#51919: token 1 for D
         if self.push is not None:
             params["transfer_mode"] = "push"
         elif self.settings.version.registration_generation:

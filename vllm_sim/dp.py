@@ -13,7 +13,9 @@ from collections.abc import AsyncGenerator, Sequence
 import msgspec
 from aiohttp import web
 
+from vllm_sim import handover
 from vllm_sim.config import SimSettings
+from vllm_sim.costs import spend
 from vllm_sim.engine import Engine
 from vllm_sim.errors import ApiError
 from vllm_sim.metrics import Counters, Gauges
@@ -55,6 +57,8 @@ class Ranks:
         self.settings = engines[0].settings
         self.tok = engines[0].tok
         self.pause = Pause()  # /pause and /sleep hold every rank (vllm_sim/pause.py)
+        s = self.settings  # requests parked until /v1/pd_kv_ready (vllm#51919)
+        self.parking = handover.Parking(s.pd_park_timeout) if s.pd_kv_ready else None
         self._next = 0
 
     @property
@@ -68,14 +72,27 @@ class Ranks:
         return self.engines[rank]
 
     def generate(self, req: GenRequest, result: RunResult) -> AsyncGenerator[Step, None]:
-        """The request's steps; EnginePaused on the first one while paused (abort or wait)."""
-        if self.pause.open:
+        """The request's steps; EnginePaused on the first one while paused (abort or wait).
+        Admission (`--admission-ms`) and parking (vllm#51919) come before the engine's."""
+        parks = self.parking is not None and handover.is_parked_leg(req.kv_params)
+        if self.pause.open and not parks and self.settings.admission_ms <= 0:
             return self.pick(req.dp_rank).generate(req, result)
-        return self._held(req, result)
+        return self._held(req, result, parks)
 
-    async def _held(self, req: GenRequest, result: RunResult) -> AsyncGenerator[Step, None]:
+    async def _held(
+        self, req: GenRequest, result: RunResult, parks: bool = False
+    ) -> AsyncGenerator[Step, None]:
         await self.pause.admit()
-        steps = self.pick(req.dp_rank).generate(req, result)
+        engine = self.pick(req.dp_rank)
+        await spend(self.settings.admission_ms / 1000.0)  # parse, tokenize, admit
+        if parks and self.parking is not None:
+            engine.counters.sim_parked_requests += 1
+            params = await self.parking.wait(req.base_id)
+            if params is None:  # the notification never came: D prefills locally
+                engine.counters.sim_park_timeouts += 1
+                params = handover.local_params(req.kv_params or {})
+            req.kv_params = params
+        steps = engine.generate(req, result)
         async with contextlib.aclosing(steps):
             async for step in steps:
                 yield step

@@ -11,9 +11,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import Any
 
-from vllm_sim import model, moriio, transfer
+from vllm_sim import handover, model, moriio, transfer
 from vllm_sim.blocks import BlockPool, CacheEvent
 from vllm_sim.config import SimSettings
 from vllm_sim.connector import Connector
@@ -256,7 +255,10 @@ class Engine:
             wire = time.monotonic() - wire
             await spend(self.costs.transfer_s(-(-pulled // self.block_size)) - wire)
             await self.steps.transfer_reported()
-        await self.steps.prefill(computed)  # shares its step with the running decodes
+        failed = count > 0 and not pulled
+        seq.seed = handover.seed_for(s, c, self.tok, req, leg.kind, failed)
+        if seq.seed is None:  # shares its step with the running decodes; a seed skips it
+            await self.steps.prefill(computed, s.first_token_forward_ms)
 
     def _cache_blocks(self, seq: Seq, num_kv: int) -> None:
         """Cache every full block whose KV is complete (under this instance's token ids)."""
@@ -291,6 +293,8 @@ class Engine:
             if i:
                 await self.steps.decode()
             token = model.sample(seq.last_kv, emittable)
+            if not i and seq.seed is not None:  # vllm#51919: P's token 1, no forward
+                token = handover.emit(self.counters, seq.seed, token)
             seq.tokens.append(token)
             res.output_ids.append(token)
             self.counters.generation_tokens += 1
@@ -311,7 +315,8 @@ class Engine:
                     await self.kv.store_save(seq, len(seq.tokens) - 1)
                 res.content, res.reasoning = text.content, text.reasoning
                 res.finish_reason, res.stop_reason = finish, delta.stop_reason
-                res.kv_transfer_params = self._finish(req, seq, leg, res)
+                self._publish()  # then vLLM's request_finished (the connector's)
+                res.kv_transfer_params = self.kv.finished(req, seq, leg, res, self.kv_port)
                 if self.settings.kv_connector == "moriio":
                     transfer_id = (req.kv_params or {}).get("transfer_id")
                     res.kv_transfer_params = moriio.finished(res.kv_transfer_params, transfer_id)
@@ -321,10 +326,3 @@ class Engine:
             yield Step([token], content, delta.reasoning, finish, delta.stop_reason)
             if finish is not None:
                 return
-
-    def _finish(
-        self, req: GenRequest, seq: Seq, leg: transfer.Leg, res: RunResult
-    ) -> dict[str, Any] | None:
-        """vLLM's request_finished (the connector's): pin and describe the blocks, or None."""
-        self._publish()
-        return self.kv.finished(req, seq, leg, res, self.kv_port)

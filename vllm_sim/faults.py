@@ -29,6 +29,7 @@ class Faults:
     drop_after_chunks: int = 0
     error_next: int = 0
     error_after_chunks: int = 0
+    drop_ready_next: int = 0  # /v1/pd_kv_ready: answer 200 and drop the notification
 
     def update(self, body: Mapping[str, Any]) -> None:
         """Merge a POST /sim/faults body; unknown keys or bad values are a 400."""
@@ -68,6 +69,13 @@ class Faults:
             self.error_next -= 1
             error = self.error_after_chunks
         return Injection(stall_s=stall, drop_after_chunks=drop, error_after_chunks=error)
+
+    def take_ready_drop(self) -> bool:
+        """Whether to drop the next ready notification (after answering it 200)."""
+        if self.drop_ready_next > 0:
+            self.drop_ready_next -= 1
+            return True
+        return False
 
     def state(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}

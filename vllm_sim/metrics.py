@@ -80,6 +80,13 @@ class Counters:
     sim_store_blocks_read: int = 0
     sim_store_blocks_written: int = 0
     sim_store_errors: int = 0
+    # vllm#51919 (vllm_sim/handover.py): seeded tokens, fallbacks by reason, seeds that
+    # differ from what D's KV gives, parked requests and park timeouts
+    sim_seeded_first_tokens: int = 0
+    sim_seed_fallbacks: dict[str, int] = field(default_factory=dict)
+    sim_seed_mismatches: int = 0
+    sim_parked_requests: int = 0
+    sim_park_timeouts: int = 0
     # The wall time of this P's side-channel exchanges (handshake and block read) per pull:
     # D's own event loop answers them, so they wait while D is busy. A GPU's RDMA read does
     # not wait on D's CPU: this is the simulation's cost, not vLLM's (docs/simulator.md).
@@ -160,6 +167,10 @@ _SIM_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Blocks written to the store.",
     ),
     ("sim_store_errors", "vllm_sim:store_errors_total", "Failed KV-store lookups and writes."),
+    ("sim_seeded_first_tokens", "vllm_sim:seeded_first_tokens_total", "Seeded tokens emitted."),
+    ("sim_seed_mismatches", "vllm_sim:seed_mismatches_total", "Seeds unlike D's own token."),
+    ("sim_parked_requests", "vllm_sim:parked_requests_total", "Requests parked for P's params."),
+    ("sim_park_timeouts", "vllm_sim:park_timeouts_total", "Parked requests prefilled locally."),
 )
 
 
@@ -204,6 +215,12 @@ def render(
         "counter",
         "Finished requests by finish reason.",
         [(f'{base},finished_reason="{r}"', n) for r, n in sorted(c.request_success.items())],
+    )
+    metric(
+        "vllm_sim:seed_fallbacks_total",
+        "counter",
+        "Seeded first tokens D recomputed, by reason.",
+        [(f'{base},reason="{r}"', n) for r, n in sorted(c.sim_seed_fallbacks.items())],
     )
     for family, total in (
         ("vllm:nixl_xfer_time_seconds", 0.0),

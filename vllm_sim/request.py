@@ -20,6 +20,7 @@ class GenRequest:
     kv_params: dict[str, Any] | None = None
     base_id: str = ""  # the X-Request-Id it came with (push mode pairs P and D by it)
     dp_rank: int | None = None  # X-data-parallel-rank (None: any rank; vllm_sim/dp.py)
+    seed_blocker: str = ""  # what in the request rules first-token seeding out (handover.py)
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,4 @@ class Seq:
     last_kv: int = model.KV_ROOT
     loaded: range = range(0)  # the blocks loaded from the shared store (store connector)
     saved: int = 0  # blocks [0, saved) are written to the store or were loaded from it
+    seed: int | None = None  # P's token 1, emitted without D's forward (vllm#51919)

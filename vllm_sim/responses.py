@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import api, dp
+from vllm_sim import api, dp, handover
 from vllm_sim import responses_api as rapi
 from vllm_sim import responses_shapes as rs
 from vllm_sim.dp import Ranks
@@ -76,9 +76,10 @@ class ResponsesRoute:
         s = self.engine.settings
         try:
             require_json(request)
+            body = api.decode_body(await request.read())
             parsed = rapi.parse(
                 self.engine.tok,
-                api.decode_body(await request.read()),
+                body,
                 served_model=s.model,
                 max_model_len=s.max_model_len,
                 default_max_tokens=s.default_max_tokens,
@@ -101,6 +102,7 @@ class ResponsesRoute:
             kv_params=parsed.kv_transfer_params,
             base_id=request.headers.get("X-Request-Id", ""),
             dp_rank=dp.header_rank(request, self.engine.size),
+            seed_blocker=handover.request_blocker(body),
         )
         if parsed.stream:
             return await self._stream(request, call, req)

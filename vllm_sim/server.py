@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import api, dp, metrics, pause_api, push, render, shapes
+from vllm_sim import api, dp, handover, metrics, pause_api, push, render, shapes
 from vllm_sim.blocks import CacheEvent, Cleared, Removed, Stored
 from vllm_sim.clock import SimClock
 from vllm_sim.config import SimSettings
@@ -210,6 +210,7 @@ class Sim:
             "running": e.running,
             "waiting": e.waiting,
             "faults": self.faults.state(),
+            "parked": self.ranks.parking.ids() if self.ranks.parking is not None else [],
             "sessions": list(self.sessions),
             "settings": {k: getattr(s, k) for k in s.__struct_fields__ if k != "api_key"},
             # --data-parallel-size: each rank's engine id, side channel and prefix cache.
@@ -312,6 +313,8 @@ def build_app(sim: Sim) -> web.Application:
     r.add_post("/reset_prefix_cache", sim.reset_prefix_cache)
     r.add_get("/version", sim.version)
     render.add_routes(app, sim.ranks)  # both versions (403 without --enable-scale-out)
+    if sim.ranks.parking is not None:  # vllm#51919's concurrent dispatch (--pd-kv-ready)
+        handover.add_route(app, sim.ranks.parking, sim.faults)
     if sim.settings.version.pause_rejects:  # vLLM 0.33 (with VLLM_SERVER_DEV_MODE=1)
         pause_api.add_routes(app, sim.ranks)
     r.add_post("/sim/faults", sim.set_faults)

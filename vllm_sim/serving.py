@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import api, dp, shapes
+from vllm_sim import api, dp, handover, shapes
 from vllm_sim.dp import Ranks
 from vllm_sim.errors import INTERNAL_ERROR, ApiError, KVLoadError
 from vllm_sim.faults import Faults, Injection
@@ -117,6 +117,7 @@ class GenerationRoutes:
             kv_params=parsed.kv_transfer_params,
             base_id=ids.base,
             dp_rank=dp.header_rank(request, self.engine.size),
+            seed_blocker=handover.request_blocker(body),
         )
         if parsed.stream:
             return await self._stream(request, parsed, req, ids, inj, headers)

@@ -27,6 +27,7 @@ class _Prefill:
 
     left: int
     fut: asyncio.Future[None]
+    forward_ms: float = 0.0  # the fixed cost of the forward that computes its first token
 
 
 @dataclass
@@ -41,19 +42,21 @@ class StepLoop:
     _decodes: list[asyncio.Future[None]] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
 
-    def step_s(self, prefill_tokens: int, decodes: int) -> float:
-        """How long one step takes: its decodes' share and its prefill tokens."""
-        ms = prefill_tokens * self.prefill_ms_per_token
+    def step_s(self, prefill_tokens: int, decodes: int, forward_ms: float = 0.0) -> float:
+        """How long one step takes: its decodes' share, its prefill tokens, and the fixed
+        cost of a forward that finishes a prompt (the largest, once per step)."""
+        ms = prefill_tokens * self.prefill_ms_per_token + forward_ms
         if decodes:
             ms += self.decode_ms_per_token
         return ms / 1000.0
 
-    async def prefill(self, tokens: int) -> None:
-        """Compute `tokens` prompt tokens in the next step (the first output token with them)."""
-        if tokens <= 0 or self.prefill_ms_per_token <= 0:
+    async def prefill(self, tokens: int, forward_ms: float = 0.0) -> None:
+        """Compute `tokens` prompt tokens in the next step (the first output token with them);
+        `forward_ms`: that forward's fixed cost (`--first-token-forward-ms`)."""
+        if tokens <= 0 or (self.prefill_ms_per_token <= 0 and forward_ms <= 0):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._prefills.append(_Prefill(tokens, fut))
+        self._prefills.append(_Prefill(tokens, fut, forward_ms))
         await self._wait(fut)
 
     async def transfer_reported(self) -> None:
@@ -82,12 +85,12 @@ class StepLoop:
         """Steps while work is queued: each takes the decodes queued when it began and up to
         max_batched_tokens prompt tokens, oldest first (a prompt may span steps)."""
         while self._prefills or self._decodes:
-            done, tokens = self._chunk()
+            done, tokens, forward_ms = self._chunk()
             decodes, self._decodes = self._decodes, []
             live = sum(1 for fut in decodes if not fut.done())
             self._step = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.sleep(self.step_s(tokens, live))
+                await asyncio.sleep(self.step_s(tokens, live, forward_ms))
             finally:
                 self._step.set_result(None)
                 self._step = None
@@ -96,10 +99,11 @@ class StepLoop:
                 if not fut.done():  # a cancelled request (client gone) is skipped
                     fut.set_result(None)
 
-    def _chunk(self) -> tuple[list[asyncio.Future[None]], int]:
-        """This step's prompt tokens: the futures of prompts it finishes, and the tokens."""
+    def _chunk(self) -> tuple[list[asyncio.Future[None]], int, float]:
+        """This step's prompt tokens: the futures of prompts it finishes, the tokens, and the
+        fixed cost of its forward (the largest of the prompts it finishes)."""
         budget, done, kept = self.max_batched_tokens, [], []
-        tokens = 0
+        tokens, forward_ms = 0, 0.0
         for entry in self._prefills:
             if entry.fut.done():
                 continue  # cancelled: its tokens are not computed
@@ -111,5 +115,6 @@ class StepLoop:
                 kept.append(entry)
             else:
                 done.append(entry.fut)
+                forward_ms = max(forward_ms, entry.forward_ms)
         self._prefills = kept
-        return done, tokens
+        return done, tokens, forward_ms
