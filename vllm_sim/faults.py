@@ -53,14 +53,15 @@ class Faults:
         self.status = 503
 
     def take(self) -> Injection:
-        """Consume the faults that apply to the next request."""
-        if self.fail_next > 0:
-            self.fail_next -= 1
-            return Injection(fail_status=self.status)
+        """Consume the faults that apply to the next request (a stall set with a failure
+        comes first: an engine that fails after a while)."""
         stall = 0.0
         if self.stall_next > 0:
             self.stall_next -= 1
             stall = self.stall_s
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return Injection(fail_status=self.status, stall_s=stall)
         drop = error = None
         if self.drop_next > 0:
             self.drop_next -= 1

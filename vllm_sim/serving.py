@@ -87,6 +87,7 @@ class GenerationRoutes:
             )
         inj = self.faults.take()
         if inj.fail_status is not None:
+            await asyncio.sleep(inj.stall_s)
             err = ApiError(f"injected fault: HTTP {inj.fail_status}", status=inj.fail_status)
             return json_response(err.body(), status=err.status)
         s = self.engine.settings
