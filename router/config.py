@@ -62,6 +62,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     min_reuse_tokens: int = 0
     stream_kv_params: bool = False
+    first_token_seeding: bool = True
+    concurrent_dispatch: bool = True
     decode_local_max_tokens: int = 512
     decode_local_max_inflight: int = 16
     kv_connector: ConnectorName = ConnectorName.NIXL

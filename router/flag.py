@@ -83,6 +83,8 @@ GROUPS: dict[Group, tuple[str, ...]] = {
         "decode_local_max_tokens",
         "decode_local_max_inflight",
         "prefill_token_ids",
+        "first_token_seeding",
+        "concurrent_dispatch",
     ),
     Group.KV_EVENTS: ("kv_events", "kv_events_port", "kv_events_topic", "kv_index_max_blocks"),
     Group.PINS: ("release_pins", "release_after", "pin_high_water", "pin_low_water"),

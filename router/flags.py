@@ -122,6 +122,18 @@ FLAGS: tuple[Flag, ...] = (
         bool,
     ),
     Flag(
+        "first_token_seeding",
+        "pass P's sampled token 1 (first_token_ids in P's params, vllm#51919) on to D, which "
+        "then emits it without a forward; --no-first-token-seeding strips it (D computes it)",
+        bool,
+    ),
+    Flag(
+        "concurrent_dispatch",
+        "send D's request beside P's to a D that serves /v1/pd_kv_ready (vllm#51919, learned "
+        "per engine): D parses and admits it while P computes, then gets P's params there",
+        bool,
+    ),
+    Flag(
         "decode_local_max_tokens",
         "the decode plan: a turn whose new tokens (those the previous D's prefix cache lacks) "
         "are at most this many runs on that D alone, no P leg (0: never)",

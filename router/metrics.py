@@ -260,6 +260,19 @@ class Metrics:
             buckets=(1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0),
             registry=r,
         )
+        self.handover = _Histogram(
+            "kvbaton_handover_seconds",
+            "P's answer to D's first byte, by how P's params reached D (turn/handover.py)",
+            ["mode"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.handover_fallbacks = _Counter(
+            "kvbaton_handover_fallbacks",
+            "D requests sent beside P that did not get P's params, by reason",
+            ["reason"],
+            registry=r,
+        )
         state = _StateCollector(pool, store_open, shared=shared)
         self.published: _Published | None = None
         if shared:

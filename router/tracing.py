@@ -11,6 +11,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,6 +48,20 @@ def _span(trace: Any, name: str, attrs: dict[str, AttrValue | None]) -> Iterator
     tracer = trace.get_tracer(SERVICE_NAME)
     with tracer.start_as_current_span(name, attributes=attributes) as current:
         yield current
+
+
+def past_span(name: str, seconds: float, **attrs: AttrValue | None) -> None:
+    """A span that ended now and began `seconds` ago (one that no block encloses: the
+    handover runs from P's answer to D's first byte, across the response's start)."""
+    trace = _module("opentelemetry.trace")
+    if trace is None:
+        return
+    attributes = {key: value for key, value in attrs.items() if value is not None}
+    end = time.time_ns()
+    current = trace.get_tracer(SERVICE_NAME).start_span(
+        name, attributes=attributes, start_time=end - int(seconds * 1e9)
+    )
+    current.end(end_time=end)
 
 
 def trace_headers() -> dict[str, str]:

@@ -36,6 +36,9 @@ class Capabilities:
     decode_plan: bool
     # The instances announce themselves (MoRI-IO's ZMQ registration).
     needs_registration: bool = False
+    # P's params may reach a D request sent beside P's through D's /v1/pd_kv_ready
+    # (vllm#51919), where D serves it: the params are all D waits for.
+    ready_notify: bool = False
 
 
 TurnT = TypeVar("TurnT", contravariant=True)

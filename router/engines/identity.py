@@ -80,6 +80,10 @@ class EngineIdentity:
     # 403 unless started with --enable-scale-out, older ones 404: learned from the first
     # answer, so that its Responses turns are not asked again; a restart asks again.
     renders: bool | None = None
+    # Whether it serves vllm#51919's POST /v1/pd_kv_ready (None: not asked yet): 4xx to an
+    # empty body where it does, 404 where the route is unknown (lifecycle/health.py asks with
+    # its version). A restart asks again.
+    parks: bool | None = None
     # Each rank's side channel (engine id -> host, port), pinned from the first handle that
     # named it: a stored handle may send P only there (turn/aim.py), and a later answer that
     # names another address is refused until the process is seen to restart (a new start
@@ -187,6 +191,7 @@ class EngineIdentity:
         self.sides.clear()  # its side channel may have moved
         self.refused_sides.clear()
         self.renders = None  # it may have been started with other flags
+        self.parks = None
 
     @property
     def handle_started(self) -> float:
@@ -245,6 +250,12 @@ class EngineIdentity:
                 why,
             )
         self.renders = renders
+
+    def note_parks(self, parks: bool) -> None:
+        """Its answer to an empty /v1/pd_kv_ready: served (concurrent dispatch) or not."""
+        if parks and not self.parks:
+            log.info("%s serves /v1/pd_kv_ready: D legs are sent beside P's", self.label)
+        self.parks = parks
 
     def note_streams_params(self) -> None:
         """A streamed answer of this D carried its kv_transfer_params."""

@@ -15,6 +15,9 @@ _RELEASE = re.compile(r"^v?(\d+)\.(\d+)")
 # NixlConnector's NIXL_CONNECTOR_VERSION by vLLM release (metadata.py in each wheel).
 CONNECTOR_VERSIONS = {(0, 32): 14, (0, 33): 15}
 NEWEST_KNOWN = max(CONNECTOR_VERSIONS)
+# vllm#51919 (open): where a D parked by concurrent dispatch gets P's params; served or not is
+# learned per engine (lifecycle/health.py), as no release has it yet.
+READY_PATH = "/v1/pd_kv_ready"
 
 
 @dataclass(frozen=True)

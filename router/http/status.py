@@ -61,6 +61,9 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
             # Whether it serves /v1/responses/render (null: not asked yet; false: 403 without
             # --enable-scale-out, or no route): Responses turns verified by tokens or digests.
             "renders": inst.ident.renders,
+            # Whether it serves vllm#51919's /v1/pd_kv_ready (null: not asked yet): its D legs
+            # are sent beside P's (--concurrent-dispatch).
+            "pd_kv_ready": inst.ident.parks,
         },
         "source": source,
         # A D's KV usage (0-1, -1 unknown), whether it is over the pin high-water mark, and

@@ -16,7 +16,7 @@ import msgspec
 from router.engines.client import EngineClient
 from router.engines.metrics_text import engine_requests, kv_discarded, kv_usage, process_started
 from router.engines.pool import Instance, Pool
-from router.engines.versions import parse
+from router.engines.versions import READY_PATH, parse
 from router.errors import UpstreamFailure
 
 log = logging.getLogger("kvbaton.backends")
@@ -51,6 +51,21 @@ async def read_version(engines: EngineClient, inst: Instance, timeout: float) ->
     version = parse(body)
     if version:
         inst.ident.note_version(version)
+    if inst.role == "decode" and inst.ident.parks is None:
+        await read_parks(engines, inst, timeout)
+
+
+async def read_parks(engines: EngineClient, inst: Instance, timeout: float) -> None:
+    """Whether a D serves vllm#51919's /v1/pd_kv_ready: an empty body is refused (4xx) where
+    it does, 404 or 405 where the route is unknown; no answer (or a 5xx) asks again later."""
+    try:
+        status, _ = await engines.post_json(
+            inst.url + READY_PATH, {}, request_id="kvbaton-probe", timeout=timeout
+        )
+    except UpstreamFailure:
+        return
+    if 400 <= status < 500:
+        inst.ident.note_parks(status not in (404, 405))
 
 
 async def probe(engines: EngineClient, inst: Instance, timeout: float) -> bool:
@@ -89,7 +104,7 @@ async def check(
         log.info("re-admitted %s instance %s", inst.role, inst.url)
     elif inst.role == "decode" and inst.healthy:
         await read_started(engines, inst, timeout)
-        if not inst.ident.version.version:  # unknown, or a restart forgot it
+        if not inst.ident.version.version or inst.ident.parks is None:  # a restart forgot
             await read_version(engines, inst, timeout)
     elif inst.healthy:
         await read_version(engines, inst, timeout)

@@ -14,12 +14,11 @@ from starlette.responses import Response
 from router.engines.pool import Instance, Role
 from router.errors import Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
-from router.turn import decide, fits, kv_aware, moved, plan
+from router.turn import decide, fits, handover, kv_aware, moved, plan
 from router.turn.claim import verify
 from router.turn.decode import decode
-from router.turn.legs import pick_decode
 from router.turn.outcomes import Reason
-from router.turn.prefill import Prefilled, prefill
+from router.turn.prefill import Prefilled
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.turn")
@@ -51,17 +50,20 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
     # and D refuses it itself).
     await fits.check(turn, p_inst.url)
     p_inst = await kv_aware.place_prefill(turn, p_inst)
+    prefer = state.decode if state else ""
     while True:
         sent = source if turn.claim.params is not None else None  # the handle's D, if sent
-        prefilled = await prefill(turn, p_inst)
+        early = handover.dispatch(turn, p_inst, prefer, failed)  # D beside P, if it parks
+        prefilled = await handover.prefill_beside(turn, p_inst, early)
         _note_handle_result(turn, sent, prefilled)
         moved.note_moved(turn, prefilled)
         if after_prefill is not None:
             after_prefill(turn, prefilled)
-        d_inst = pick_decode(svc, state.decode if state else "", failed, prefilled.instance)
         try:
-            return await decode(turn, d_inst, prefilled.params)
+            return await handover.decode_leg(turn, early, prefilled, prefer, failed)
         except UpstreamFailure as exc:
+            d_inst = turn.decode
+            assert d_inst is not None  # the D that failed
             # D failed before its first byte: redo the whole turn with a new P leg, since
             # P's params are single use (never send them to a second D). A paused D (vLLM
             # 0.33's 503) is busy, not broken: not counted against it.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from router.engines import ranks
 from router.engines.pool import Instance
 from router.services import Services
+from router.tracing import past_span
 from router.turn.claim import Claim
 from router.turn.early import EarlyTokens
 from router.turn.incoming import Incoming
@@ -38,6 +39,9 @@ class Turn:
     handle_sent: bool = False  # the claimed handle reached a P (read, or D notified)
     settled: bool = False  # the end of the turn ran: D's new handle is committed or released
     committed: SessionState | None = None  # the state this turn's commit wrote, if it did
+    # When P answered, and how its params reached D (turn/handover.py's Mode; "": no P leg).
+    handover_at: float = 0.0
+    handover_mode: str = ""
 
     def miss(self, reason: Reason) -> None:
         """The turn's verdict becomes a miss (its handle, if any, is not sent)."""
@@ -74,3 +78,7 @@ class Turn:
         if not self.first_byte:
             self.first_byte = time.monotonic()
             self.svc.metrics.ttft.labels(self.inc.api).observe(self.first_byte - self.started)
+            if self.handover_mode:  # P's answer to D's first byte
+                took = self.first_byte - self.handover_at
+                self.svc.metrics.handover.labels(self.handover_mode).observe(took)
+                past_span("kvbaton.handover", took, mode=self.handover_mode)

@@ -146,3 +146,32 @@ def test_real_opentelemetry_records_spans() -> None:
     assert set(spans) == {"kvbaton.turn", "kvbaton.prefill"}
     assert spans["kvbaton.prefill"].parent.span_id == spans["kvbaton.turn"].context.span_id
     assert dict(spans["kvbaton.prefill"].attributes) == {"tokens": 1}
+
+
+def test_a_past_span_began_that_long_ago(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[dict[str, Any]] = []
+
+    class Span:
+        def __init__(self, record: dict[str, Any]) -> None:
+            self.record = record
+
+        def end(self, end_time: int) -> None:
+            self.record["end"] = end_time
+
+    class Tracer:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def start_span(self, name: str, attributes: dict[str, Any], start_time: int) -> Span:
+            made.append({"name": name, "attributes": attributes, "start": start_time})
+            return Span(made[-1])
+
+    fake_modules(monkeypatch, **{"opentelemetry.trace": {"get_tracer": Tracer}})
+    tracing.past_span("kvbaton.handover", 0.25, mode="concurrent", skipped=None)
+    (span,) = made
+    assert span["name"] == "kvbaton.handover" and span["attributes"] == {"mode": "concurrent"}
+    assert span["end"] - span["start"] == 250_000_000
+    hide_otel(monkeypatch)
+    tracing._module.cache_clear()
+    tracing.past_span("kvbaton.handover", 0.25)  # a no-op without OpenTelemetry
+    assert len(made) == 1

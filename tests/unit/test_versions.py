@@ -150,6 +150,8 @@ class VersionAnswers:
         self.versions = versions
         self.started = 100.0
         self.gets: list[str] = []
+        self.ready_status = 404  # /v1/pd_kv_ready (vllm#51919): not served
+        self.posts: list[str] = []
 
     async def get(self, url: str, *, timeout: float) -> tuple[int, bytes]:
         self.gets.append(url)
@@ -157,6 +159,10 @@ class VersionAnswers:
         if path == "version":
             return 200, msgspec.json.encode({"version": self.versions[base]})
         return 200, f"process_start_time_seconds {self.started}\n".encode()
+
+    async def post_json(self, url: str, body: Any, **_: Any) -> tuple[int, bytes]:
+        self.posts.append(url)
+        return self.ready_status, b""
 
 
 async def test_the_health_loop_reads_versions_at_start_after_a_restart_and_for_p_always() -> None:
@@ -176,6 +182,20 @@ async def test_the_health_loop_reads_versions_at_start_after_a_restart_and_for_p
     await check(client, d, 1.0)
     assert (p.ident.version.version, d.ident.version.version) == ("0.33.0", "0.32.0")
     assert d.ident.restarts == 1 and engines.gets.count("http://d0/version") == 2
+    # vllm#51919's /v1/pd_kv_ready: asked of D only, once per process (404: not served).
+    assert engines.posts == ["http://d0/v1/pd_kv_ready"] * 2 and d.ident.parks is False
+
+
+@pytest.mark.parametrize(("status", "parks"), [(400, True), (422, True), (404, False), (503, None)])
+async def test_a_d_serving_the_ready_route_is_learned(status: int, parks: bool | None) -> None:
+    pool = Pool(("http://p0",), ("http://d0",))
+    p, d = pool.instances()
+    engines = VersionAnswers({"http://p0": "0.33.0", "http://d0": "0.33.0"})
+    engines.ready_status = status
+    await check(cast(EngineClient, engines), p, 1.0)
+    await check(cast(EngineClient, engines), d, 1.0)
+    assert d.ident.parks is parks and p.ident.parks is None
+    assert engines.posts == ["http://d0/v1/pd_kv_ready"]
 
 
 SLEEP_STATE = (

@@ -20,7 +20,9 @@ from sessions.model import PinSize
 
 class NixlPull(Defaults):
     name = ConnectorName.NIXL
-    caps = Capabilities(reuses_d_to_p=True, pins_on_d=True, p_hands_off=True, decode_plan=True)
+    caps = Capabilities(
+        reuses_d_to_p=True, pins_on_d=True, p_hands_off=True, decode_plan=True, ready_notify=True
+    )
 
     async def serve(self, turn: Turn) -> Response:
         return await pd.serve(turn)
