@@ -53,10 +53,12 @@ class StepLoop:
     async def prefill(self, tokens: int, forward_ms: float = 0.0) -> None:
         """Compute `tokens` prompt tokens in the next step (the first output token with them);
         `forward_ms`: that forward's fixed cost (`--first-token-forward-ms`)."""
-        if tokens <= 0 or (self.prefill_ms_per_token <= 0 and forward_ms <= 0):
+        if (tokens <= 0 or self.prefill_ms_per_token <= 0) and forward_ms <= 0:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._prefills.append(_Prefill(tokens, fut, forward_ms))
+        # A D leg that pulled every prompt token computes none here (its last is recomputed
+        # for free): its forward for token 1 still costs forward_ms.
+        self._prefills.append(_Prefill(max(tokens, 0), fut, forward_ms))
         await self._wait(fut)
 
     async def transfer_reported(self) -> None:

@@ -296,4 +296,6 @@ async def test_a_forward_cost_alone_takes_a_step() -> None:
     assert loop.steps == 0
     await loop.prefill(1, forward_ms=1.0)
     assert loop.steps == 1
+    await loop.prefill(0, forward_ms=1.0)  # a D leg that pulled every prompt token
+    assert loop.steps == 2
     assert StepLoop(prefill_ms_per_token=1.0).step_s(10, 0, 5.0) == 0.015
