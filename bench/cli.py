@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from bench import (
     events,
+    handover,
     headline,
     hit_throughput,
     hitpath,
@@ -46,7 +47,7 @@ from bench.plan import FULL, QUICK, Plan
 from bench.stack import LoadGen
 from tests.support.procs import ROOT
 
-PARTS = ("overhead", "throughput", "reuse", "events", "profile", "pins", "peers")
+PARTS = ("overhead", "throughput", "reuse", "events", "profile", "pins", "peers", "handover")
 PNGS = {
     "overhead": "bench-overhead.png",
     "ttft": "bench-ttft.png",
@@ -91,6 +92,8 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
         n += pins.steps(plan) + pins_mixed.steps(plan) + pins_faults.steps(plan)
     if "peers" in parts:
         n += peers.steps(plan)
+    if "handover" in parts:
+        n += handover.steps(plan)
     return n
 
 
@@ -222,6 +225,8 @@ def run_parts(
             results["pins"]["faults"] = pins_faults.run(plan, lg, tick)
         if "peers" in parts:
             results["peers"] = peers.run(plan, lg, tick)
+        if "handover" in parts:
+            results["handover"] = handover.run(plan, lg, tick)
     return results
 
 

@@ -466,7 +466,7 @@ async def run_conversation(
             record = {**_turn_record(c, t, x), "start": started}
             if copies > 1:
                 record["copy"] = i
-            if t0 is not None:  # the answer, to compare across arms
+            if t0 is not None or spec.get("answers"):  # the answer, to compare across arms
                 record["answer"] = hashlib.blake2b(
                     "".join(x.text).encode(), digest_size=8
                 ).hexdigest()

@@ -7,6 +7,7 @@ from typing import Any
 
 from bench import (
     events,
+    handover,
     hitpath,
     peers,
     pins,
@@ -32,6 +33,7 @@ SECTIONS = (
     "## 6. KV events",
     "## 7. D's memory",
     "## 8. Side by side with other routers",
+    "## 9. The handover",
     "## Configuration",
 )
 
@@ -72,6 +74,8 @@ def render(results: dict[str, Any], plan: Plan, pngs: dict[str, str]) -> str:
         lines += pins_faults.section(results["pins"].get("faults"), plan)
     if "peers" in results:
         lines += peers.section(results["peers"], plan, pngs.get("peers"))
+    if "handover" in results:
+        lines += handover.section(results["handover"])
     lines += config_section(results)
     return "\n".join(lines).rstrip() + "\n"
 

@@ -141,6 +141,14 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
 
 
 @pytest.mark.timeout(630)
+def test_quick_run_handover_arms_answer_alike(quick_run: Path) -> None:
+    """The handover (vllm#51919): every arm answered every turn, the same answers."""
+    handover = json.loads((quick_run / "bench-results.json").read_text())["handover"]
+    assert handover["same_answers"] is True
+    for arm in handover["arms"].values():
+        assert arm["failed"] == 0 and set(arm["reuse"]) == {"hit"}, arm
+
+
 def test_quick_run_pins_mixed_workload_and_faults(quick_run: Path) -> None:
     """Section 7's mixed workload (both kinds answered, later turns included) and every fault,
     struck and measured twice; the orphans themselves are the router's, not judged here."""
