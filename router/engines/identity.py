@@ -80,7 +80,7 @@ class EngineIdentity:
     # 403 unless started with --enable-scale-out, older ones 404: learned from the first
     # answer, so that its Responses turns are not asked again; a restart asks again.
     renders: bool | None = None
-    # Whether it serves vllm#51919's POST /v1/pd_kv_ready (None: not asked yet): 4xx to an
+    # Whether it serves vllm#51919's POST /v1/pd_kv_ready (None: not asked yet): 400 or 422 to an
     # empty body where it does, 404 where the route is unknown (lifecycle/health.py asks with
     # its version). A restart asks again.
     parks: bool | None = None

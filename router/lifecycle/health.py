@@ -56,16 +56,17 @@ async def read_version(engines: EngineClient, inst: Instance, timeout: float) ->
 
 
 async def read_parks(engines: EngineClient, inst: Instance, timeout: float) -> None:
-    """Whether a D serves vllm#51919's /v1/pd_kv_ready: an empty body is refused (4xx) where
-    it does, 404 or 405 where the route is unknown; no answer (or a 5xx) asks again later."""
+    """Whether a D serves vllm#51919's /v1/pd_kv_ready: an empty body is refused (400, 422)
+    where it does, 404 or 405 where the route is unknown; anything else (no answer, a 5xx, a
+    401 from an API key the router lacks) says neither, and is asked again later."""
     try:
         status, _ = await engines.post_json(
             inst.url + READY_PATH, {}, request_id="kvbaton-probe", timeout=timeout
         )
     except UpstreamFailure:
         return
-    if 400 <= status < 500:
-        inst.ident.note_parks(status not in (404, 405))
+    if status in (400, 422, 404, 405):
+        inst.ident.note_parks(status in (400, 422))
 
 
 async def probe(engines: EngineClient, inst: Instance, timeout: float) -> bool:

@@ -186,7 +186,10 @@ async def test_the_health_loop_reads_versions_at_start_after_a_restart_and_for_p
     assert engines.posts == ["http://d0/v1/pd_kv_ready"] * 2 and d.ident.parks is False
 
 
-@pytest.mark.parametrize(("status", "parks"), [(400, True), (422, True), (404, False), (503, None)])
+@pytest.mark.parametrize(
+    ("status", "parks"),
+    [(400, True), (422, True), (404, False), (405, False), (401, None), (503, None)],
+)
 async def test_a_d_serving_the_ready_route_is_learned(status: int, parks: bool | None) -> None:
     pool = Pool(("http://p0",), ("http://d0",))
     p, d = pool.instances()
