@@ -15,7 +15,11 @@ from tests.sim.client import chat, get, metric, post, words
 from tests.support.chat import NULL_HANDOFF
 from tests.support.procs import SimProc, sims
 from vllm_sim import handover
+from vllm_sim.config import SimSettings
+from vllm_sim.metrics import Counters
+from vllm_sim.request import GenRequest
 from vllm_sim.steps import StepLoop
+from vllm_sim.tokenizer import Tokenizer
 
 PARKED = {"do_remote_decode": False, "do_remote_prefill": True, "remote_ready": False}
 
@@ -299,3 +303,18 @@ async def test_a_forward_cost_alone_takes_a_step() -> None:
     await loop.prefill(0, forward_ms=1.0)  # a D leg that pulled every prompt token
     assert loop.steps == 2
     assert StepLoop(prefill_ms_per_token=1.0).step_s(10, 0, 5.0) == 0.015
+
+
+def test_speculative_decoding_and_other_legs_never_seed() -> None:
+    tok, token = Tokenizer(), Tokenizer().emittable[0]
+    req = GenRequest("r", [1, 2, 3], 8, kv_params={"first_token_ids": [token]})
+    on = SimSettings(seed_first_token=True)
+    counters = Counters()
+    assert handover.seed_for(on, counters, tok, req, "pull_prompt", False) == token
+    assert handover.seed_for(on, counters, tok, req, "plain", False) is None  # not a D leg
+    off = SimSettings()
+    assert handover.seed_for(off, counters, tok, req, "pull_prompt", False) is None
+    spec = SimSettings(seed_first_token=True, num_speculative_tokens=2)
+    assert handover.seed_for(spec, counters, tok, req, "pull_prompt", False) is None
+    assert counters.sim_seed_fallbacks == {handover.SPECULATIVE: 1}
+    assert counters.sim_seeded_first_tokens == 1
