@@ -15,13 +15,12 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import redis
 
 from tests.support.metrics import samples
-from tests.support.procs import ROOT, stop
+from tests.support.procs import ROOT, log_file, stop
 from tests.support.router import RouterProc, http_process, router
 from tests.support.stack import Stack
 from tests.support.stack import start_stack as support_stack
@@ -199,8 +198,8 @@ class LoadGen:
     """The load generator process (bench/loadgen.py): one job at a time, bounded."""
 
     def __init__(self) -> None:
-        log = Path(os.environ.get("TMPDIR", "/tmp")) / "kvbaton-test-logs" / "bench-loadgen.log"
-        log.parent.mkdir(exist_ok=True)
+        log = log_file("bench-loadgen")
+        log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "wb")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.loadgen"],

@@ -3,13 +3,15 @@ the test tiers (markers unit, component, e2e), set here by folder or file."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import os
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from tests.support.procs import redis_server
+from tests.support.procs import LOG_ROOT, RUN_ENV, prune_logs, redis_server
+from tests.support.waiting import SCALE_ENV, timeout_scale
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "component", "e2e")
@@ -55,6 +57,38 @@ def tier_of(path: Path) -> str:
     if best is None:
         raise pytest.UsageError(f"tests/{rel} has no tier: add it to TIER_BY_PATH")
     return TIER_BY_PATH[best]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the main pytest process (not an xdist worker, which inherits it): this run's id,
+    which names its folder of process logs; the folders of runs that have ended go."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[RUN_ENV] = str(os.getpid())
+        prune_logs()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return (
+        f"kvbaton: process logs in {LOG_ROOT}/run-{os.environ.get(RUN_ENV)}; timeouts x "
+        f"{timeout_scale():.2f} ({SCALE_ENV} or the load per CPU, at most 4)"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    """The test's pytest-timeout (its marker's, else --timeout or the ini's) times
+    timeout_scale() when the test starts, as every wait in tests/support scales."""
+    scale = timeout_scale()
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        base = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        rest = {k: v for k, v in marker.kwargs.items() if k != "timeout"}
+    else:
+        given = item.config.getoption("timeout", None) or os.environ.get("PYTEST_TIMEOUT")
+        base, rest = given or item.config.getini("timeout"), {}
+    if scale != 1.0 and base and float(base) > 0:
+        item.add_marker(pytest.mark.timeout(float(base) * scale, **rest), append=False)
+    yield
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

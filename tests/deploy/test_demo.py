@@ -17,6 +17,7 @@ import pytest
 
 from router.lifecycle.demo import demo_main
 from tests.support.procs import free_port
+from tests.support.waiting import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 # turn, prompt, TTFT and computed with reuse, X-KV-Reuse, then TTFT and computed without.
@@ -67,7 +68,7 @@ def port_is_free(port: int) -> bool:
 
 def finish(proc: subprocess.Popen[str]) -> str:
     try:
-        out, _ = proc.communicate(timeout=100)
+        out, _ = proc.communicate(timeout=scaled(100))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -12,11 +12,13 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.procs import free_port, stop, wait_tcp
+from tests.support.procs import free_port, logged, stop, wait_tcp
+from tests.support.waiting import Deadline
 
 SENTINEL_SERVICE = "kvbaton"
 
@@ -37,9 +39,12 @@ def _exe(name: str) -> str:
 
 
 def _server(port: int, workdir: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """A redis-server logging to log_file("redis-<port>") (a failed start shows its end)."""
     argv = [_exe("redis-server"), "--bind", "127.0.0.1", "--port", str(port), "--save", ""]
     argv += ["--appendonly", "no", "--dir", str(workdir), "--loglevel", "warning", *extra]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # logged() lets its file object go
+        return logged(argv, f"redis-{port}")
 
 
 def _cli(port: int, *args: str) -> str:
@@ -74,14 +79,18 @@ def cluster_port(taken: Sequence[int]) -> int:
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll predicate (a failing redis-cli counts as False) until it holds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(subprocess.SubprocessError, OSError):
+    """Poll predicate (a failing redis-cli counts as False) until it holds, at most timeout
+    seconds times timeout_scale()."""
+    deadline = Deadline(timeout)
+    last = ""
+    while not deadline.expired():
+        try:
             if predicate():
                 return
+        except (subprocess.SubprocessError, OSError) as exc:
+            last = f"; last error: {exc}"
         time.sleep(0.1)
-    raise TimeoutError(f"{what} after {timeout}s")
+    raise TimeoutError(deadline.report(what + last))
 
 
 @contextlib.contextmanager
@@ -109,8 +118,8 @@ def redis_cluster(masters: int = 3) -> Iterator[Topology]:
                         "15000",
                     )
                 )
-            for port in ports:
-                wait_tcp(port)
+            for port, proc in zip(ports, procs, strict=True):
+                wait_tcp(port, proc=proc)
             nodes = [f"127.0.0.1:{p}" for p in ports]
             create = ("--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes")
             _cli(ports[0], *create)
@@ -140,8 +149,8 @@ def redis_sentinel(replicas: int = 0) -> Iterator[Topology]:
                 workdir.mkdir()
                 procs.append(_server(port, workdir, "--replicaof", "127.0.0.1", str(master)))
                 ports.append(port)
-            for port in ports:
-                wait_tcp(port)
+            for port, proc in zip(ports, procs, strict=True):
+                wait_tcp(port, proc=proc)
             for port in ports[1:]:  # replicas in sync before anyone relies on them
                 wait_until(
                     lambda port=port: "master_link_status:up" in _cli(port, "info", "replication"),
@@ -158,14 +167,15 @@ def redis_sentinel(replicas: int = 0) -> Iterator[Topology]:
                 f"sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n"
                 f"sentinel failover-timeout {SENTINEL_SERVICE} 3000\n"
             )
-            procs.append(
-                subprocess.Popen(
-                    [_exe("redis-server"), str(conf), "--sentinel", "--loglevel", "warning"],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)  # as in _server
+                procs.append(
+                    logged(
+                        [_exe("redis-server"), str(conf), "--sentinel", "--loglevel", "warning"],
+                        f"redis-sentinel-{sentinel}",
+                    )
                 )
-            )
-            wait_tcp(sentinel)
+            wait_tcp(sentinel, proc=procs[-1])
             wait_until(
                 lambda: (
                     str(master)

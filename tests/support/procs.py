@@ -1,4 +1,5 @@
-"""Real processes for tests: free ports, a private redis-server, waiting for HTTP readiness."""
+"""Real processes for tests: free ports, a private redis-server, simulators, logs, waiting for
+readiness (tests/support/waiting.py says how long)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,13 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
+
+from tests.support.waiting import Child, Deadline, StartupError
 
 ROOT = Path(__file__).resolve().parents[2]
+LOG_ROOT = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
+RUN_ENV = "KVBATON_TEST_RUN"  # the log folder's run id, set by tests/conftest.py
 
 
 def free_port() -> int:
@@ -28,22 +34,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_tcp(port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_tcp(port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait until something listens on 127.0.0.1:port; fail at once if proc exits (see
+    waiting.Deadline for how long it waits)."""
+    deadline = Deadline(timeout, proc)
+    while True:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
             return
+        _check(deadline, f"nothing listens on 127.0.0.1:{port}", "")
         time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Poll url until it answers 200; fail early if proc died."""
-    deadline = time.monotonic() + timeout
+    """Poll url until it answers 200; fail at once if proc exits (see waiting.Deadline for
+    how long it waits). A failure shows proc's exit code and last log lines (spawn's log)."""
+    deadline = Deadline(timeout, proc)
     last = ""
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
+    while True:
         try:
             with urllib.request.urlopen(url, timeout=1.0) as resp:
                 if resp.status == 200:
@@ -54,18 +61,34 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | N
             if isinstance(exc, urllib.error.HTTPError):
                 exc.close()
             last = str(exc)
+        _check(deadline, f"{url} not ready", last)
         time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> float:
-    """Poll until predicate holds; returns the seconds it took."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what}: not within {timeout}s")
+def _check(deadline: Deadline, what: str, last: str) -> None:
+    """Raise StartupError if the child exited, TimeoutError if the deadline passed."""
+    seen = f" (last: {last})" if last else ""
+    if deadline.exited() is not None:
+        raise StartupError(deadline.report(f"{what}: its process exited{seen}"))
+    if deadline.expired():
+        raise TimeoutError(deadline.report(f"{what}{seen}"))
+
+
+def wait_until(
+    predicate: Callable[[], object],
+    what: str,
+    timeout: float = 30.0,
+    seen: Callable[[], object] | None = None,
+) -> float:
+    """Poll until predicate holds, at most timeout seconds times timeout_scale(); returns the
+    seconds it took. A failure says what `seen()` (else the predicate) gave last."""
+    deadline = Deadline(timeout)
+    while not (value := predicate()):
+        if deadline.expired():
+            last = seen() if seen is not None else value
+            raise AssertionError(deadline.report(f"{what}: not in time; last seen: {last!r}"))
         time.sleep(0.05)
-    return time.monotonic() - start
+    return deadline.elapsed()
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
@@ -79,34 +102,63 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
 
 
 def log_file(name: str) -> Path:
-    """Where spawn writes the output of the process started as `name`: a folder of its own
-    per pytest-xdist worker (two workers' stacks of one name must not share a log)."""
-    folder = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
-    return folder / os.environ.get("PYTEST_XDIST_WORKER", "") / f"{name}.log"
+    """Where spawn writes the output of the process started as `name`: a folder per test run
+    (two sessions at once must not share a log) and in it one per pytest-xdist worker (nor
+    two workers' stacks of one name)."""
+    run = os.environ.get(RUN_ENV) or str(os.getpid())
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return LOG_ROOT / f"run-{run}" / worker / f"{name}.log"
 
 
-def spawn(args: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
-    """Start a Python module of this project (args after `python -m`), logging to a temp file
-    (log_file(log_name), truncated first)."""
+def prune_logs() -> None:
+    """Remove the log folders of test runs whose process is gone (their pid in the name)."""
+    for folder in LOG_ROOT.glob("run-*"):
+        pid = folder.name.removeprefix("run-")
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process
+        return True
+    return True
+
+
+def logged(argv: Sequence[str], log_name: str, **kwargs: Any) -> Child:
+    """Start argv (Popen's other arguments in kwargs), its stdout and stderr in
+    log_file(log_name), truncated first."""
     path = log_file(log_name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(path, "wb") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
-        )
+        proc = Child(argv, stdout=log, stderr=subprocess.STDOUT, **kwargs)
+    proc.log = path
+    return proc
+
+
+def spawn(args: Sequence[str], log_name: str) -> Child:
+    """Start a Python module of this project (args after `python -m`), logging to a temp file
+    (log_file(log_name), truncated first; `.log` of what it returns)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return logged([sys.executable, "-m", *args], log_name, cwd=ROOT, env=env)
 
 
 def _start_redis(port: int, directory: str) -> subprocess.Popen[bytes]:
-    """redis-server on 127.0.0.1:port, no persistence, once it accepts connections."""
+    """redis-server on 127.0.0.1:port, no persistence, once it accepts connections; its
+    output in log_file("redis-<port>")."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed (make install installs it)")
     flags = ["--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
     flags += ["--dir", directory, "--daemonize", "no", "--loglevel", "warning"]
-    proc = subprocess.Popen([exe, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # the log file object is let go
+        proc = logged([exe, *flags], f"redis-{port}")
     try:
-        wait_tcp(port)
+        wait_tcp(port, proc=proc)
     except BaseException:
         stop(proc)
         raise
@@ -116,9 +168,15 @@ def _start_redis(port: int, directory: str) -> subprocess.Popen[bytes]:
 @contextlib.contextmanager
 def redis_server() -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
     """A private redis-server on a free loopback port, no persistence; yields (url, port, proc)."""
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = _start_redis(port, tmp)
+        for attempt in range(3):  # a port taken meanwhile: redis-server exits at once
+            port = free_port()
+            try:
+                proc = _start_redis(port, tmp)
+                break
+            except StartupError:
+                if attempt == 2:
+                    raise
         try:
             yield f"redis://127.0.0.1:{port}/0", port, proc
         finally:

@@ -9,7 +9,7 @@ import uuid
 import redis
 
 from tests.support.chat import post
-from tests.support.metrics import metric
+from tests.support.metrics import metric, samples
 from tests.support.procs import wait_until
 from tests.support.router import RouterProc
 from tests.vllm import engines
@@ -45,7 +45,12 @@ def ending_a_conversation_frees_its_blocks_on_d(e: Engines, r: RouterProc) -> No
     assert took < 30, "freed by the release, not by D's 480 s TTL"
     labels = {"reason": "ended", "outcome": "released"}
     # Counted once P answers the release; D frees the blocks when P notifies it, before that.
-    wait_until(lambda: metric(r.url, "kvbaton_pin_releases_total", **labels) >= 1, "counted", 10)
+    wait_until(
+        lambda: metric(r.url, "kvbaton_pin_releases_total", **labels) >= 1,
+        "counted",
+        10,
+        seen=lambda: {k: v for k, v in samples(r.url).items() if "pin_releases" in k},
+    )
     assert p_completions(e) == calls + 1, "one read-nothing request to P"
 
 
