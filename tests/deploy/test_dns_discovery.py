@@ -18,6 +18,7 @@ from hypercorn.config import Config
 from router.config import load_settings
 from router.http.app import create_app
 from tests.support.procs import SimProc, free_port, sims
+from tests.support.waiting import scaled
 
 pytestmark = pytest.mark.e2e
 
@@ -81,7 +82,7 @@ async def get_status(url: str) -> dict[str, Any]:
 
 
 async def decodes_become(url: str, want: list[str], timeout: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         body = await get_status(url)
         if sorted(body["decode_nodes"]) == sorted(want):

@@ -20,6 +20,7 @@ from tests.support.chat import chat_turn, client
 from tests.support.metrics import metric
 from tests.support.procs import free_port
 from tests.support.stack import Stack, start_stack
+from tests.support.waiting import scaled
 
 LONG = " ".join([SYSTEM] * 6)  # a system prompt of many blocks, shared by conversations
 
@@ -79,7 +80,7 @@ def status(st: Stack) -> dict[str, Any]:
 
 
 def wait_in_sync(st: Stack, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         engines = status(st)["kv_events"]["engines"]
         if all(e["in_sync"] for e in engines.values()):
@@ -94,7 +95,7 @@ def indexed(st: Stack, url: str) -> int:
 
 
 def wait_indexed(st: Stack, url: str, more_than: int, timeout: float = 5.0) -> int:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while (n := indexed(st, url)) <= more_than:
         if time.monotonic() > deadline:
             raise AssertionError(f"{url}'s index stayed at {n} blocks")
@@ -163,7 +164,7 @@ def test_a_first_turn_goes_to_the_p_that_holds_its_prefix(stack: Stack, api: ope
 
     before = [indexed(stack, p.url) for p in stack.ps]
     assert ask("One.") == [0, 0]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     grew = [indexed(stack, p.url) > n for p, n in zip(stack.ps, before, strict=True)]
     while not any(grew):
         assert time.monotonic() < deadline, "no P's index grew"
@@ -182,7 +183,7 @@ def test_the_index_follows_a_restarted_engine(
     wait_in_sync(stack)
     old = status(stack)["kv_events"]["engines"][p0]
     stack.restart("prefill", 0, *ports[0])
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + scaled(15)
     while True:  # some turn lands on the restarted P and publishes its blocks
         messages = [{"role": "user", "content": f"Fresh start {uuid.uuid4().hex[:6]}?"}]
         chat_turn(api, messages, cid=None, max_tokens=8)
@@ -202,7 +203,7 @@ def test_a_handle_whose_blocks_d_cleared_is_dropped_before_any_read(
     rebuilt = status(stack)["kv_events"]["engines"][stack.d.url]
     req = urllib.request.Request(stack.d.url + "/reset_prefix_cache", data=b"", method="POST")
     urllib.request.urlopen(req, timeout=5).close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while indexed(stack, stack.d.url) >= rebuilt["blocks"] and rebuilt["blocks"]:
         assert time.monotonic() < deadline, "D's clear never reached the index"
         time.sleep(0.05)

@@ -15,6 +15,7 @@ from tests.e2e.conftest import Stack, pd_stack
 from tests.support.chat import chat_turn, client
 from tests.support.metrics import metric
 from tests.support.procs import wait_until
+from tests.support.waiting import scaled
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -72,7 +73,7 @@ def test_one_log_line_per_turn_without_content(stack: Stack) -> None:
         client(stack.router.base_url), [{"role": "user", "content": secret}], stream=False, cid=cid
     )
     log = stack.router.log
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while time.monotonic() < deadline:
         text = log.read_text()
         lines = [ln for ln in text.splitlines() if "turn request_id=" in ln]

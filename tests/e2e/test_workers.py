@@ -28,6 +28,7 @@ from tests.support.chat import chat_turn
 from tests.support.metrics import metric
 from tests.support.procs import ROOT, free_port, redis_server, sim, stop, wait_until
 from tests.support.router import SESSION_SECRET, RouterProc, router
+from tests.support.waiting import scaled
 
 REQUESTS = "kvbaton_requests_total"
 
@@ -65,7 +66,7 @@ def two_workers(url: str, stack: ExitStack, within: float = 20.0) -> tuple[Pinne
     router answers /health as soon as one worker serves; on a busy machine the other may
     take seconds more to start, so new connections are tried until `within` runs out."""
     first = pin(url, stack)
-    deadline = time.monotonic() + within
+    deadline = time.monotonic() + scaled(within)
     tries = 0
     while time.monotonic() < deadline:
         tries += 1

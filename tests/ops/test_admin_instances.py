@@ -18,6 +18,7 @@ from tests.support.chat import CHAT, chat_body, post
 from tests.support.metrics import metric
 from tests.support.procs import SimProc, sim
 from tests.support.router import RouterProc
+from tests.support.waiting import scaled
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def status(r: RouterProc) -> dict[str, Any]:
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.05)

@@ -21,6 +21,7 @@ from sessions.memory_store import MemorySessionStore
 from sessions.registry_store import Entry
 from tests.ops.conftest import call, decode_urls, ops_router
 from tests.support.procs import SimProc, free_port
+from tests.support.waiting import scaled
 
 
 def status(url: str) -> dict[str, Any]:
@@ -31,7 +32,7 @@ def status(url: str) -> dict[str, Any]:
 
 def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
     """The other replica re-reads the registry every --health-interval (0.3 s here)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not check():
         assert time.monotonic() < deadline, "the replica did not converge"
         time.sleep(0.05)

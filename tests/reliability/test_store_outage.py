@@ -25,6 +25,7 @@ from tests.reliability.helpers import Conversation, new_cid, router
 from tests.support.metrics import metric
 from tests.support.procs import wait_until
 from tests.support.slow_redis import slow_redis
+from tests.support.waiting import scaled
 
 UNAVAILABLE = "miss;reason=store-unavailable"
 
@@ -44,9 +45,10 @@ def run_until_hits(convs: list[Conversation], timeout: float = 15.0) -> list[str
     """Turns on every conversation until each has had a hit again; the reuse verdicts."""
     seen: list[str] = []
     pending = set(range(len(convs)))
-    deadline = time.monotonic() + timeout
+    limit = scaled(timeout)
+    deadline = time.monotonic() + limit
     while pending:
-        assert time.monotonic() < deadline, f"no hit again within {timeout}s: {seen[-8:]}"
+        assert time.monotonic() < deadline, f"no hit again within {limit:.1f}s: {seen[-8:]}"
         for i in sorted(pending):
             reuse = convs[i].turn().reuse
             seen.append(reuse)
