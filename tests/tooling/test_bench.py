@@ -15,6 +15,7 @@ from bench import peer_venv, peers, pins_faults, pins_mixed
 from bench.cli import PNGS
 from bench.report import SECTIONS
 from tests.support.procs import ROOT
+from tests.support.waiting import scaled
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NUMBER = re.compile(r"-?\d[\d,]*(\.\d+)?")
@@ -60,8 +61,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         capture_output=True,
         text=True,
         # meant to take under 4 minutes (section 7's mixed workload and faults add ~1.5
-        # minutes); on a loaded machine it takes longer
-        timeout=600,
+        # minutes); on a loaded machine it takes longer (and the test's own timeout scales)
+        timeout=scaled(600),
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
