@@ -131,7 +131,9 @@ def test_a_d_answer_naming_another_address_sends_no_p_there(main: Stack) -> None
         assert metric(r.url, "kvbaton_decode_moved_handles_total", instance=d.url) == moved + 1
         log = r.log.read_text()
     assert t.connections == 0, "P connected to the address D's answer named"
-    said = [line for line in log.splitlines() if "not the one it showed it owns" in line]
+    said = [
+        line for line in log.splitlines() if "another side channel than the one it showed" in line
+    ]
     assert len(said) == 1 and d.url in said[0], said
 
 

@@ -106,7 +106,9 @@ def test_a_refusal_is_said_once_per_address(caplog: pytest.LogCaptureFixture) ->
     ident = identity()
     for _ in range(3):
         assert not ident.admit(("d_dp0", "10.0.0.2", 1))
-    said = [r for r in caplog.records if "not the one it showed it owns" in r.getMessage()]
+    said = [
+        r for r in caplog.records if "another side channel than the one it showed" in r.getMessage()
+    ]
     assert len(said) == 1, said
     assert "decode instance http://d1" in said[0].getMessage()
 
