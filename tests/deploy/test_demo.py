@@ -16,7 +16,7 @@ from typing import NamedTuple
 import pytest
 
 from router.lifecycle.demo import demo_main
-from tests.support.procs import free_port
+from tests.support.procs import free_port, output_until
 from tests.support.waiting import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,17 +146,10 @@ def test_demo_reports_a_child_that_cannot_start(capsys: pytest.CaptureFixture[st
 def test_demo_serves_until_a_signal_then_stops_every_process(sig: signal.Signals) -> None:
     port = free_port()
     proc = demo("--port", str(port))
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("Serving."):
-            break
-    else:
-        pytest.fail("the demo ended before serving:\n" + "".join(seen))
+    seen = output_until(proc, "Serving.")
     assert not port_is_free(port)
     drive_with_the_sdk(port)
-    run_the_printed_examples("".join(seen), port)
+    run_the_printed_examples(seen, port)
     proc.send_signal(sig)
     out = finish(proc)
     assert proc.returncode == 0, "".join(seen) + out

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import free_port
+from tests.support.procs import free_port, output_until
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("README.md", "docs/operations.md")
@@ -79,17 +79,10 @@ def demo_env() -> Iterator[dict[str, str]]:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    assert proc.stdout is not None
-    seen: list[str] = []
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("Serving."):
-                break
-        else:
-            pytest.fail("the demo ended before serving:\n" + "".join(seen))
-        exports = re.search(r"^  export (.+)$", "".join(seen), re.MULTILINE)
-        assert exports is not None, "".join(seen)
+        seen = output_until(proc, "Serving.")
+        exports = re.search(r"^  export (.+)$", seen, re.MULTILINE)
+        assert exports is not None, seen
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "KVBATON_"))}
         env.update(pair.split("=", 1) for pair in exports[1].split())
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -287,3 +287,15 @@ def sims(
                 sp.proc.terminate()
         for sp in (*started, *ready):
             stop(sp.proc)
+
+
+def output_until(proc: subprocess.Popen[str], prefix: str) -> str:
+    """The child's text output up to and including its first line starting with `prefix`;
+    the test fails, with everything it printed, if the child ends before that line."""
+    assert proc.stdout is not None
+    seen: list[str] = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(prefix):
+            return "".join(seen)
+    raise AssertionError(f"the process ended before {prefix!r}:\n" + "".join(seen))
