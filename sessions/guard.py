@@ -69,7 +69,7 @@ class StoreGuard:
         except StoreError as exc:
             self._failed(exc)
             raise
-        self._count(failed=False)
+        self._count(failed=False)  # a success sums nothing: the window is read on failures
         self.in_a_row = 0
         self.refused = ""
         self._up()
@@ -92,7 +92,8 @@ class StoreGuard:
             self.refused = str(exc)
         if self.on_failure is not None:
             self.on_failure()
-        calls, failed = self._count(failed=True)
+        self._count(failed=True)
+        calls, failed = sum(s[1] for s in self._seconds), sum(s[2] for s in self._seconds)
         if self.in_a_row >= self.trip_after or (
             calls >= self.min_calls and failed >= self.trip_share * calls
         ):
@@ -103,8 +104,8 @@ class StoreGuard:
             self._stray_said_at = now
             log.warning("%s: %s (that turn runs without reuse; the others keep it)", self.name, exc)
 
-    def _count(self, *, failed: bool) -> tuple[int, int]:
-        """Count one call in the window; the window's calls and failures."""
+    def _count(self, *, failed: bool) -> None:
+        """Count one call in the window (one [second, calls, failures] entry a second)."""
         now = int(self.clock())
         seconds = self._seconds
         while seconds and seconds[0][0] <= now - self.window:
@@ -113,7 +114,6 @@ class StoreGuard:
             seconds.append([now, 0, 0])
         seconds[-1][1] += 1
         seconds[-1][2] += failed
-        return sum(s[1] for s in seconds), sum(s[2] for s in seconds)
 
     def _open(self, exc: StoreError) -> None:
         now = self.clock()

@@ -37,7 +37,7 @@ async def d_owns(svc: Services, inst: Instance, params: Mapping[str, Any] | None
     or a first one. Another address is believed only once D's /metrics shows a new process
     (a restart forgets what was pinned): asked at once, so a restart costs no turn. A refused
     handle is not kept, and not released either (that would send P there)."""
-    if params is None or not svc.connector.is_handle(params):
+    if params is None:  # (next_state checks that it is a handle: not walked twice here)
         return True
     origin = svc.connector.origin(params)
     if origin is None:
