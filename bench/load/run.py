@@ -216,9 +216,14 @@ def _resume(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def hang(proc: subprocess.Popen[bytes], seconds: float) -> None:
-    """SIGSTOP: the process keeps its sockets and answers nothing; SIGCONT after `seconds`."""
+    """SIGSTOP: the process keeps its sockets and answers nothing; SIGCONT after `seconds`.
+    The turns in flight run into the hang; those that would start wait for its end (as for
+    the other faults), so on a slow machine the hang does not swallow the whole run."""
     proc.send_signal(signal.SIGSTOP)
-    asyncio.get_running_loop().call_later(seconds, _resume, proc)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        _resume(proc)
 
 
 async def kill_and_restart(stack: Stack, dead: dict[str, float], index: int) -> None:

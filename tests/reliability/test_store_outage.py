@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -102,13 +103,18 @@ def test_redis_hung_costs_one_timeout_per_window(main: Stack) -> None:
     convs = conversations(main, 2, "hung")
     errors_before = store_errors(main)
     main.redis_proc.send_signal(signal.SIGSTOP)
+    started = time.monotonic()
     try:
         verdicts = [convs[i % 2].turn().reuse for i in range(12)]
     finally:
         main.redis_proc.send_signal(signal.SIGCONT)
+    windows = math.ceil((time.monotonic() - started) / STORE_RETRY_AFTER)
     assert set(verdicts) == {UNAVAILABLE}
+    # The breaker opens after 3 timeouts in a row, then lets one call through per
+    # --store-retry-after window (a busy machine makes the 12 turns span more windows).
     failures = store_errors(main) - errors_before
-    assert 1 <= failures <= 4, failures
+    assert 1 <= failures <= 3 + windows, (failures, windows)
+    assert failures < len(verdicts), "one timeout per turn: the breaker did not open"
     # A claim sent before the hang may run when Redis resumes ("busy" once): never a wrong
     # answer, and hits come back.
     seen = run_until_hits(convs)

@@ -21,6 +21,7 @@ from sessions.redis_store import RedisSessionStore
 from sessions.store import PinNote, SessionStore
 from sessions.vocabulary import Reason
 from tests.sessions.conftest import FakeClock
+from tests.support.waiting import scaled
 
 KEY = conversation_key("tenant-a", "conv-1")
 OTHER = conversation_key("tenant-b", "conv-1")
@@ -63,7 +64,8 @@ async def harness(
     # The async `redis_url` fixture cannot be requested lazily; flush here as it does.
     raw = aioredis.Redis.from_url(redis_url_session)
     await raw.flushall()
-    store = RedisSessionStore(redis_url_session)
+    # The contract is about atomicity, not latency: a busy machine must not time a call out.
+    store = RedisSessionStore(redis_url_session, timeout=scaled(2.0))
 
     async def redis_ttl(key: str, ttl_s: float) -> None:
         pttl = await raw.pttl(key)

@@ -64,8 +64,13 @@ def slow_redis(target_port: int) -> Iterator[SlowRedis]:
         ready.set()
         await stop.wait()
         server.close()
-        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+        # Cancel the pipes and let them close their sockets before the loop stops (a socket
+        # left to the collector warns inside whichever test runs next).
+        pipes = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in pipes:
             task.cancel()
+        await asyncio.gather(*pipes, return_exceptions=True)
+        await asyncio.sleep(0)  # the transports' close callbacks
 
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
