@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Test files spread over every core (a file's tests stay on one worker: they share its stacks).
+# Coverage data of its own per run: two runs at once in one checkout must not combine (and
+# delete) each other's files.
 test: install
-	$(BIN)/pytest -n auto --dist loadfile --cov --cov-report=term
+	d=$$(mktemp -d /tmp/kvbaton-cov.XXXXXX) && COVERAGE_FILE=$$d/.coverage \
+	  $(BIN)/pytest -n auto --dist loadfile --cov --cov-report=term; \
+	  rc=$$?; rm -rf $$d; exit $$rc
 
 # One tier at a time (markers set per folder in tests/conftest.py; README, "Tests").
 test-unit: install
