@@ -59,7 +59,9 @@ TTFT_SLO_MS = 200.0  # goodput: turns whose first token came within this, per se
 # D's KV: 8,192 blocks of 16 tokens each. An 8B model on one H100 holds ~30k such blocks; at
 # the 3 conversations/s here, 8,192 blocks per D is what ~30k blocks are at ~11 per second.
 D_ARGS = ["--num-blocks", "8192", "--stream-kv-params"]
-BIDIR_P = ["--bidirectional", "--kv-recompute-threshold", "0"]
+# P at vLLM's defaults (issue 49): with bidirectional_kv_xfer it skips a D->P read of fewer
+# than 64 tokens (kv_recompute_threshold), as users run it.
+BIDIR_P = ["--bidirectional"]
 BIDIR_D = ["--bidirectional"]
 # The store connector (MooncakeStoreConnector's model): P writes its prompt's blocks, every
 # instance looks blocks up before computing; D also writes its output (LMCache's

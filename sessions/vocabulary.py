@@ -48,6 +48,8 @@ class Reason(StrEnum):
     STORE_MISSED = "store-missed"
     # P read nothing from D and its own cache held none of the verified prefix (issue 50).
     RECOMPUTED = "recomputed"
+    # P lacks fewer of D's tokens than it reads (issue 49): no handle, no /tokenize.
+    RECOMPUTE_CHEAPER = "recompute-cheaper"
     REUSE_DISABLED = "reuse-disabled"
     NO_CONVERSATION_ID = "no-conversation-id"
     PUSH_AFFINITY = "push-affinity"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from router.engines.identity import EngineIdentity
+from router.engines.reads import Reads
 from router.errors import Unavailable
 
 log = logging.getLogger("kvbaton.backends")
@@ -37,6 +38,7 @@ class Instance:
     draining: bool = False
     last_error: str = ""
     ident: EngineIdentity = field(default_factory=EngineIdentity)
+    reads: Reads = field(default_factory=Reads)  # a P's reads from D, learned (reads.py)
     next_rank: int = 0  # the data-parallel rank the next new conversation gets (ranks.py)
     dp_size: int = 0  # data-parallel ranks its /metrics shows (0: not read; ranks.py)
     # A D's KV-cache usage (0-1) as of the health loop's last read (-1: unknown), and whether

@@ -66,6 +66,10 @@ def instance_view(inst: Instance, source: str) -> dict[str, Any]:
             "pd_kv_ready": inst.ident.parks,
         },
         "source": source,
+        # A P's reads from D as learned (router/engines/reads.py): the fewest lacking tokens
+        # it reads (0: any), and the share of a conversation's last prompt its cache keeps.
+        "read_floor": inst.reads.floor,
+        "kept": round(inst.reads.kept, 3),
         # A D's KV usage (0-1, -1 unknown), whether it is over the pin high-water mark, and
         # the handles on it in the pin index (-1: not swept yet): the distinct blocks of D they
         # pin (a share of D's size), their blocks summed handle by handle (a block several

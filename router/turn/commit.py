@@ -12,7 +12,7 @@ from typing import Any
 
 from router.engines.versions import registration_generation
 from router.tracing import span
-from router.turn import aim, decide, early, history, pins, responses_keep
+from router.turn import aim, decide, early, history, pins, responses_keep, worth
 from router.turn.capture import Captured
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reason
@@ -108,8 +108,12 @@ async def _commit(turn: Turn, captured: Captured) -> tuple[CommitResult, bool]:
     if ok and note is not None and folded is None:
         pins.note_committed(turn, note)
     # The next turn's P /tokenize goes out early only after a turn that left a handle.
-    p_url = turn.prefill.url if turn.prefill is not None else None
-    early.remember(svc, key, p_url if ok and state.kv_transfer_params else None)
+    p_inst = turn.prefill
+    if ok and state.kv_transfer_params and p_inst is not None:
+        kept = p_inst.reads.current(p_inst.ident.restarts).kept
+        early.remember(svc, key, p_inst.url, worth.lacking(state, p_inst.url, kept))
+    else:
+        early.remember(svc, key, None)
     if ok and turn.claim.history_id:
         await _index_history(turn, state, captured)
     if result is CommitResult.STORE_UNAVAILABLE and state.kv_transfer_params is not None:

@@ -4,9 +4,9 @@ longer of the two instead of both in turn.
 Only when the turn will most likely need it: a chat turn with a conversation id and an
 earlier answer in its history, verified by tokens, whose conversation's last turn in this
 process left D's handle (a turn without one, such as a stream from stock vLLM, is served
-without P's /tokenize). The request goes to the P that prefilled that turn; its ids count
-only if this turn's P turns out to be the same (verify asks again otherwise), and a turn
-that needs none cancels the request.
+without P's /tokenize), and a pull that pays (router/turn/worth.py). The request goes to
+the P that prefilled that turn; its ids count only if this turn's P turns out to be the
+same (verify asks again otherwise), and a turn that needs none cancels the request.
 """
 
 from __future__ import annotations
@@ -58,21 +58,24 @@ def start(svc: Services, inc: Incoming, request_id: str) -> EarlyTokens | None:
     return EarlyTokens(url, asyncio.create_task(prompt_token_ids(svc, inc, url, request_id)))
 
 
-def remember(svc: Services, key: str | None, prefill_url: str | None) -> None:
-    """After a commit: the P of a turn that left a handle, or None (no handle: forget)."""
+def remember(svc: Services, key: str | None, prefill_url: str | None, lacking: int = 0) -> None:
+    """After a commit: the P of a turn that left a handle and the tokens of it that P lacks
+    (router/turn/worth.py), or None (no handle: forget)."""
     if key is None:
         return
     hints = svc.prefill_hints
     hints.pop(key, None)
     if prefill_url is None:
         return
-    hints[key] = prefill_url
+    hints[key] = (prefill_url, lacking)
     if len(hints) > MAX_HINTS:
         del hints[next(iter(hints))]
 
 
 def _likely_prefill(svc: Services, key: str) -> str:
-    hint = svc.prefill_hints.get(key, "")
-    if hint and any(i.url == hint and i.usable for i in svc.pool.instances("prefill")):
-        return hint
+    """The hinted P, if it is usable and the pull it would make pays (else it gets none)."""
+    url, lacking = svc.prefill_hints.get(key, ("", 0))
+    for inst in svc.pool.instances("prefill"):
+        if inst.url == url and inst.usable:
+            return url if lacking >= inst.reads.current(inst.ident.restarts).floor else ""
     return ""

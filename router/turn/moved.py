@@ -9,6 +9,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from router.engines.pool import Instance
 from router.turn import verdicts
 from router.turn.prefill import Prefilled
 from router.turn.state import Turn
@@ -46,6 +47,7 @@ def note_moved(turn: Turn, prefilled: Prefilled) -> None:
     claim = turn.claim
     block = claim.state.block_size if claim.state is not None else 0
     reuse = verdicts.moved(claim.reuse, cached, block or turn.svc.block_size)
+    _learn(turn, prefilled.instance, cached, skipped=reuse != claim.reuse and claim.reuse.pulls)
     if reuse != claim.reuse:
         log.info(
             "turn %s: %s (P %s read nothing from D: it reports %d cached prompt tokens of the "
@@ -57,3 +59,16 @@ def note_moved(turn: Turn, prefilled: Prefilled) -> None:
             claim.reuse.tokens,
         )
         turn.rejudge(reuse)
+
+
+def _learn(turn: Turn, p_inst: Instance, cached: int | None, *, skipped: bool) -> None:
+    """What P did with the read it was offered, or what its cache kept of the conversation's
+    last prompt when it was offered none (router/engines/reads.py)."""
+    state = turn.claim.state
+    if state is None:
+        return
+    reads = p_inst.reads.current(p_inst.ident.restarts)
+    if skipped:
+        reads.skipped(turn.claim.reuse.tokens - (cached or 0))
+    elif not turn.handle_sent:
+        reads.cached(cached, verdicts.held_since_last_turn(state, p_inst.url, state.block_size))

@@ -27,7 +27,9 @@ class Via(StrEnum):
 VIA_MEANINGS: dict[Via, str] = {
     Via.PREFILL_CACHE: "the chosen P's own prefix cache held the verified prefix, so "
     "nothing was read from D: its KV events said so, or it computed that prompt on the "
-    "conversation's last turn (no handle was sent); or P was sent the handle and reported "
+    "conversation's last turn (no handle was sent: a read of what it lacks was not needed, "
+    "or is under the fewest tokens it reads, its `kv_recompute_threshold` as learned); or P "
+    "was sent the handle and reported "
     "fewer cached prompt tokens than it names, so it read nothing (what it lacked was under "
     "its `kv_recompute_threshold`, 64 by default, and recomputed); the reused tokens are "
     "what P's cache held",
@@ -131,6 +133,11 @@ MEANINGS: dict[Reason, str] = {
     "(`usage.prompt_tokens_details.cached_tokens`): it read nothing from D and recomputed the "
     "prompt (a read that failed under `kv_load_failure_policy=recompute`, or blocks its cache "
     "was expected to hold and had evicted, or a P restarted since)",
+    Reason.RECOMPUTE_CHEAPER: "the conversation is shorter than the fewest tokens P reads "
+    "from D (vLLM skips a read under its `kv_recompute_threshold`, 64 by default; the router "
+    "learns it from P's answers): P recomputes it, and the turn spends no /tokenize or "
+    "verification on a handle (released after the turn). Where P computed the conversation's "
+    "last prompt, such a turn says `hit;via=prefill-cache` instead",
     Reason.REUSE_DISABLED: "`--no-reuse`: affinity only",
     Reason.NO_CONVERSATION_ID: "no `conversation_id`, `X-Conversation-Id`, `session_id`, "
     "`X-Session-ID` or `vllm_xargs.session_id`",

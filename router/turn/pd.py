@@ -14,7 +14,7 @@ from starlette.responses import Response
 from router.engines.pool import Instance, Role
 from router.errors import Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
-from router.turn import decide, fits, handover, kv_aware, moved, plan
+from router.turn import decide, fits, handover, kv_aware, moved, plan, worth
 from router.turn.claim import verify
 from router.turn.decode import decode
 from router.turn.outcomes import Reason
@@ -34,6 +34,7 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
     source = svc.pool.find("decode", state.decode) if state is not None else None
     if source is not None and turn.claim.params is not None:
         p_inst = _reader(turn, source, p_inst)
+        worth.judge(turn, p_inst)  # before P's /tokenize: a pull P would skip is not made
     turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, turn.early)
     kv_aware.check_handle(turn, p_inst, source)
     failed: list[str] = []

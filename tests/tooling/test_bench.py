@@ -97,7 +97,10 @@ def test_quick_run_writes_every_section_and_plot(quick_run: Path) -> None:
     assert ingest["batches"] == ingest["sent_batches"] > 0 and ingest["blocks_s"] > 0
     for name in ("events-on", "events-off"):
         assert per_turn[name]["failed"] == 0, per_turn[name]
-        assert per_turn[name]["reuse"].get("hit", 0) > 0, per_turn[name]
+        # P runs at vLLM's defaults: a short answer is recomputed from P's own cache
+        # (`hit;via=prefill-cache`), a longer lack read from D (`hit`); every later turn reuses.
+        reuse = per_turn[name]["reuse"]
+        assert reuse and all(v.startswith("hit") for v in reuse), per_turn[name]
     # Throughput with two workers, beside one, each a JSON and a streaming sweep.
     assert "### One worker vs `--workers 2` (nothing pinned)" in report
     workers = raw["throughput"]["workers"]

@@ -88,7 +88,7 @@ def test_hints_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None
         early.remember(svc, key, f"http://{key}")
     early.remember(svc, "a", "http://a2")  # a is the newest now
     early.remember(svc, "d", "http://d")
-    assert svc.prefill_hints == {"c": "http://c", "a": "http://a2", "d": "http://d"}
+    assert svc.prefill_hints == {"c": ("http://c", 0), "a": ("http://a2", 0), "d": ("http://d", 0)}
     early.remember(svc, None, "http://x")  # a turn without a session key
     assert len(svc.prefill_hints) == 3
 
