@@ -11,16 +11,13 @@ import pytest
 import redis
 
 from router.config import Settings
-from router.connectors.select import select
 from router.engines.client import Upstream
-from router.engines.pool import Instance, Pool
+from router.engines.pool import Instance
 from router.lifecycle.registry import admit, desired
-from router.metrics import Metrics
-from router.services import Services, StoreGuard
-from sessions.memory_store import MemorySessionStore
 from sessions.registry_store import Entry
 from tests.ops.conftest import call, decode_urls, ops_router
 from tests.support.procs import SimProc, free_port
+from tests.support.services import make_services
 from tests.support.waiting import scaled
 
 
@@ -122,22 +119,12 @@ def test_registry_applies_on_top_of_the_command_line(
 async def test_admit_says_once_why_an_unreachable_instance_cannot_join() -> None:
     """discovery writes "check failed: <why>"; the admin's 422 reason does not repeat it."""
     settings = Settings(prefill=("http://p",), decode=("http://d",))
-    pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
     upstream = Upstream(settings)
     await upstream.open()
     url = f"http://127.0.0.1:{free_port()}"
     inst = Instance(url, "decode")
     try:
-        svc = Services(
-            settings,
-            upstream,
-            pool,
-            MemorySessionStore(),
-            StoreGuard(1),
-            Metrics(pool, lambda: False),
-            select(settings),
-        )
-        reason = await admit(svc, inst)
+        reason = await admit(make_services(settings, upstream), inst)
     finally:
         await upstream.close()
     assert inst.last_error.startswith("check failed: ")  # /status keeps the whole error

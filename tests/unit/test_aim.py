@@ -9,16 +9,12 @@ from typing import Any
 import pytest
 
 from router.config import Settings
-from router.connectors.select import select
-from router.engines.client import Upstream
 from router.engines.identity import EngineIdentity
-from router.engines.pool import Pool
-from router.metrics import Metrics
-from router.services import Services, StoreGuard
+from router.services import Services
 from router.turn.aim import aims_at_its_d
 from sessions import integrity
 from sessions import model as sm
-from sessions.memory_store import MemorySessionStore
+from tests.support.services import make_services
 
 SECRET = "unit-tests-session-secret"
 D = "http://d1"
@@ -27,17 +23,7 @@ ANNOUNCED_ORIGIN = ("d-engine", "10.0.0.2", 5600)
 
 
 def services(secret: str = "") -> Services:
-    settings = Settings(prefill=("http://p1",), decode=(D,), session_secret=secret)
-    pool = Pool(settings.prefill, settings.decode)
-    return Services(
-        settings,
-        Upstream(settings),
-        pool,
-        MemorySessionStore(),
-        StoreGuard(1),
-        Metrics(pool, lambda: False),
-        select(settings),
-    )
+    return make_services(Settings(prefill=("http://p1",), decode=(D,), session_secret=secret))
 
 
 def state(decode: str = D, **edit: Any) -> sm.SessionState:

@@ -10,15 +10,11 @@ from typing import Any
 import pytest
 
 from router.config import Settings
-from router.connectors.select import select
-from router.engines.client import Upstream
-from router.engines.pool import Pool
-from router.metrics import Metrics
-from router.services import Services, StoreGuard
+from router.services import Services
 from router.turn import early
 from router.turn.incoming import Incoming
 from sessions.keys import conversation_key
-from sessions.memory_store import MemorySessionStore
+from tests.support.services import make_services
 
 HISTORY = [
     {"role": "user", "content": "rain?"},
@@ -28,11 +24,7 @@ HISTORY = [
 
 
 def _svc(prefill: tuple[str, ...] = ("http://p1",), **kw: Any) -> Services:
-    settings = Settings(prefill=prefill, decode=("http://d",), **kw)
-    pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
-    metrics = Metrics(pool, lambda: False)
-    store, guard = MemorySessionStore(), StoreGuard(1)
-    return Services(settings, Upstream(settings), pool, store, guard, metrics, select(settings))
+    return make_services(Settings(prefill=prefill, decode=("http://d",), **kw))
 
 
 def _inc(messages: list[dict[str, str]], cid: str | None = "c") -> Incoming:

@@ -25,12 +25,14 @@ from sessions.memory_store import MemorySessionStore
 from sessions.model import SessionState
 from sessions.store import PinNote, StoreError
 from tests.unit.fake_engines import FakeEngines
-from tests.unit.test_pins import counted, releases, releasing
-from tests.unit.test_turn import (
+from tests.unit.turns import (
     answer,
     conversation,
+    counted,
     expected_answer,
     handle_sent,
+    releases,
+    releasing,
     second_turn,
     state_of,
     turn,

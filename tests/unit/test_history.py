@@ -16,7 +16,7 @@ from sessions.digests import conversation_digest, text_digest, text_heads
 from sessions.keys import history_key
 from sessions.model import SessionState
 from tests.unit.fake_engines import FakeEngines
-from tests.unit.test_turn import answer, services
+from tests.unit.turns import answer, services
 
 SYS = {"role": "system", "content": "be brief"}
 U1, A1, U2 = (

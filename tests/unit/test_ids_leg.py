@@ -8,11 +8,6 @@ from typing import Any
 import pytest
 
 from router.config import Settings
-from router.connectors.select import select
-from router.engines.client import Upstream
-from router.engines.pool import Pool
-from router.metrics import Metrics
-from router.services import Services, StoreGuard
 from router.turn.capture import Captured
 from router.turn.claim import Claim
 from router.turn.commit import next_state
@@ -20,8 +15,8 @@ from router.turn.incoming import Incoming
 from router.turn.outcomes import Reuse
 from router.turn.rewrite import ids_leg_allowed, ids_prefill_body
 from router.turn.state import Turn
-from sessions.memory_store import MemorySessionStore
-from tests.unit.test_handoff import D_HANDLE
+from tests.support.services import make_services
+from tests.unit.handles import D_HANDLE
 
 TEXT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "rain?"}]
 PARTS = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
@@ -80,10 +75,8 @@ def _turn(*, enabled: bool = True) -> Turn:
     settings = Settings(
         prefill=("http://p",), decode=("http://d",), prefill_token_ids=enabled, block_size=4
     )
-    pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
-    metrics = Metrics(pool, lambda: False)
-    store, guard = MemorySessionStore(), StoreGuard(1)
-    svc = Services(settings, Upstream(settings), pool, store, guard, metrics, select(settings))
+    svc = make_services(settings)
+    pool = svc.pool
     inc = Incoming("chat", {"messages": TEXT}, False, "c", "default", False)
     turn = Turn(svc, inc, "req", Claim("k", None, Reuse.miss("no-session")), 0.0)
     turn.prefill, turn.decode = pool.instances("prefill")[0], pool.instances("decode")[0]

@@ -12,19 +12,10 @@ from router.turn.decide import handle_check
 from router.turn.outcomes import Reason
 from sessions.integrity import authentic, sign
 from sessions.model import SessionState
+from tests.unit.handles import HANDLE
 
 KEY = "kvbaton:conv:{t:c}"
 A, B = "secret-a-0123456789", "secret-b-0123456789"
-HANDLE: dict[str, Any] = {
-    "do_remote_prefill": False,
-    "do_remote_decode": True,
-    "remote_block_ids": [[1, 2, 3]],
-    "remote_engine_id": "d-engine",
-    "remote_request_id": "req",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5600,
-    "remote_num_tokens": 10,
-}
 STATE = SessionState(
     turn=2,
     api="chat",

@@ -13,7 +13,7 @@ from router.connectors.moriio.connector import MoriIO
 from router.errors import UpstreamError
 from router.services import Services
 from tests.unit.fake_engines import FakeEngines
-from tests.unit.test_turn import D1, D2, P1, P2, services, turn
+from tests.unit.turns import D1, D2, P1, P2, services, turn
 
 ZMQ = {
     url: f"host:10.0.0.{i},handshake:{6300 + i},notify:{6400 + i}" for i, url in enumerate((P1, D1))

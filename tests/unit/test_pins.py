@@ -4,7 +4,6 @@ the read-nothing request's shape, the release delay, the queue, D's pressure fla
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 
@@ -13,40 +12,21 @@ from router.engines.metrics_text import kv_usage
 from router.engines.pool import Instance, Pool
 from router.engines.release import Gaps, Job, Releaser
 from router.lifecycle import pins
-from router.services import Services
 from router.turn import decide
 from router.turn.outcomes import Reason
 from tests.unit.fake_engines import FakeEngines
-from tests.unit.test_integrity import HANDLE
-from tests.unit.test_turn import (
-    P1,
-    P2,
+from tests.unit.handles import HANDLE
+from tests.unit.turns import (
     conversation,
+    counted,
     crowd_prefill,
+    releases,
+    releasing,
     second_turn,
     services,
     state_of,
     turn,
 )
-
-
-def releasing(engines: FakeEngines, **overrides: Any) -> Services:
-    svc = services(engines, **overrides)
-    svc.releaser = pins.releaser(svc)
-    assert svc.releaser is not None
-    svc.releaser.start()
-    return svc
-
-
-def releases(engines: FakeEngines) -> list[dict[str, Any]]:
-    """The read-nothing requests P got: their kv_transfer_params."""
-    return [
-        c.body["kv_transfer_params"]
-        for c in engines.calls
-        if c.url.startswith((P1, P2))
-        and c.url.endswith("/v1/completions")
-        and c.body.get("prompt") == [0]
-    ]
 
 
 def test_the_read_nothing_request_carries_the_handle_and_asks_for_no_tokens() -> None:
@@ -97,11 +77,6 @@ async def test_a_turn_that_fails_before_any_p_gets_its_handle_releases_it() -> N
     await svc.releaser.drain()
     assert len(releases(engines)) == 1 and counted(svc, "aborted") == 1
     await svc.releaser.stop()
-
-
-def counted(svc: Services, reason: str) -> float:
-    labels = {"reason": reason, "outcome": "released"}
-    return svc.metrics.registry.get_sample_value("kvbaton_pin_releases_total", labels) or 0.0
 
 
 async def test_a_turn_that_reads_the_handle_releases_nothing() -> None:

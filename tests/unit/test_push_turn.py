@@ -8,7 +8,7 @@ from router.connectors.nixl_push.connector import NixlPush
 from router.connectors.nixl_push.coords import Coordinates
 from router.services import Services
 from tests.unit.fake_engines import FakeEngines
-from tests.unit.test_turn import D1, P1, P2, services, turn
+from tests.unit.turns import D1, P1, P2, services, turn
 
 
 def push_services(engines: FakeEngines) -> Services:

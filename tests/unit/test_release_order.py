@@ -18,8 +18,8 @@ from sessions.memory_store import MemorySessionStore
 from sessions.model import PinSize, SessionState, TurnTimes
 from sessions.store import PinNote
 from tests.unit.fake_engines import FakeEngines
-from tests.unit.test_integrity import HANDLE
-from tests.unit.test_turn import D1, services
+from tests.unit.handles import HANDLE
+from tests.unit.turns import D1, services
 
 T0 = 1_700_000_000.0
 TTL = 450.0

@@ -11,7 +11,7 @@ from router.engines.pool import Pool, Role
 from router.engines.release import Job, Releaser
 from router.engines.versions import EngineVersion
 from tests.unit.fake_engines import FakeEngines
-from tests.unit.test_integrity import HANDLE
+from tests.unit.handles import HANDLE
 
 P32, P33, D32, D33 = "http://p32", "http://p33", "http://d32", "http://d33"
 

@@ -22,7 +22,7 @@ from tests.unit.fake_engines import (
     responses_messages,
     token_ids,
 )
-from tests.unit.test_turn import P1, P2, crowd_prefill, services, state_of
+from tests.unit.turns import P1, P2, crowd_prefill, services, state_of
 
 INSTRUCTIONS = "be brief"
 

@@ -9,12 +9,9 @@ from typing import Any
 import pytest
 
 from router.config import Settings
-from router.connectors.select import select
-from router.engines.client import Upstream
 from router.engines.identity import REFUSALS_TO_PAUSE
 from router.engines.pool import Pool
-from router.metrics import Metrics
-from router.services import Services, StoreGuard
+from router.services import StoreGuard
 from router.turn.claim import Claim, prefix_verdict, tokenize_body
 from router.turn.decide import claimed_reuse, decode_blocker
 from router.turn.incoming import Incoming
@@ -22,8 +19,8 @@ from router.turn.outcomes import Reason, Reuse
 from router.turn.pd import _reader
 from router.turn.state import Turn
 from sessions import model as sm
-from sessions.memory_store import MemorySessionStore
 from sessions.store import StoreError
+from tests.support.services import make_services
 
 SYSTEM = {"role": "system", "content": "be brief"}
 USER = {"role": "user", "content": "is it raining?"}
@@ -256,16 +253,8 @@ def test_the_data_parallel_ranks_of_one_decode_are_one_process() -> None:
 
 def test_a_hit_goes_to_a_prefill_that_has_not_been_refusing_the_decode() -> None:
     settings = Settings(prefill=("http://p1", "http://p2"), decode=("http://d1",))
-    pool = Pool(settings.prefill, settings.decode)
-    svc = Services(
-        settings,
-        Upstream(settings),
-        pool,
-        MemorySessionStore(),
-        StoreGuard(1),
-        Metrics(pool, lambda: False),
-        select(settings),
-    )
+    svc = make_services(settings)
+    pool = svc.pool
     state = sm.SessionState(decode="http://d1", prefill="http://p1")
     hit = Claim("k", state, Reuse.hit(0), params={"remote_engine_id": "e1"}, claimed=True)
     turn = Turn(

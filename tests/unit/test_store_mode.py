@@ -15,7 +15,7 @@ from router.connectors.store.params import prompt_usage
 from router.turn.outcomes import Reason, Reuse, Via
 from router.turn.verdicts import store as verdict
 from tests.unit.fake_engines import FakeEngines
-from tests.unit.test_turn import D1, P1, conversation, services, state_of
+from tests.unit.turns import D1, P1, conversation, services, state_of
 
 
 class StoreEngines(FakeEngines):

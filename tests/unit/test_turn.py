@@ -4,108 +4,29 @@ failover, refused handles, the ids fallback and the decode retry, in millisecond
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-import msgspec
 import pytest
 
-from router.config import Settings
-from router.connectors.select import select
 from router.engines.identity import REFUSALS_TO_PAUSE
-from router.engines.pool import Pool
 from router.errors import UpstreamError, UpstreamFailure
-from router.metrics import Metrics
-from router.services import Services, StoreGuard
 from router.turn import decide
 from router.turn.decide import AfterPrefill, Attempt, Next
-from router.turn.incoming import read_incoming
-from router.turn.run import run_turn
-from router.turn.tenant import DEFAULT_TENANT
-from sessions.keys import conversation_key
-from sessions.memory_store import MemorySessionStore
-from sessions.model import SessionState
-from tests.unit.fake_engines import BLOCK, Call, FakeEngines, answer_for, render, token_ids
-
-P1, P2, D1, D2 = "http://p1", "http://p2", "http://d1", "http://d2"
-
-
-def services(engines: FakeEngines, **overrides: Any) -> Services:
-    settings = Settings(
-        prefill=(P1, P2), decode=(D1, D2), block_size=BLOCK, check_models=False, **overrides
-    )
-    pool = Pool(settings.prefill, settings.decode, settings.unhealthy_after)
-    return Services(
-        settings,
-        engines,
-        pool,
-        MemorySessionStore(),
-        StoreGuard(1.0),
-        Metrics(pool, lambda: False),
-        select(settings),
-        model="m",
-        block_size=BLOCK,
-    )
-
-
-async def turn(
-    svc: Services, messages: list[dict[str, Any]], request_id: str = "rid", cid: str | None = "c1"
-) -> tuple[int, dict[str, str], dict[str, Any]]:
-    body: dict[str, Any] = {"model": "m", "messages": messages}
-    if cid is not None:
-        body["conversation_id"] = cid
-    inc = read_incoming(
-        msgspec.json.encode(body),
-        {"content-type": "application/json"},
-        api="chat",
-        model="m",
-        max_bytes=1 << 20,
-        tenant_header="",
-    )
-    resp = await run_turn(svc, inc, request_id)
-    raw = bytes(resp.body)
-    return resp.status_code, dict(resp.headers), msgspec.json.decode(raw)
-
-
-def answer(body: dict[str, Any]) -> str:
-    content: str = body["choices"][0]["message"]["content"]
-    return content
-
-
-async def conversation(svc: Services, turns: int) -> list[tuple[int, dict[str, str], str]]:
-    """`turns` turns of one conversation, each answer carried into the next prompt."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
-    seen = []
-    for i in range(turns):
-        messages.append({"role": "user", "content": f"question number {i}?"})
-        status, headers, body = await turn(svc, messages, request_id=f"r{i}")
-        seen.append((status, headers, answer(body) if status == 200 else ""))
-        if status == 200:
-            messages.append({"role": "assistant", "content": answer(body)})
-    return seen
-
-
-async def state_of(svc: Services) -> SessionState:
-    state = await svc.store.get(conversation_key(DEFAULT_TENANT, "c1"))
-    assert state is not None
-    return state
-
-
-def handle_sent(call: Call) -> bool:
-    return call.body["kv_transfer_params"].get("remote_block_ids") is not None
-
-
-def expected_answer(messages: list[dict[str, Any]]) -> str:
-    return answer_for(token_ids(render(messages)))
-
-
-def second_turn(question: str) -> list[dict[str, Any]]:
-    """The messages of the second turn of `conversation(svc, 1)`'s conversation."""
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "question number 0?"},
-    ]
-    messages.append({"role": "assistant", "content": expected_answer(messages)})
-    return [*messages, {"role": "user", "content": question}]
+from tests.unit.fake_engines import Call, FakeEngines
+from tests.unit.turns import (
+    D1,
+    D2,
+    P1,
+    P2,
+    answer,
+    conversation,
+    crowd_prefill,
+    expected_answer,
+    handle_sent,
+    second_turn,
+    services,
+    state_of,
+    turn,
+)
 
 
 async def test_a_conversation_hits_from_turn_two_and_p_gets_d_s_handle() -> None:
@@ -288,12 +209,6 @@ async def test_a_decode_redo_goes_to_another_prefill() -> None:
 )
 def test_after_prefill(attempt: Attempt, after: AfterPrefill) -> None:
     assert decide.after_prefill(attempt) == after
-
-
-def crowd_prefill(svc: Services) -> None:
-    """Both P as crowded as --decode-local-max-inflight 1: the decode plan beats a pull."""
-    for inst in svc.pool.instances("prefill"):
-        inst.outstanding = 1
 
 
 async def test_the_decode_plan_runs_the_turn_on_d_alone_and_keeps_its_tokens() -> None:
