@@ -15,6 +15,7 @@ import yaml
 
 from router.config import ENV_PREFIX, FLAGS, Settings, load_settings
 from router.connectors.nixl_push.coords import parse_spec
+from tests.deploy.vllm_serve import BIDIR_NIXL, VLLM_FLAGS
 from vllm_sim.config import SimSettings, parse_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,17 +23,6 @@ DEPLOY = ROOT / "deploy"
 COMPOSE: dict[str, Any] = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 KNOWN_ENV = {ENV_PREFIX + flag.name.upper() for flag in FLAGS} | {ENV_PREFIX + "CONFIG"}
-# `vllm serve` flags the GPU profile may use (vLLM 0.32; the engine is not installed here).
-VLLM_FLAGS = {
-    "--host", "--port", "--served-model-name", "--max-model-len", "--block-size",
-    "--gpu-memory-utilization", "--enforce-eager", "--enable-prompt-tokens-details",
-    "--kv-transfer-config", "--api-key", "--enable-request-id-headers", "--enable-scale-out",
-}  # fmt: skip
-BIDIR_NIXL = {
-    "kv_connector": "NixlConnector",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
-}
 
 
 def kind(svc: dict[str, Any]) -> str:

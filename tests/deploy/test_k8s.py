@@ -23,7 +23,7 @@ import yaml
 from router.config import ENV_PREFIX, FLAGS, load_settings
 from router.errors import ConfigError
 from router.signing import signed
-from tests.deploy.test_compose import BIDIR_NIXL, VLLM_FLAGS
+from tests.deploy.vllm_serve import BIDIR_NIXL, VLLM_FLAGS
 from vllm_sim.config import parse_settings
 
 ROOT = Path(__file__).resolve().parents[2]

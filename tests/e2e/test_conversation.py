@@ -6,35 +6,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import openai
 import pytest
 import redis
 
-from tests.e2e.conftest import Stack, p_route_calls, pulled, reference_chat
+from tests.e2e.conftest import Stack, reference_chat
+from tests.e2e.helpers import SYSTEM, checked_turn
 from tests.support.chat import chat_turn, client
 from tests.support.metrics import metric
-
-SYSTEM = "You are a terse assistant that answers in short words about the weather and tea."
-
-
-def checked_turn(
-    stack: Stack, api: openai.OpenAI, messages: list[dict[str, str]], turn: int, **kw: Any
-) -> None:
-    """Turn `turn` of a conversation (chat_turn's keywords): turn 1 misses, later turns hit
-    with P pulling from D, P getting the prompt as the token ids of its own /tokenize (on
-    /v1/completions: it does not render the chat again); the answer equals the reference
-    engine's and joins `messages`."""
-    before, (chats, ids_legs) = pulled(stack.p.url), p_route_calls(stack.p.url)
-    answer, reuse, _ = chat_turn(api, messages, **kw)
-    assert answer == reference_chat(stack, messages, 24), f"turn {turn}"
-    if turn == 1:
-        assert reuse == "miss;reason=no-session"
-        assert p_route_calls(stack.p.url) == (chats + 1, ids_legs)
-    else:
-        assert reuse == "hit", f"turn {turn}: {reuse}"
-        assert pulled(stack.p.url) > before, f"turn {turn}: P pulled nothing from D"
-        assert p_route_calls(stack.p.url) == (chats, ids_legs + 1), f"turn {turn}"
-    messages.append({"role": "assistant", "content": answer})
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

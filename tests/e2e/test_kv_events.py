@@ -4,38 +4,20 @@ got no handle; a first turn goes to the P that holds its prefix; the index follo
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
 
 from tests.e2e.conftest import BIDIR, pulled, reference_chat
-from tests.e2e.test_conversation import SYSTEM
+from tests.e2e.helpers import LONG, events_flags, indexed, spec, status, wait_in_sync
 from tests.support.chat import chat_turn, client
 from tests.support.metrics import metric
-from tests.support.procs import free_port
 from tests.support.stack import Stack, start_stack
 from tests.support.waiting import scaled
-
-LONG = " ".join([SYSTEM] * 6)  # a system prompt of many blocks, shared by conversations
-
-
-def events_flags() -> tuple[str, ...]:
-    return ("--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port()))
-
-
-def flag(flags: tuple[str, ...], name: str) -> str:
-    return flags[flags.index(name) + 1]
-
-
-def spec(url: str, flags: tuple[str, ...]) -> str:
-    pub, rep = flag(flags, "--kv-events-port"), flag(flags, "--kv-events-replay-port")
-    return f"{url}=tcp://127.0.0.1:{pub},tcp://127.0.0.1:{rep}"
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +53,6 @@ def api(stack: Stack) -> Iterator[openai.OpenAI]:
     sdk = client(stack.router.base_url)
     yield sdk
     sdk.close()
-
-
-def status(st: Stack) -> dict[str, Any]:
-    with urllib.request.urlopen(st.url + "/status", timeout=5) as resp:
-        body: dict[str, Any] = json.loads(resp.read())
-    return body
-
-
-def wait_in_sync(st: Stack, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + scaled(timeout)
-    while True:
-        engines = status(st)["kv_events"]["engines"]
-        if all(e["in_sync"] for e in engines.values()):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"KV events never in sync: {engines}")
-        time.sleep(0.1)
-
-
-def indexed(st: Stack, url: str) -> int:
-    return int(status(st)["kv_events"]["engines"][url]["blocks"])
 
 
 def wait_indexed(st: Stack, url: str, more_than: int, timeout: float = 5.0) -> int:

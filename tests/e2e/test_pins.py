@@ -17,6 +17,7 @@ import pytest
 
 from router.turn.tenant import tenant_of
 from tests.e2e.conftest import BIDIR, V032, pd_stack
+from tests.e2e.helpers import decoder_pins
 from tests.support.chat import chat_turn, client, get_json, post
 from tests.support.metrics import matching, metric, scrape
 from tests.support.procs import wait_until
@@ -25,13 +26,6 @@ from tests.support.stack import Stack, start_stack
 
 AUTH = {"authorization": "Bearer test-key", "content-type": "application/json"}
 ADMIN_KEY = "pins-admin-key-0123456789"
-
-
-def decoder_pins(st: Stack, url: str = "") -> set[str]:
-    """D's request ids whose blocks it pins for a reader (kind "decoder": D's, not P's); of
-    the D at `url` if given, else of the stack's first D."""
-    state = get_json((url or st.d.url) + "/sim/state")
-    return {p["request_id"] for p in state["pins"] if p["kind"] == "decoder"}
 
 
 def pinned_by(st: Stack, turn: Callable[[], Any]) -> set[str]:

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from tests.e2e.conftest import Stack, p_route_calls, pulled, reference_chat
-from tests.e2e.test_conversation import SYSTEM
+from tests.e2e.helpers import SYSTEM
 from tests.support.chat import chat_turn, client
 from tests.support.metrics import metric
 from tests.support.procs import wait_until

@@ -14,13 +14,12 @@ import openai
 import pytest
 import redis
 
+from tests.e2e.helpers import D_PUSH, PUSH
 from tests.support.chat import chat_turn, client, get_json, post, reference_answer
 from tests.support.metrics import metric
 from tests.support.procs import wait_until
 from tests.support.stack import Stack, start_stack
 
-PUSH = ("--kv-connector", "nixl-push", "--kv-lease-duration", "3")
-D_PUSH = (*PUSH, "--push-registration-timeout", "3")
 SYSTEM = "You are a terse assistant about the weather and tea."
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.e2e.test_push import D_PUSH, PUSH
+from tests.e2e.helpers import D_PUSH, PUSH
 from tests.support.chat import chat_turn, client, get_json, post, reference_answer
 from tests.support.metrics import metric
 from tests.support.procs import sim

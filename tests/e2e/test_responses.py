@@ -6,39 +6,11 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import openai
 import pytest
 
 from tests.e2e.conftest import Stack, pulled
-from tests.support import chat
+from tests.e2e.helpers import INSTRUCTIONS, responses_reference, responses_turn
 from tests.support.chat import chat_turn, client
-
-INSTRUCTIONS = "Answer like a weather station: short words only."
-
-
-def reference(stack: Stack, items: list[dict[str, Any]]) -> str:
-    ref = client(stack.ref.url + "/v1")
-    out = ref.responses.create(
-        model="sim-model",
-        instructions=INSTRUCTIONS,
-        input=items,  # type: ignore[arg-type]
-        max_output_tokens=24,
-    )
-    return out.output_text
-
-
-def responses_turn(
-    api: openai.OpenAI, items: list[dict[str, Any]], *, stream: bool, cid: str
-) -> tuple[str, str, dict[str, Any]]:
-    """One turn: (answer, X-KV-Reuse, the completed response as a dict)."""
-    kwargs: dict[str, Any] = {
-        "model": "sim-model",
-        "instructions": INSTRUCTIONS,
-        "input": items,
-        "max_output_tokens": 24,
-        "extra_body": {"conversation_id": cid},
-    }
-    return chat.responses_turn(api, kwargs, stream=stream)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
@@ -51,7 +23,7 @@ def test_four_turn_responses_conversation_hits(stock_responses: Stack, stream: b
         items.append({"role": "user", "content": f"Reading {turn} ({stream}): wind and rain?"})
         before = pulled(stack.p.url)
         answer, reuse, completed = responses_turn(api, items, stream=stream, cid=cid)
-        assert answer == reference(stack, items), f"turn {turn}"
+        assert answer == responses_reference(stack, items), f"turn {turn}"
         assert "kv_transfer_params" not in completed
         if turn == 1:
             assert reuse == "miss;reason=no-session"
@@ -81,7 +53,7 @@ def test_chat_and_responses_never_share_a_handle(stock_responses: Stack) -> None
     before = pulled(stack.p.url)
     text, reuse, _ = responses_turn(api, items, stream=True, cid=cid)
     assert reuse == "miss;reason=api-mismatch"
-    assert text == reference(stack, items)
+    assert text == responses_reference(stack, items)
     assert pulled(stack.p.url) == before
 
 
@@ -100,7 +72,7 @@ def test_sdk_stream_helper_as_in_the_readme(stock_responses: Stack) -> None:
         ) as stream:
             deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
             answer = stream.get_final_response().output_text
-        assert deltas == answer == reference(stack, items)
+        assert deltas == answer == responses_reference(stack, items)
         items += [
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "And the evening?"},

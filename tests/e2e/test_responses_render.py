@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import V032, Stack, pd_stack, pulled
-from tests.e2e.test_responses import INSTRUCTIONS, reference, responses_turn
+from tests.e2e.helpers import INSTRUCTIONS, responses_reference, responses_turn
 from tests.support.chat import client, get_json
 from tests.support.metrics import metric
 
@@ -42,7 +42,7 @@ def first_turn(stack: Stack, cid: str, question: str) -> tuple[list[dict[str, An
     items: list[dict[str, Any]] = [{"role": "user", "content": question}]
     api = client(stack.router.base_url)
     answer, reuse, completed = responses_turn(api, items, stream=False, cid=cid)
-    assert reuse == "miss;reason=no-session" and answer == reference(stack, items)
+    assert reuse == "miss;reason=no-session" and answer == responses_reference(stack, items)
     usage = completed["usage"]
     # D's handle covers the prompt and the answer but its last token (not yet computed).
     return [*items, completed["output"][-1]], usage["input_tokens"] + usage["output_tokens"] - 1
@@ -58,7 +58,7 @@ def test_a_responses_conversation_hits_verified_by_render(rendering: Stack, stre
         items.append({"role": "user", "content": f"Reading {turn} ({stream}): wind and rain?"})
         before, asked = pulled(stack.p.url), renders(stack.p.url)
         answer, reuse, completed = responses_turn(api, items, stream=stream, cid=cid)
-        assert answer == reference(stack, items), f"turn {turn}"
+        assert answer == responses_reference(stack, items), f"turn {turn}"
         # The router asked D for its token ids; the client, which did not, sees vLLM's null.
         assert completed["input_messages"] is None and completed["output_messages"] is None
         assert "kv_transfer_params" not in completed
@@ -90,7 +90,7 @@ def test_an_edited_answer_reuses_only_the_verified_prefix(rendering: Stack) -> N
     before = reused(stack)
     text, reuse, _ = responses_turn(client(stack.router.base_url), items, stream=True, cid=cid)
     assert reuse == "hit"
-    assert text == reference(stack, items)
+    assert text == responses_reference(stack, items)
     got = reused(stack) - before
     assert 0 < got < held and got % BLOCK == 0, (got, held)
     # The same prompt again without any handle: P's prefix cache was not poisoned.
@@ -109,7 +109,7 @@ def test_an_edited_earlier_item_is_a_prefix_mismatch(rendering: Stack) -> None:
     before = pulled(stack.p.url)
     text, reuse, _ = responses_turn(client(stack.router.base_url), items, stream=False, cid=cid)
     assert reuse == "miss;reason=prefix-mismatch"
-    assert text == reference(stack, items)
+    assert text == responses_reference(stack, items)
     assert pulled(stack.p.url) == before
 
 
@@ -145,7 +145,7 @@ def test_engines_without_render_keep_the_digest_check_and_are_asked_once(
     for turn in range(1, 4):
         items.append({"role": "user", "content": f"Forecast {turn}: any frost?"})
         answer, reuse, completed = responses_turn(api, items, stream=True, cid=cid)
-        assert answer == reference(stack, items)
+        assert answer == responses_reference(stack, items)
         assert reuse == ("miss;reason=no-session" if turn == 1 else "hit"), turn
         items.append(completed["output"][-1])
     asked = metric(stack.p.url, "http_requests_total", handler=RENDER, status="4xx") - refused

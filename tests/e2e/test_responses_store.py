@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from tests.e2e.conftest import BIDIR, pulled
-from tests.e2e.test_pins import decoder_pins
+from tests.e2e.helpers import decoder_pins
 from tests.support import chat
 from tests.support.chat import MODEL, client, post
 from tests.support.metrics import metric

@@ -17,9 +17,15 @@ import pytest
 import redis
 
 from tests.e2e.conftest import reference_chat
-from tests.e2e.test_kv_events import LONG, events_flags, indexed, spec, wait_in_sync
-from tests.e2e.test_responses import reference as responses_reference
-from tests.e2e.test_responses import responses_turn
+from tests.e2e.helpers import (
+    LONG,
+    events_flags,
+    indexed,
+    responses_reference,
+    responses_turn,
+    spec,
+    wait_in_sync,
+)
 from tests.support.chat import chat_turn, client, get_json, post, reference_answer
 from tests.support.metrics import metric
 from tests.support.procs import SimProc, redis_server, wait_until

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.e2e.conftest import pulled
-from tests.e2e.test_conversation import SYSTEM
-from tests.e2e.test_kv_events import events_flags, spec, wait_in_sync
+from tests.e2e.helpers import SYSTEM, events_flags, spec, wait_in_sync
 from tests.support.chat import chat_turn, client
 from tests.support.stack import Stack, start_stack
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Stack, pd_stack
-from tests.e2e.test_conversation import checked_turn
+from tests.e2e.helpers import checked_turn
 from tests.support import metrics
 from tests.support.chat import chat_turn
 from tests.support.metrics import metric

@@ -1,4 +1,5 @@
-"""Plain HTTP helpers for the reliability tests: raw turns, SSE events, metrics, waiting."""
+"""Plain HTTP helpers for the reliability tests: raw turns, SSE events, OpenAI-format errors,
+raw sockets, metrics, waiting."""
 
 from __future__ import annotations
 
@@ -70,6 +71,17 @@ class Conversation:
         return reply
 
 
+def assert_openai_error(reply: Reply, status: int) -> dict[str, Any]:
+    """`reply` is an OpenAI-format JSON error with `status`; its `error` object."""
+    assert reply.status == status, (reply.status, reply.body[:300])
+    assert reply.headers.get("content-type", "").startswith("application/json")
+    error = json.loads(reply.body)["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert "code" in error
+    return dict(error)
+
+
 def total(sims: list[SimProc], name: str, **labels: str) -> float:
     """A counter summed over several simulators."""
     return sum(metric(s.url, name, **labels) for s in sims)
@@ -107,6 +119,25 @@ def raw_post(port: int, path: str, body: Mapping[str, Any]) -> bytes:
         f"Content-Length: {len(data)}\r\n\r\n"
     ).encode()
     return head + data
+
+
+def request_head(port: int, headers: dict[str, str], path: str = "/v1/chat/completions") -> bytes:
+    """A JSON POST's head to 127.0.0.1:port with `headers`, for a raw socket to send a body."""
+    lines = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{port}"]
+    lines += ["Content-Type: application/json", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_to_close(sock: socket.socket, timeout: float) -> bytes:
+    """What the server sends until it closes the connection (or `timeout` passes)."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
 
 
 def send_and_hang_up(port: int, path: str, body: Mapping[str, Any], *, after: float) -> bytes:

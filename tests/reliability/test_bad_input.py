@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.reliability.conftest import MAX_BODY, TENANT_HEADER, Stack
+from tests.reliability.helpers import assert_openai_error
 from tests.support.chat import JSON, MODEL, Reply, get_json, post
 
 CHAT = "/v1/chat/completions"
@@ -21,16 +22,6 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 def chat(**fields: Any) -> bytes:
     return json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **fields}).encode()
-
-
-def assert_openai_error(reply: Reply, status: int) -> dict[str, Any]:
-    assert reply.status == status, (reply.status, reply.body[:300])
-    assert reply.headers.get("content-type", "").startswith("application/json")
-    error = json.loads(reply.body)["error"]
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    assert "code" in error
-    return dict(error)
 
 
 CASES: list[tuple[str, str, bytes, dict[str, str], int]] = [

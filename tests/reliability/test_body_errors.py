@@ -11,8 +11,7 @@ import time
 import pytest
 
 from tests.reliability.conftest import Stack
-from tests.reliability.helpers import total
-from tests.reliability.test_hostile_input import answer, request_head
+from tests.reliability.helpers import read_to_close, request_head, total
 from tests.support.procs import wait_until
 
 BAD_CHUNKS = {
@@ -61,7 +60,7 @@ def test_a_malformed_chunked_body_is_a_one_line_openai_400(stack: Stack, framing
         sock.sendall(request_head(port, {"Transfer-Encoding": "chunked"}))
         time.sleep(0.2)  # the head alone first: the turn has begun when the bad chunk comes
         sock.sendall(BAD_CHUNKS[framing])
-        data = answer(sock, 5.0)
+        data = read_to_close(sock, 5.0)
     status, headers, body = split_response(data)
     assert status == 400, data[:300]
     error = json.loads(body)["error"]

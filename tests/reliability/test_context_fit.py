@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from tests.reliability.conftest import ENGINE_KEY, Stack
-from tests.reliability.helpers import Conversation, new_cid, router
-from tests.reliability.test_bad_input import assert_openai_error
+from tests.reliability.helpers import Conversation, assert_openai_error, new_cid, router
 from tests.support.chat import JSON, MODEL, post
 from tests.support.metrics import metric
 from tests.support.procs import wait_until

@@ -16,8 +16,14 @@ from typing import Any
 import pytest
 
 from tests.reliability.conftest import ENGINE_KEY, MAX_BODY, Stack
-from tests.reliability.helpers import new_cid, router, total
-from tests.reliability.test_bad_input import assert_openai_error
+from tests.reliability.helpers import (
+    assert_openai_error,
+    new_cid,
+    read_to_close,
+    request_head,
+    router,
+    total,
+)
 from tests.support.chat import JSON, MODEL, Reply, post
 from tests.support.router import RouterProc
 
@@ -111,30 +117,12 @@ def test_json_nested_under_the_recursion_limit_is_a_400_before_any_engine(
 # -- 7: body limits ---------------------------------------------------------------------------
 
 
-def request_head(port: int, headers: dict[str, str]) -> bytes:
-    lines = [f"POST {CHAT} HTTP/1.1", f"Host: 127.0.0.1:{port}"]
-    lines += ["Content-Type: application/json", *(f"{k}: {v}" for k, v in headers.items())]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def answer(sock: socket.socket, timeout: float) -> bytes:
-    """What the server sends until it closes the connection (or `timeout` passes)."""
-    sock.settimeout(timeout)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return data
-
-
 def test_a_declared_length_over_the_limit_gets_413_before_the_body_is_read(stack: Stack) -> None:
     port = stack.router.port
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(request_head(port, {"Content-Length": str(200 * 1024 * 1024)}))
         started = time.monotonic()
-        data = answer(sock, 5.0)
+        data = read_to_close(sock, 5.0)
     assert data.startswith(b"HTTP/1.1 413"), data[:300]
     assert time.monotonic() - started < 5.0
     assert b"payload_too_large" in data
@@ -164,7 +152,7 @@ def test_a_chunked_body_is_cut_at_the_limit(stack: Stack) -> None:
                     break
         except (BrokenPipeError, ConnectionResetError):
             pass
-        data = answer(sock, 5.0)
+        data = read_to_close(sock, 5.0)
     assert data.startswith(b"HTTP/1.1 413"), data[:300]
     # Cut near the limit: what is in flight in the socket buffers, not 300 MiB.
     assert sent < 32 * 1024 * 1024, sent
@@ -251,7 +239,7 @@ def test_a_client_sending_a_header_line_every_so_often_is_cut(strict: RouterProc
                 closed = True
                 break
             readable = select.select([sock], [], [], 0.4)[0]
-            if readable and answer(sock, 1.0) == b"":
+            if readable and read_to_close(sock, 1.0) == b"":
                 closed = True
                 break
         elapsed = time.monotonic() - started
@@ -271,7 +259,7 @@ def test_a_kept_alive_connection_idle_past_the_header_timeout_is_closed(
             assert conn.getresponse().read() == b'{"status":"ok"}'
         assert conn.sock is not None
         idle_from = time.monotonic()
-        rest = answer(conn.sock, SLOW_TIMEOUT + 5.0)  # returns when the router closes it
+        rest = read_to_close(conn.sock, SLOW_TIMEOUT + 5.0)  # returns when the router closes it
         idle_for = time.monotonic() - idle_from
     finally:
         conn.close()
@@ -293,7 +281,7 @@ def test_a_slow_body_gets_408(strict: RouterProc, stack: Stack) -> None:
                 break
             if select.select([sock], [], [], 0.2)[0]:
                 break
-        data = answer(sock, 5.0)
+        data = read_to_close(sock, 5.0)
     assert data.startswith(b"HTTP/1.1 408"), data[:300]
     assert b"request_timeout" in data
     assert time.monotonic() - started < SLOW_TIMEOUT + 3.0

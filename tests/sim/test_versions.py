@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.sim.client import chat, get, metric, parse_sse, post, stream
-from tests.sim.test_pd import answer, as_p_handle, decode, prefill, scratch, turn1, turn2_messages
+from tests.sim.handoff import answer, as_p_handle, decode, prefill, scratch, turn1, turn2_messages
 from tests.support.chat import NULL_HANDOFF
 from tests.support.procs import SimProc, sims
 

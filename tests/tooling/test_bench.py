@@ -16,25 +16,10 @@ from bench.cli import PNGS
 from bench.report import SECTIONS
 from tests.support.procs import ROOT
 from tests.support.waiting import scaled
+from tests.tooling.markdown import tables
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NUMBER = re.compile(r"-?\d[\d,]*(\.\d+)?")
-_UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
-
-
-def tables(markdown: str) -> list[list[list[str]]]:
-    """Every Markdown table as rows of cells (header first, separator dropped)."""
-    found: list[list[list[str]]] = []
-    current: list[list[str]] = []
-    for line in [*markdown.splitlines(), ""]:
-        if line.startswith("|"):
-            cells = [c.strip() for c in _UNESCAPED_PIPE.split(line.strip())[1:-1]]
-            if not all(set(c) <= {"-"} for c in cells):
-                current.append(cells)
-        elif current:
-            found.append(current)
-            current = []
-    return found
 
 
 def section(markdown: str, heading: str) -> str:

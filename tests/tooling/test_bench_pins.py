@@ -17,7 +17,7 @@ import pytest
 
 from bench import loadgen, pins, pins_faults, pins_mixed
 from bench.plan import FULL, QUICK
-from tests.tooling.test_bench import tables
+from tests.tooling.markdown import tables
 
 pytestmark = pytest.mark.unit
 
