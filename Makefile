@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) >/dev/null; }
 	touch $(STAMP)
 
+# In a git work tree, git runs .githooks/commit-msg (a subject of 72 characters or fewer, then
+# a blank line); outside one (an unpacked tarball) there is nothing to set.
 install: $(STAMP)
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1 && \
+	  [ "$$(git config core.hooksPath)" != .githooks ]; then \
+	  git config core.hooksPath .githooks && echo "make install: git config core.hooksPath .githooks"; \
+	fi
 
 # Test files spread over every core (a file's tests stay on one worker: they share its stacks).
 # Coverage data of its own per run: two runs at once in one checkout must not combine (and
@@ -39,9 +45,12 @@ test-component: install
 test-e2e: install
 	$(BIN)/pytest -m e2e
 
+# ruff, then the subjects of the commits after tools/check_commits.py's base (a shallow clone
+# without that commit skips it).
 lint: install
-	$(BIN)/ruff check router sessions vllm_sim tests bench
-	$(BIN)/ruff format --check router sessions vllm_sim tests bench
+	$(BIN)/ruff check router sessions vllm_sim tests bench tools
+	$(BIN)/ruff format --check router sessions vllm_sim tests bench tools
+	$(BIN)/python tools/check_commits.py
 
 typecheck: install
 	$(BIN)/mypy

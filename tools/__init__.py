@@ -1,0 +1,1 @@
+"""Developer tools the Makefile and the git hooks run (not packaged)."""
