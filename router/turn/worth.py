@@ -18,10 +18,12 @@ from sessions.model import SessionState
 log = logging.getLogger("kvbaton.reuse")
 
 
-def lacking(state: SessionState, prefill: str, kept: float) -> int:
+def lacking(state: SessionState, prefill: str, kept: float, held: int | None = None) -> int:
     """The tokens of D's sequence that P (its URL) would read: those beyond the full blocks
-    of the prompt it computed last turn, as much of them as P is seen to keep (`kept`)."""
-    held = held_since_last_turn(state, prefill, state.block_size)
+    of the prompt it computed last turn (`held`, found here when None), as much of them as P
+    is seen to keep (`kept`)."""
+    if held is None:
+        held = held_since_last_turn(state, prefill, state.block_size)
     return max(0, state.token_count - int(held * kept))
 
 
@@ -36,10 +38,10 @@ def judge(turn: Turn, p_inst: Instance) -> None:
     if claim.params is None or state is None or not claim.reuse.pulls:
         return
     reads = p_inst.reads.current(p_inst.ident.restarts)
-    short = lacking(state, p_inst.url, reads.kept)
+    held = held_since_last_turn(state, p_inst.url, state.block_size)
+    short = lacking(state, p_inst.url, reads.kept, held)
     if pays(short, reads.floor):
         return
-    held = held_since_last_turn(state, p_inst.url, state.block_size)
     if held > 0:  # what moved is judged after P by its own count (router/turn/moved.py)
         found = Found.HISTORY if turn.claim.history_id else None
         turn.rejudge(Reuse.hit(held, Via.PREFILL_CACHE, found), drop_handle=True)

@@ -5,11 +5,14 @@ cache held. A long answer, which P does read, is still pulled."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from router.engines.reads import VLLM_RECOMPUTE_THRESHOLD
 from tests.e2e.conftest import pulled
 from tests.support.chat import chat_turn, client
 from tests.support.metrics import metric
@@ -53,3 +56,7 @@ def test_reads_p_skips_stop_costing_a_tokenize(stack: Stack) -> None:
     assert seen[3:6] == [(PREFILL_CACHE, 0, 0)] * 3, seen
     # Turn 7 lacks the long answer (over 64 tokens): verified and read from D.
     assert reuses[6] == "hit" and seen[6][1] > 0 and seen[6][2] == 1, seen
+    # What the router learned of P, as /status shows it to an operator.
+    status = json.loads(urllib.request.urlopen(stack.url + "/status", timeout=10).read())
+    (p,) = status["instances"]["prefill"]
+    assert (p["read_floor"], p["kept"]) == (VLLM_RECOMPUTE_THRESHOLD, 1.0), p
