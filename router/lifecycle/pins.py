@@ -13,10 +13,10 @@ import asyncio
 import logging
 import math
 
+from router.engines.metrics_read import read_started
 from router.engines.pool import Instance
 from router.engines.release import Releaser
 from router.lifecycle import release_order
-from router.lifecycle.health import read_started
 from router.services import Services
 from router.turn.aim import aims_at_its_d
 from sessions.model import SessionState

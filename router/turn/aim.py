@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from router.engines.metrics_read import read_started
 from router.engines.pool import Instance
-from router.lifecycle.health import read_started
 from router.services import Services
 from sessions import integrity
 from sessions.model import SessionState
