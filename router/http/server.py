@@ -19,10 +19,10 @@ from router.connectors.select import select
 from router.errors import ConfigError, StartupError
 from router.http import framing, idle
 from router.http.app import create_app
-from router.http.disconnect import SERVER_SEND
 from router.http.workers import supervise
 from router.lifecycle.discovery import preflight
 from router.logs import setup_logging
+from router.relay import SERVER_SEND
 from router.signing import signed
 from router.tracing import setup_tracing
 

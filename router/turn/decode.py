@@ -23,7 +23,7 @@ from router.errors import (
     error_bytes,
     sse_error_event,
 )
-from router.http.disconnect import RelayResponse
+from router.relay import RelayResponse
 from router.tracing import span
 from router.turn import asks
 from router.turn.capture import TERMINAL_NAMES

@@ -8,7 +8,7 @@ from typing import Any
 
 from starlette.types import Send
 
-from router.http.disconnect import SERVER_SEND, RelayResponse
+from router.relay import SERVER_SEND, RelayResponse
 
 
 class Sink:
