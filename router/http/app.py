@@ -35,6 +35,7 @@ from router.errors import (
 from router.http import conversations, responses
 from router.http.admin import Operations, admin_app
 from router.http.body import read_body
+from router.http.disconnect import CLIENT_CLOSED, until_disconnect
 from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
 from router.lifecycle import pins, registry
@@ -42,7 +43,6 @@ from router.lifecycle.advice import store_guard
 from router.lifecycle.discovery import discover, learn_late
 from router.lifecycle.health import health_loop
 from router.metrics import CONTENT_TYPE, Metrics
-from router.relay import CLIENT_CLOSED, until_disconnect
 from router.services import Services
 from router.tracing import span
 from router.turn import responses_chain
