@@ -4,11 +4,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from router.config import Settings
-from router.connectors.base import Capabilities
 from router.turn.incoming import Incoming
+
+
+class Reuses(Protocol):
+    """What early_tokens asks of the connector's capabilities (connectors/base.py's
+    `Capabilities` is one)."""
+
+    @property
+    def reuses_d_to_p(self) -> bool: ...
 
 
 def token_ids(settings: Settings, inc: Incoming, d_streams_params: bool) -> bool:
@@ -30,7 +37,7 @@ def _has_answer(messages: Sequence[Any]) -> bool:
     return any(isinstance(m, dict) and m.get("role") == "assistant" for m in reversed(messages))
 
 
-def early_tokens(settings: Settings, caps: Capabilities, inc: Incoming) -> bool:
+def early_tokens(settings: Settings, caps: Reuses, inc: Incoming) -> bool:
     """Whether P's /tokenize (a Responses turn: its render) is worth sending before the claim
     answers: a chat or Responses turn with a conversation id and an earlier answer, verified
     by tokens, over a connector whose turns verify a handle (router/turn/early.py then sends

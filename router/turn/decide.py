@@ -7,14 +7,13 @@ metrics: `run.py`, `prefill.py`, `claim.py` and `commit.py` apply what these ret
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
-from router.connectors.base import Connector
 from router.engines.identity import engine_family
 from router.engines.pool import Instance
 from router.engines.versions import registration_generation
@@ -63,7 +62,14 @@ def decode_blocker(inst: Instance | None, state: SessionState) -> Reason | None:
     return None
 
 
-def handle_check(connector: Connector[Any], state: SessionState) -> Reason | None:
+class HandleReader(Protocol):
+    """What the handle check asks of the connector (connectors/base.py's `Connector` is one)."""
+
+    def is_handle(self, params: object) -> bool: ...
+    def engine_id(self, params: Mapping[str, Any]) -> str | None: ...
+
+
+def handle_check(connector: HandleReader, state: SessionState) -> Reason | None:
     """The router's own checks of a stored handle before it may reach P: the state is read
     back from Redis, so it is checked as if a client had sent it (None: it passes)."""
     params = state.kv_transfer_params
