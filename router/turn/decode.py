@@ -38,17 +38,6 @@ log = logging.getLogger("kvbaton.turn")
 JSON = "application/json"
 
 
-def final_headers(turn: Turn) -> dict[str, str]:
-    """The response's headers: the reuse verdict is final now, so it is counted (once)."""
-    if not turn.reuse_counted:
-        turn.reuse_counted = True
-        reuse, metrics = turn.claim.reuse, turn.svc.metrics
-        metrics.reuse.labels(*reuse.labels()).inc()
-        if reuse.is_hit:
-            metrics.reused_tokens.labels(reuse.source).inc(reuse.tokens)
-    return turn.headers()
-
-
 async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> EngineStream:
     """Send the D leg (P's params, or none: D computes what its cache lacks) and check its
     status before our response starts."""
@@ -116,7 +105,7 @@ async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
         # D's content type is not trusted: a stream is relayed as one whatever D labelled it.
         kind = resp.content_type
         kind = kind if kind.startswith("text/event-stream") else "text/event-stream"
-        return RelayResponse(relay, final_headers(turn), kind)
+        return RelayResponse(relay, turn.final_headers(), kind)
     try:
         with svc.pool.busy(d_inst):
             chunks = [c async for c in resp.chunks(svc.settings.decode_idle_timeout)]
@@ -129,10 +118,10 @@ async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:
     except MalformedAnswer as exc:
         await _malformed(turn, d_inst, exc)
         error = UpstreamError(f"the decode engine's answer was malformed: {exc}", code="malformed")
-        return Response(error_bytes(error), 502, headers=final_headers(turn), media_type=JSON)
+        return Response(error_bytes(error), 502, headers=turn.final_headers(), media_type=JSON)
     turn.mark_first_byte()
     await finish(turn, captured)
-    return Response(client_bytes, 200, headers=final_headers(turn), media_type=JSON)
+    return Response(client_bytes, 200, headers=turn.final_headers(), media_type=JSON)
 
 
 async def _malformed(turn: Turn, d_inst: Instance, exc: MalformedAnswer) -> None:

@@ -15,7 +15,6 @@ from router.services import Services
 from router.turn import early, pins
 from router.turn.claim import claim
 from router.turn.commit import abort
-from router.turn.decode import final_headers
 from router.turn.incoming import Incoming
 from router.turn.state import Turn
 from sessions.vocabulary import AbortReason
@@ -41,7 +40,7 @@ async def run_turn(svc: Services, inc: Incoming, request_id: str) -> Response:
         return await svc.connector.serve(turn)
     except EngineReply as reply:
         await abort(turn, AbortReason.engine(reply.status))
-        headers = final_headers(turn)
+        headers = turn.final_headers()
         if reply.retry_after is not None:
             headers["Retry-After"] = str(reply.retry_after)
         return Response(reply.body, reply.status, headers=headers, media_type="application/json")

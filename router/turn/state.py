@@ -74,6 +74,16 @@ class Turn:
     def headers(self) -> dict[str, str]:
         return {"X-Request-Id": self.request_id, "X-KV-Reuse": self.claim.reuse.header()}
 
+    def final_headers(self) -> dict[str, str]:
+        """The response's headers: the reuse verdict is final now, so it is counted (once)."""
+        if not self.reuse_counted:
+            self.reuse_counted = True
+            reuse, metrics = self.claim.reuse, self.svc.metrics
+            metrics.reuse.labels(*reuse.labels()).inc()
+            if reuse.is_hit:
+                metrics.reused_tokens.labels(reuse.source).inc(reuse.tokens)
+        return self.headers()
+
     def mark_first_byte(self) -> None:
         if not self.first_byte:
             self.first_byte = time.monotonic()
