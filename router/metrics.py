@@ -262,7 +262,7 @@ class Metrics:
         )
         self.handover = _Histogram(
             "kvbaton_handover_seconds",
-            "P's answer to D's first byte, by how P's params reached D (turn/handover.py)",
+            "P's answer to D's first byte, by how P's params reached D (legs/handover.py)",
             ["mode"],
             buckets=LATENCY_BUCKETS,
             registry=r,

@@ -2,7 +2,7 @@
 
 Which handle may be sent, whether the new prompt extends what D holds, what to do after each
 P attempt and after a failed D, whether the turn keeps D's new handle. No I/O, no logging, no
-metrics: `run.py`, `prefill.py`, `claim.py` and `commit.py` apply what these return.
+metrics: the turn's steps and the connectors' legs (connectors/legs/) apply what these return.
 """
 
 from __future__ import annotations

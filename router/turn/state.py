@@ -39,7 +39,7 @@ class Turn:
     handle_sent: bool = False  # the claimed handle reached a P (read, or D notified)
     settled: bool = False  # the end of the turn ran: D's new handle is committed or released
     committed: SessionState | None = None  # the state this turn's commit wrote, if it did
-    # When P answered, and how its params reached D (turn/handover.py's Mode; "": no P leg).
+    # When P answered, and how its params reached D (legs/handover.py's Mode; "": no P leg).
     handover_at: float = 0.0
     handover_mode: str = ""
 

@@ -42,7 +42,7 @@ def judge(turn: Turn, p_inst: Instance) -> None:
     short = lacking(state, p_inst.url, reads.kept, held)
     if pays(short, reads.floor):
         return
-    if held > 0:  # what moved is judged after P by its own count (router/turn/moved.py)
+    if held > 0:  # what moved is judged after P by its own count (router/connectors/legs/moved.py)
         found = Found.HISTORY if turn.claim.history_id else None
         turn.rejudge(Reuse.hit(held, Via.PREFILL_CACHE, found), drop_handle=True)
     else:

@@ -1,4 +1,4 @@
-"""The handover's pure parts (router/turn/handover.py): P's params as D gets them."""
+"""The handover's pure parts (router/connectors/legs/handover.py): P's params as D gets them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from router.config import Settings
-from router.turn import handover
+from router.connectors.legs import handover
 
 P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1]], "first_token_ids": [42]}
 

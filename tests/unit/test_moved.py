@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from router.connectors.legs.moved import prompt_counts
 from router.engines.kv_index import EngineIndex
 from router.turn import verdicts
 from router.turn.kv_aware import events_held
-from router.turn.moved import prompt_counts
 from router.turn.outcomes import Found, Reason, Reuse, Via
 from sessions.model import SessionState
 

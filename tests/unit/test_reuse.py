@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from router.config import Settings
+from router.connectors.legs.pd import _reader
 from router.engines.identity import REFUSALS_TO_PAUSE
 from router.engines.pool import Pool
 from router.services import StoreGuard
@@ -16,7 +17,6 @@ from router.turn.claim import Claim, prefix_verdict, tokenize_body
 from router.turn.decide import claimed_reuse, decode_blocker
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reason, Reuse
-from router.turn.pd import _reader
 from router.turn.state import Turn
 from sessions import model as sm
 from sessions.store import StoreError

@@ -4,8 +4,8 @@ Both legs carry one request id that names both peers' announced ZMQ addresses
 (params.py). P's data-parallel rank is chosen per conversation (ranks.py)
 and pinned with X-data-parallel-rank; D is told it as `remote_dp_rank`. READ mode: P first,
 then D with P's engine id, block ids and transfer id (D reads P's blocks). WRITE mode: both
-legs at once (router/turn/legs.py's concurrent dispatch; P writes into D's blocks). The mode
-is the one the instances announced (announce.py). Nothing is committed for a failed
+legs at once (connectors/legs/calls.py's concurrent dispatch; P writes into D's blocks). The
+mode is the one the instances announced (announce.py). Nothing is committed for a failed
 turn: a failed leg ends the turn in one clear error (no redo: a MoRI-IO engine that lost a
 transfer frees its blocks on its own timeout)."""
 
@@ -16,13 +16,19 @@ from typing import Any
 
 from starlette.responses import Response
 
+from router.connectors.legs.calls import (
+    BothFailed,
+    both,
+    call_prefill,
+    keep_affinity,
+    prefill_request,
+)
+from router.connectors.legs.decode import open_decode, respond
 from router.connectors.moriio import params
 from router.connectors.moriio.announce import Peer, Peers
 from router.engines.client import EngineStream
 from router.engines.pool import Instance, Role
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure
-from router.turn.decode import open_decode, respond
-from router.turn.legs import BothFailed, both, call_prefill, keep_affinity, prefill_request
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.legs")

@@ -1,6 +1,6 @@
 """NixlConnector pull with bidirectional D->P reuse (vLLM's toy proxy and its multi-turn
 variant): P gets D's handle (a hit) or the null handoff, D gets P's params, and D's new
-handle is kept for the next turn. Legs: P, then D (router/turn/pd.py)."""
+handle is kept for the next turn. Legs: P, then D (router/connectors/legs/pd.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from starlette.responses import Response
 
 from router.config import Settings
 from router.connectors.base import Capabilities, Defaults
+from router.connectors.legs import pd
 from router.connectors.names import ConnectorName
 from router.connectors.nixl import params
-from router.turn import pd
 from router.turn.state import Turn
 from sessions.model import PinSize
 

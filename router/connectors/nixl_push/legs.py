@@ -23,15 +23,7 @@ import uuid
 
 from starlette.responses import Response
 
-from router.connectors.nixl_push import coords
-from router.connectors.nixl_push.coords import Directory
-from router.engines import ranks
-from router.engines.client import EngineStream
-from router.engines.pool import Instance
-from router.errors import EngineReply, Unavailable, UpstreamError
-from router.turn import decide
-from router.turn.decode import open_decode, respond
-from router.turn.legs import (
+from router.connectors.legs.calls import (
     BothFailed,
     both,
     call_prefill,
@@ -39,6 +31,14 @@ from router.turn.legs import (
     pick_decode,
     prefill_request,
 )
+from router.connectors.legs.decode import open_decode, respond
+from router.connectors.nixl_push import coords
+from router.connectors.nixl_push.coords import Directory
+from router.engines import ranks
+from router.engines.client import EngineStream
+from router.engines.pool import Instance
+from router.errors import EngineReply, Unavailable, UpstreamError
+from router.turn import decide
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.legs")

@@ -12,9 +12,9 @@ from starlette.responses import Response
 
 from router.config import Settings
 from router.connectors.base import Capabilities, Defaults
+from router.connectors.legs import pd
 from router.connectors.names import ConnectorName
 from router.connectors.store import legs
-from router.turn import pd
 from router.turn.state import Turn
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
+from router.connectors.legs.prefill import Prefilled
 from router.connectors.store.params import prompt_usage
 from router.turn import verdicts
-from router.turn.prefill import Prefilled
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.reuse")

@@ -17,14 +17,14 @@ from typing import Any
 from starlette.responses import Response
 
 from router.config import Settings
+from router.connectors.legs.calls import pick_decode
+from router.connectors.legs.decode import decode, open_decode, respond
+from router.connectors.legs.prefill import Prefilled, prefill
 from router.engines.client import EngineStream
 from router.engines.pool import Instance
 from router.engines.versions import READY_PATH
 from router.errors import Unavailable, UpstreamFailure
 from router.turn import asks
-from router.turn.decode import decode, open_decode, respond
-from router.turn.legs import pick_decode
-from router.turn.prefill import Prefilled, prefill
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.turn")

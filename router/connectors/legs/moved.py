@@ -9,9 +9,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from router.connectors.legs.prefill import Prefilled
 from router.engines.pool import Instance
 from router.turn import verdicts
-from router.turn.prefill import Prefilled
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.reuse")

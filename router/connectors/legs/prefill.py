@@ -8,11 +8,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from router.connectors.legs.calls import Answer, call_prefill, prefill_request
 from router.engines.pool import Instance
 from router.errors import EngineReply, RouterError, UpstreamError
 from router.turn import decide
 from router.turn.decide import Attempt, Next
-from router.turn.legs import Answer, call_prefill, prefill_request
 from router.turn.outcomes import Reason
 from router.turn.state import Turn
 

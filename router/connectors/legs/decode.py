@@ -12,6 +12,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Send
 
+from router.connectors.legs.calls import parse_answer
 from router.engines.client import EngineStream
 from router.engines.pool import Instance
 from router.engines.versions import engine_paused
@@ -28,7 +29,6 @@ from router.tracing import span
 from router.turn import asks
 from router.turn.capture import TERMINAL_NAMES
 from router.turn.commit import abort, finish
-from router.turn.legs import parse_answer
 from router.turn.rewrite import PATHS, decode_body
 from router.turn.sse import SseRelay, capture_body
 from router.turn.state import Turn

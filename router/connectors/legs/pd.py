@@ -11,14 +11,15 @@ from collections.abc import Callable
 
 from starlette.responses import Response
 
+from router.connectors.legs import handover, moved
+from router.connectors.legs.decode import decode
+from router.connectors.legs.prefill import Prefilled
 from router.engines.pool import Instance, Role
 from router.errors import Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
-from router.turn import decide, fits, handover, kv_aware, moved, plan, worth
+from router.turn import decide, fits, kv_aware, plan, worth
 from router.turn.claim import verify
-from router.turn.decode import decode
 from router.turn.outcomes import Reason
-from router.turn.prefill import Prefilled
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.turn")

@@ -1,0 +1,1 @@
+"""The legs the connectors share: P's call, D's call and relay, the handover, P then D."""
