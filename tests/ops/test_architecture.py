@@ -1,6 +1,6 @@
-"""The layout keeps its promises: dependencies point one way, no import cycle (none hidden
-under TYPE_CHECKING either), modules stay one concept, and docs/architecture.md's module map
-is the tree."""
+"""The layout keeps its promises: dependencies point one way, router/'s layers import only
+downwards, the pure modules stay pure, no import cycle (none hidden under TYPE_CHECKING
+either), modules stay one concept, and docs/architecture.md's module map is the tree."""
 
 from __future__ import annotations
 
@@ -13,6 +13,68 @@ PACKAGES = ("router", "sessions", "vllm_sim")
 # The cycle check also covers bench (which may import the packages above).
 CYCLE_PACKAGES = (*PACKAGES, "bench")
 MAX_LINES = 330
+
+# router/'s layers, top to bottom: a module imports only from its own layer or those below it.
+# A module is in the layer of the longest name that owns it (a name owns itself and, unless it
+# is the top package, what is under it). docs/architecture.md, "Modules", draws them.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("entry", ("router.__main__", "router.cli")),
+    ("surface", ("router.http", "router.session_show")),
+    ("lifecycle", ("router.lifecycle",)),
+    # Each protocol's package, the legs they share (connectors.legs), the selection.
+    ("connectors", ("router.connectors",)),
+    # One turn: the request as read, the decision core, the steps that apply it.
+    ("turn", ("router.turn",)),
+    ("services", ("router.services", "router.signing")),
+    # The connector seam: what Services holds and each connector's package fills.
+    ("seam", ("router.connectors.base",)),
+    ("engines", ("router.engines", "router.metrics", "router.metrics_kv")),
+    (
+        "settings",
+        (
+            "router.config",
+            "router.config_docs",
+            "router.command_line",
+            "router.flag",
+            "router.flags",
+            "router.vllm_router_flags",
+        ),
+    ),
+    # The engines' pure model, which the settings validate with (--data-parallel-size).
+    (
+        "engine model",
+        (
+            "router.engines.pool",
+            "router.engines.identity",
+            "router.engines.versions",
+            "router.engines.reads",
+            "router.engines.ranks",
+            "router.engines.metrics_text",
+        ),
+    ),
+    # Leaves that import nothing of the router (the connector names the settings list too).
+    (
+        "base",
+        (
+            "router",
+            "router.errors",
+            "router.logs",
+            "router.tracing",
+            "router.relay",
+            "router.connectors.names",
+        ),
+    ),
+)
+# What a pure module (and everything of the project it imports) never imports: I/O.
+IO_LIBRARIES = frozenset({"asyncio", "starlette", "aiohttp", "redis"})
+# The turn's decision core: each must be marked (pure) in the module map.
+DECISION_CORE = (
+    "router.turn.decide",
+    "router.turn.placement",
+    "router.turn.verdicts",
+    "router.turn.asks",
+    "router.turn.outcomes",
+)
 
 
 def modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
@@ -32,7 +94,10 @@ def imports(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            # `from pkg import mod` imports mod (and runs pkg's one-line __init__): an edge to
+            # mod, not to pkg; `from mod import name` is an edge to mod.
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            names = [n for n in subs if n in known] or [node.module]
         else:
             continue
         out.update(n for n in names if n in known)
@@ -107,3 +172,90 @@ def test_the_module_map_is_the_tree() -> None:
     }
     tree -= {"router/__main__.py"}
     assert listed == tree, f"not in the map: {tree - listed}; not in the tree: {listed - tree}"
+
+
+def layer_of(name: str) -> int:
+    """The index in LAYERS of the layer that owns module `name` (-1: none does)."""
+    best, found = -1, ""
+    for index, (_, owners) in enumerate(LAYERS):
+        for owner in owners:
+            owns = name == owner or ("." in owner and name.startswith(owner + "."))
+            if owns and len(owner) > len(found):
+                best, found = index, owner
+    return best
+
+
+def back_edges(deps: dict[str, set[str]]) -> list[str]:
+    """Every import of router/ that reaches a layer above the importer's."""
+    out = []
+    for name, targets in sorted(deps.items()):
+        for dep in sorted(targets):
+            inside = name.startswith("router") and dep.startswith("router")
+            if inside and layer_of(dep) < layer_of(name):
+                out.append(
+                    f"{name} ({LAYERS[layer_of(name)][0]}) imports {dep} "
+                    f"({LAYERS[layer_of(dep)][0]})"
+                )
+    return out
+
+
+def test_every_router_module_has_a_layer() -> None:
+    missing = [n for n in modules() if n.startswith("router") and layer_of(n) < 0]
+    assert not missing, f"not in LAYERS: {missing}"
+
+
+def test_layers_import_only_downwards() -> None:
+    assert back_edges(graph()) == []
+
+
+def test_an_injected_back_edge_is_caught() -> None:
+    """The check itself: one import from the decision core up to the HTTP surface fails it."""
+    deps = graph()
+    deps["router.turn.decide"] = deps["router.turn.decide"] | {"router.http.app"}
+    assert "router.turn.decide (turn) imports router.http.app (surface)" in back_edges(deps)
+
+
+def test_the_turn_imports_no_connector_and_no_http() -> None:
+    """The turn reaches its connector through Services and the protocols its decisions
+    declare, never by import (not even the seam), and knows nothing of HTTP."""
+    for name, deps in graph().items():
+        if name.startswith("router.turn"):
+            bad = {d for d in deps if d.startswith(("router.connectors", "router.http"))}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def _libraries(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def pure_modules() -> list[str]:
+    """The modules docs/architecture.md's module map marks (pure)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    paths = re.findall(r"^\| `((?:router|sessions)/[\w/]+)\.py` \|.*\(pure\) \|$", text, re.M)
+    return [p.replace("/", ".") for p in paths]
+
+
+def test_the_decision_core_is_marked_pure() -> None:
+    assert set(DECISION_CORE) <= set(pure_modules())
+
+
+def test_pure_modules_do_no_io() -> None:
+    """A module marked (pure), and every project module it imports however deep, imports
+    none of asyncio, starlette, aiohttp or redis."""
+    deps, paths = graph(), modules()
+    for name in pure_modules():
+        seen, todo = set(), [name]
+        while todo:
+            mod = todo.pop()
+            if mod not in seen:
+                seen.add(mod)
+                todo.extend(deps[mod])
+        for mod in sorted(seen):
+            io = _libraries(paths[mod]) & IO_LIBRARIES
+            assert not io, f"{name} is pure, but {mod} (which it imports) imports {sorted(io)}"
