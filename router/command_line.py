@@ -1,4 +1,4 @@
-"""The `kvbaton serve` command line: one argparse option per setting in `flags.FLAGS`, in its
+"""The `kvbaton serve` command line: one argparse option per field of `Settings`, in its
 help group, each with what it takes, its default and its variable. `--help` alone shows the
 first flags and names the groups; `--help=GROUP` one group, `--help=all` every flag (as
 `vllm serve` does). `config.py` turns what it parses into `Settings`."""
@@ -9,9 +9,10 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from router import kvbaton_version, vllm_router_flags
-from router.flag import FIRST, Flag, Group, cli_name, env_name, placeholder
-from router.flags import FLAGS, grouped
+from router.flag import Flag, Group, cli_name, declared, env_name, grouped, placeholder
 
 USAGE = "%(prog)s --prefill URL [URL ...] --decode URL [URL ...] [options]"
 DESCRIPTION = """\
@@ -22,9 +23,10 @@ ALL = "all"
 
 
 def build_parser(
-    defaults: object, prog: str = "kvbaton serve", topic: str = ALL
+    defaults: msgspec.Struct, prog: str = "kvbaton serve", topic: str = ALL
 ) -> argparse.ArgumentParser:
-    """The parser; `defaults` (a `Settings` built with no values) gives the defaults shown.
+    """The parser; `defaults` (a `Settings` built with no values) gives the flags, from its
+    type's fields, and the defaults shown.
     Every option defaults to None, so that `config.py` can tell a flag given from one not.
     `topic` is what its help shows: "all", a group's name, or "" (the summary)."""
     parser = argparse.ArgumentParser(
@@ -50,25 +52,27 @@ def build_parser(
         "--config", metavar="FILE", help="TOML file with settings (keys as flag names)"
     )
     general.add_argument("--version", action="version", version=f"kvbaton {kvbaton_version()}")
+    flags = declared(type(defaults))
     if topic == "":
         first = parser.add_argument_group("the flags to start with")
-        for name in FIRST:
-            _add(first, next(f for f in FLAGS if f.name == name), defaults)
-        parser.epilog = _groups_epilog(prog)
-    for group, flags in grouped():
+        for flag in flags:
+            if flag.first:
+                _add(first, flag, defaults)
+        parser.epilog = _groups_epilog(prog, flags)
+    for group, members in grouped(flags):
         visible = topic in (ALL, group.value)
         container = parser.add_argument_group(group.title) if visible else parser
-        for flag in flags:
-            if topic == "" and flag.name in FIRST:
+        for flag in members:
+            if topic == "" and flag.first:
                 continue  # added above
             _add(container, flag, defaults, hidden=not visible)
     vllm_router_flags.add_to(parser)
     return parser
 
 
-def _groups_epilog(prog: str) -> str:
+def _groups_epilog(prog: str, flags: tuple[Flag, ...]) -> str:
     lines = [f"The other flags, by group ({prog} --help=GROUP; --help={ALL}: every flag):"]
-    counts = {group: len(flags) for group, flags in grouped()}
+    counts = {group: len(members) for group, members in grouped(flags)}
     width = max(len(group.value) for group in Group)
     for group in Group:
         lines.append(f"  {group.value:<{width}}  {group.about} ({counts[group]} flags)")
@@ -101,7 +105,7 @@ class _Help(argparse.Action):
         parser.exit()
 
 
-def _add(container: Any, flag: Flag, defaults: object, hidden: bool = False) -> None:
+def _add(container: Any, flag: Flag, defaults: msgspec.Struct, hidden: bool = False) -> None:
     """The flag's option; a hidden one (not in the help shown) still parses."""
     default = getattr(defaults, flag.name)
     shown = f" (default: {default})" if not flag.many else ""

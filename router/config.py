@@ -1,4 +1,5 @@
-"""Settings: one frozen struct, built in one place from the command line, env and a TOML file.
+"""Settings: one frozen struct (declared in settings.py), built in one place from the command
+line, env and a TOML file.
 
 No other module reads `os.environ`. Every flag `--some-flag` is also `KVBATON_SOME_FLAG`.
 """
@@ -10,18 +11,17 @@ import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from router import command_line
-from router.connectors.names import ConnectorName
 from router.engines import ranks
 from router.errors import ConfigError
 from router.flag import ENV_PREFIX, Flag, cli_name, env_name
-from router.flags import FLAGS
+from router.settings import FLAGS, Settings
 
-# ENV_PREFIX and Flag live in flag.py, FLAGS in flags.py; part of this module's interface too.
+# ENV_PREFIX and Flag live in flag.py, Settings and FLAGS in settings.py; this module's too.
 __all__ = [
     "ENV_PREFIX",
     "FLAGS",
@@ -35,76 +35,6 @@ __all__ = [
     "validate",
     "worker_slot",
 ]
-
-
-class Settings(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything the router is configured with. Building it does no work."""
-
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: int = 1
-    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    session_store: Literal["redis", "memory"] = "redis"
-    handle_ttl: float = 450.0
-    session_ttl: float = 3600.0
-    release_pins: bool = True
-    release_after: float = 0.0
-    pin_high_water: float = 0.9
-    pin_low_water: float = 0.75
-    reuse: bool = True
-    history_sessions: bool = True
-    response_ttl: float = 3600.0
-    response_max_bytes: int = 4 * 1024 * 1024
-    verify_prefix: Literal["tokens", "digest"] = "tokens"
-    block_size: int = 0
-    min_reuse_tokens: int = 0
-    stream_kv_params: bool = False
-    first_token_seeding: bool = True
-    concurrent_dispatch: bool = True
-    decode_local_max_tokens: int = 512
-    decode_local_max_inflight: int = 16
-    kv_connector: ConnectorName = ConnectorName.NIXL
-    moriio_register: str = ""
-    moriio_register_ttl: float = 30.0
-    prefill_coordinates: tuple[str, ...] = ()
-    data_parallel_size: tuple[str, ...] = ()
-    prefill_token_ids: bool = True
-    kv_events: tuple[str, ...] = ()
-    kv_events_port: int = 0
-    kv_events_topic: str = ""
-    kv_index_max_blocks: int = 1_000_000
-    engine_api_key: str = ""
-    tenant_header: str = ""
-    admin_key: str = ""
-    session_secret: str = ""
-    unsigned_sessions: bool = False
-    admin_api_key: str = ""
-    model: str = ""
-    connect_timeout: float = 2.0
-    prefill_timeout: float = 120.0
-    decode_first_byte_timeout: float = 120.0
-    decode_idle_timeout: float = 15.0
-    store_timeout: float = 0.25
-    store_retry_after: float = 2.0
-    max_body_bytes: int = 16 * 1024 * 1024
-    header_timeout: float = 75.0
-    body_timeout: float = 60.0
-    unhealthy_after: int = 3
-    health_interval: float = 5.0
-    resolve_dns: bool = False
-    shutdown_grace: float = 30.0
-    check_models: bool = True
-    log_level: str = "info"
-    log_format: Literal["text", "json"] = "text"
-    otel_endpoint: str = ""
-
-    @property
-    def session_secrets(self) -> tuple[str, ...]:
-        """--session-secret as a list: the first signs, each verifies (rotation)."""
-        return tuple(s for s in (p.strip() for p in self.session_secret.split(",")) if s)
 
 
 def _parse_bool(text: str) -> bool:
