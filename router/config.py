@@ -18,7 +18,7 @@ import msgspec
 from router import command_line
 from router.engines import ranks
 from router.errors import ConfigError
-from router.flag import ENV_PREFIX, Flag, cli_name, env_name
+from router.flag import ENV_PREFIX, Flag, cli_name, declared, env_name
 from router.settings import FLAGS, Settings
 
 # ENV_PREFIX and Flag live in flag.py, Settings and FLAGS in settings.py; this module's too.
@@ -46,14 +46,16 @@ def _parse_bool(text: str) -> bool:
     raise ConfigError(f"not a boolean: {text!r}")
 
 
-def build_parser(prog: str = "kvbaton serve") -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = "kvbaton serve", settings_type: type[Settings] = Settings
+) -> argparse.ArgumentParser:
     """The `kvbaton serve` command line, its help showing each flag's default."""
-    return command_line.build_parser(Settings(prefill=(), decode=()), prog)
+    return command_line.build_parser(settings_type(prefill=(), decode=()), prog)
 
 
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+def _from_env(env: Mapping[str, str], flags: tuple[Flag, ...]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for flag in FLAGS:
+    for flag in flags:
         source = env_name(flag.name)
         raw = env.get(source)
         if raw is None and flag.env_alias:
@@ -80,13 +82,13 @@ def _convert(flag: Flag, raw: Any, *, source: str) -> Any:
     return value
 
 
-def _from_file(path: str) -> dict[str, Any]:
+def _from_file(path: str, flags: tuple[Flag, ...]) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
-    known = {flag.name: flag for flag in FLAGS}
+    known = {flag.name: flag for flag in flags}
     values: dict[str, Any] = {}
     for key, raw in data.items():
         name = key.replace("-", "_")
@@ -96,17 +98,23 @@ def _from_file(path: str) -> dict[str, Any]:
     return values
 
 
-def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Settings:
-    """Settings from (lowest to highest precedence) defaults, file, env, command line."""
+def load_settings(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    settings_type: type[Settings] = Settings,
+) -> Settings:
+    """Settings from (lowest to highest precedence) defaults, file, env, command line; every
+    flag, variable and key is a field of `settings_type`."""
     env = os.environ if env is None else env
-    args = command_line.parse(build_parser(), argv)
+    flags = declared(settings_type)
+    args = command_line.parse(build_parser(settings_type=settings_type), argv)
     config_file = args.pop("config") or env.get(ENV_PREFIX + "CONFIG")
-    values: dict[str, Any] = _from_file(config_file) if config_file else {}
-    values.update(_from_env(env))
-    for flag in FLAGS:
+    values: dict[str, Any] = _from_file(config_file, flags) if config_file else {}
+    values.update(_from_env(env, flags))
+    for flag in flags:
         if args.get(flag.name) is not None:
             values[flag.name] = _convert(flag, args[flag.name], source=cli_name(flag.name))
-    return validate(values)
+    return validate(values, settings_type)
 
 
 def base_url(raw: str) -> str:
@@ -116,7 +124,7 @@ def base_url(raw: str) -> str:
     return url if "://" in url or not url else "http://" + url
 
 
-def validate(values: Mapping[str, Any]) -> Settings:
+def validate(values: Mapping[str, Any], settings_type: type[Settings] = Settings) -> Settings:
     data = dict(values)
     data.setdefault("prefill", ())
     data.setdefault("decode", ())
@@ -129,7 +137,7 @@ def validate(values: Mapping[str, Any]) -> Settings:
                 raise ConfigError(f"--{role} {url!r}: expected an http:// or https:// URL")
         data[role] = urls
     try:
-        settings = msgspec.convert(data, Settings)
+        settings = msgspec.convert(data, settings_type)
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
     _check(settings)

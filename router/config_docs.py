@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from router.config import ENV_PREFIX, Flag, Settings
-from router.flag import cli_name, grouped, placeholder
-from router.settings import FLAGS
+from router.flag import cli_name, declared, grouped, placeholder
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -82,11 +81,11 @@ def _env(flag: Flag) -> str:
     return f"{name} (or `{flag.env_alias}`)" if flag.env_alias else name
 
 
-def render() -> str:
+def render(settings_type: type[Settings] = Settings) -> str:
     """The whole of docs/configuration.md: a table per group, a row per field."""
-    defaults = Settings(prefill=(), decode=())
+    defaults = settings_type(prefill=(), decode=())
     sections = []
-    for group, flags in grouped(FLAGS):
+    for group, flags in grouped(declared(settings_type)):
         rows = "".join(
             f"| {_cli(flag)} | {_env(flag)} | `{flag.name}` "
             f"| {_default(flag, defaults)} | {_description(flag)} |\n"
