@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "router.config_docs",
             "router.command_line",
             "router.flag",
-            "router.flags",
+            "router.settings",
             "router.vllm_router_flags",
         ),
     ),
