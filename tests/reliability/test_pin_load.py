@@ -22,12 +22,13 @@ import pytest
 
 from tests.support.chat import get_json, post
 from tests.support.stack import Stack, start_stack
+from tests.support.waiting import scaled
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 # An H100-like cost (8B): 500 prompt tokens take P 15 ms, each decode step takes D 15 ms.
 COSTS = ("--prefill-ms-per-token", "0.03", "--decode-ms-per-token", "15")
 ONE_TURN, AT_ONCE, MULTI, MULTI_TURNS = 1000, 40, 20, 6
-LOW_WATER = 0.75  # --pin-low-water's default
+HIGH_WATER = 0.9  # --pin-high-water's default
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -135,9 +136,10 @@ def stacks(redis_url_session: str) -> Iterator[dict[str, Stack]]:
 
 
 def test_releases_keep_a_small_d_serving_one_turn_conversations(stacks: dict[str, Stack]) -> None:
-    # 15 s: ten times the p99 measured here (1.5-3 s); a turn waiting for pinned blocks
-    # waits for D's 480 s TTL. Latency itself is make bench's to measure, not a test's.
-    small = load(stacks["small"], ONE_TURN, timeout=15)
+    # 15 s, scaled with the machine's load: ten times the p99 measured here (1.5-3 s; 10 s
+    # with a second `make test` beside it); a turn waiting for pinned blocks waits for D's
+    # 480 s TTL. Latency itself is make bench's to measure, not a test's.
+    small = load(stacks["small"], ONE_TURN, timeout=scaled(15))
     pins = get_json(stacks["small"].url + "/status")["pins"]
     pinned_p95 = statistics.quantiles(small.d_pinned, n=20)[18]
     print(
@@ -148,10 +150,12 @@ def test_releases_keep_a_small_d_serving_one_turn_conversations(stacks: dict[str
     )
     assert small.timeouts == 0 and len(small.one_turn_s) == ONE_TURN
     # D's usage at this load is mostly its running requests (40 prompts of ~33 blocks on
-    # 2,048). What the router holds there, the pinned share, stays mostly under the low-water
-    # mark; its peaks (printed, 0.90-0.98 measured) are releases still queued at P behind the
-    # prompts it computes, and last well under the 15 s no client reached.
-    assert statistics.median(small.d_pinned) < LOW_WATER
+    # 2,048). What the router holds there, the pinned share, stays mostly under the high-water
+    # mark, where the pressure releases start (without releases it is D's whole usage, and D
+    # stalls: the next test); its peaks (printed, 0.90-0.98 measured) are releases still
+    # queued at P behind the prompts it computes. Its median, measured: 0.64 alone, 0.78 with
+    # a second `make test` beside this one, since P is slower to take the queued releases.
+    assert statistics.median(small.d_pinned) < HIGH_WATER
     assert pins["released"] >= ONE_TURN * 0.9 and pins["failed"] == 0
     # D is over the mark mostly because of its running requests here, so the pressure release
     # goes on: the handles idle for the most of their own conversation's cadences go first (a

@@ -26,7 +26,7 @@ from tests.reliability.helpers import Conversation, new_cid, router
 from tests.support.metrics import metric
 from tests.support.procs import wait_until
 from tests.support.slow_redis import slow_redis
-from tests.support.waiting import scaled
+from tests.support.waiting import scaled, timeout_scale
 
 UNAVAILABLE = "miss;reason=store-unavailable"
 
@@ -74,18 +74,23 @@ def test_redis_stopped_mid_load_then_restarted(main: Stack) -> None:
             sent += 1
         return sent
 
+    def down_for_long_enough() -> bool:
+        # Three breaker windows, and enough turns started in them to judge (a loaded machine
+        # runs fewer turns a second: the outage then lasts until they are in).
+        after = sum(1 for started, _ in list(verdicts) if started > stopped)
+        return time.monotonic() - stopped >= 3 * STORE_RETRY_AFTER and after >= 8
+
     with ThreadPoolExecutor(len(convs)) as pool:
         futures = [pool.submit(load, conv) for conv in convs]
-        time.sleep(0.5)  # load running against a healthy store
+        wait_until(lambda: any(reuse == "hit" for _, reuse in list(verdicts)), "no hit yet")
         main.stop_redis()
         stopped = time.monotonic()
-        time.sleep(3 * STORE_RETRY_AFTER)
+        wait_until(down_for_long_enough, "too few turns while Redis was down", timeout=30)
         stop_load.set()
         sent = sum(f.result() for f in futures)
     assert sent == len(verdicts)
     assert any(reuse == "hit" for started, reuse in verdicts if started < stopped)
     during = [reuse for started, reuse in verdicts if started > stopped]
-    assert len(during) >= 8, "too few turns while Redis was down to judge"
     assert set(during) == {UNAVAILABLE}, set(during)
     # The breaker: one store failure per STORE_RETRY_AFTER window, not one per request.
     failures = store_errors(main) - errors_before
@@ -180,15 +185,19 @@ def test_one_slow_store_call_under_cpu_load_costs_one_turn_only(main: Stack) -> 
     breaker opens on failures in a row or a failure rate, not on one timeout)."""
     assert main.redis_port is not None
     ps, ds = [p.url for p in main.ps], [d.url for d in main.ds]
+    # The default --store-timeout (0.25 s) and a delay twice it, both stretched by the load
+    # the machine had before the busy loops (a second `make test` beside this one), as waits are.
+    scale = timeout_scale()
+    flags = (*ROUTER_FLAGS, "--store-timeout", f"{0.25 * scale:.3g}")
     with (
         slow_redis(main.redis_port) as proxy,
-        router(ps, ds, *ROUTER_FLAGS, redis_url=proxy.url, name="rel-slow-call") as r,
+        router(ps, ds, *flags, redis_url=proxy.url, name="rel-slow-call") as r,
     ):
         convs = [Conversation(r.url, main.ref, new_cid("slow-call")) for _ in range(20)]
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda c: c.turn(), convs))
             with busy_cores():
-                proxy.delay_next(0.5)  # the next turn's claim or commit, whichever comes
+                proxy.delay_next(0.5 * scale)  # the next turn's claim or commit, whichever
                 second = list(pool.map(lambda c: c.turn().reuse, convs))
                 third = list(pool.map(lambda c: c.turn().reuse, convs))
         assert proxy.delayed == 1

@@ -11,11 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.procs import free_port, log_file, spawn, stop, wait_http
+from tests.support.waiting import timeout_scale
 
 # The secret every test router on Redis signs its sessions with, unless its flags name one or
 # say --unsigned-sessions (a router on a shared store refuses to start without either).
 SESSION_SECRET = "kvbaton-tests-session-secret"
 SIGNING_FLAGS = ("--session-secret", "--unsigned-sessions")
+STORE_TIMEOUT = 0.25  # --store-timeout's default
+
+
+def store_timeout_flag() -> list[str]:
+    """On a loaded machine, --store-timeout stretched as the tests' waits are (a second `make
+    test` beside this one kept Redis from answering a cluster's first call, or hit-path turns,
+    within 0.25 s); on an idle one nothing: the router's default. Flags a test gives win."""
+    scale = timeout_scale()
+    return ["--store-timeout", f"{STORE_TIMEOUT * scale:.3g}"] if scale > 1 else []
 
 
 @dataclass
@@ -38,10 +48,11 @@ def serve_argv(
     redis_url: str | None = None,
 ) -> list[str]:
     """`python -m` arguments of `kvbaton serve` on 127.0.0.1:port (no --redis-url: memory);
-    on Redis, signed with SESSION_SECRET unless `args` say otherwise."""
+    on Redis, signed with SESSION_SECRET unless `args` say otherwise; args last (they win)."""
     argv = ["router", "serve", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--prefill", *prefill, "--decode", *decode]
     argv += ["--session-store", "memory"] if redis_url is None else ["--redis-url", redis_url]
+    argv += store_timeout_flag()
     if redis_url is not None and not any(a in SIGNING_FLAGS for a in args):
         argv += ["--session-secret", SESSION_SECRET]
     return [*argv, *args]
