@@ -57,6 +57,7 @@ def test_reads_p_skips_stop_costing_a_tokenize(stack: Stack) -> None:
     # Turn 7 lacks the long answer (over 64 tokens): verified and read from D.
     assert reuses[6] == "hit" and seen[6][1] > 0 and seen[6][2] == 1, seen
     # What the router learned of P, as /status shows it to an operator.
-    status = json.loads(urllib.request.urlopen(stack.url + "/status", timeout=10).read())
+    with urllib.request.urlopen(stack.url + "/status", timeout=10) as resp:
+        status = json.loads(resp.read())
     (p,) = status["instances"]["prefill"]
     assert (p["read_floor"], p["kept"]) == (VLLM_RECOMPUTE_THRESHOLD, 1.0), p
