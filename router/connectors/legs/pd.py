@@ -24,11 +24,12 @@ from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.turn")
 
-# What a connector does with P's answer before D's leg (store: its reuse verdict).
-AfterPrefill = Callable[[Turn, Prefilled], None]
+# What a connector does with P's answer before D's leg (store: its reuse verdict). Not
+# decide.AfterPrefill, which is what the P leg does after one attempt.
+OnPrefilled = Callable[[Turn, Prefilled], None]
 
 
-async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Response:
+async def serve(turn: Turn, on_prefilled: OnPrefilled | None = None) -> Response:
     svc = turn.svc
     state = turn.claim.state
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
@@ -59,8 +60,8 @@ async def serve(turn: Turn, after_prefill: AfterPrefill | None = None) -> Respon
         prefilled = await handover.prefill_beside(turn, p_inst, early)
         _note_handle_result(turn, sent, prefilled)
         moved.note_moved(turn, prefilled)
-        if after_prefill is not None:
-            after_prefill(turn, prefilled)
+        if on_prefilled is not None:
+            on_prefilled(turn, prefilled)
         try:
             return await handover.decode_leg(turn, early, prefilled, prefer, failed)
         except UpstreamFailure as exc:

@@ -24,7 +24,7 @@ class StoreConnector(Defaults):
     caps = Capabilities(reuses_d_to_p=False, pins_on_d=False, p_hands_off=False, decode_plan=False)
 
     async def serve(self, turn: Turn) -> Response:
-        return await pd.serve(turn, after_prefill=legs.note_prefill)
+        return await pd.serve(turn, on_prefilled=legs.note_prefill)
 
     def prefill_params(self, handle: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}  # nothing: P's connector finds the blocks by hash (none is ever claimed)
