@@ -147,7 +147,7 @@ def next_state(turn: Turn, captured: Captured, *, d_owns: bool = True) -> sm.Ses
     if inc.stream and inc.api != "responses" and handle:
         turn.decode.ident.note_streams_params()
     prev = turn.claim.state
-    end = decide.ending(
+    answered = decide.Answered(
         handle=handle,
         reuse_on=svc.settings.reuse,
         tool_calls=captured.tool_calls,
@@ -158,6 +158,7 @@ def next_state(turn: Turn, captured: Captured, *, d_owns: bool = True) -> sm.Ses
         token_ids_needed=svc.settings.verify_prefix == "tokens" and inc.api != "responses",
         local=turn.prefill is None,
     )
+    end = decide.ending(answered)
     if end.ids_differ:
         _switch_ids_leg_off(turn, captured)
     if end.keep_handle and not d_owns:  # it names a side channel D did not show it owns

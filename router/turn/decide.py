@@ -283,33 +283,38 @@ class Ending:
     ids_differ: bool = False  # D tokenized the prompt otherwise than P computed it
 
 
-def ending(
-    *,
-    handle: bool,
-    reuse_on: bool,
-    tool_calls: bool,
-    stream: bool,
-    sent_ids: list[int] | None,
-    d_prompt_ids: list[int] | None,
-    token_ids_wanted: bool,
-    token_ids_needed: bool,
-    local: bool = False,
-) -> Ending:
+@dataclass(frozen=True)
+class Answered:
+    """What the turn knows once D answered: the facts `ending` decides on."""
+
+    handle: bool  # D returned a handle its connector reads
+    reuse_on: bool  # --reuse
+    tool_calls: bool  # D's answer calls tools
+    stream: bool  # the client streamed
+    sent_ids: list[int] | None  # the prompt as token ids P computed (None: sent as text)
+    d_prompt_ids: list[int] | None  # D's prompt token ids (None: D gave none)
+    token_ids_wanted: bool  # D was asked for its token ids
+    token_ids_needed: bool  # the next turn verifies by tokens
+    local: bool = False  # the decode plan: D alone, no P leg
+
+
+def ending(facts: Answered) -> Ending:
     """The handle D returned is kept only when the next turn can verify and read it."""
+    sent_ids, d_prompt_ids = facts.sent_ids, facts.d_prompt_ids
     differ = sent_ids is not None and d_prompt_ids is not None and d_prompt_ids != sent_ids
     reason: Reason | None = None
-    if not reuse_on:
+    if not facts.reuse_on:
         reason = Reason.REUSE_DISABLED
-    elif tool_calls:
+    elif facts.tool_calls:
         reason = Reason.TOOL_CALLS
-    elif not handle and local:
+    elif not facts.handle and facts.local:
         reason = Reason.DECODE_LOCAL  # D got no params, so vLLM gives none back
-    elif not handle:
-        reason = Reason.STREAM_NO_KV_PARAMS if stream else Reason.NO_KV_PARAMS
+    elif not facts.handle:
+        reason = Reason.STREAM_NO_KV_PARAMS if facts.stream else Reason.NO_KV_PARAMS
     if differ:
         reason = Reason.PROMPT_IDS_DIFFER
-    have_ids = token_ids_wanted and d_prompt_ids is not None
-    if reason is None and token_ids_needed and not have_ids:
+    have_ids = facts.token_ids_wanted and d_prompt_ids is not None
+    if reason is None and facts.token_ids_needed and not have_ids:
         reason = Reason.NO_TOKEN_IDS
     return Ending(keep_handle=reason is None, reason=reason, ids_differ=differ)
 

@@ -4,13 +4,15 @@ failover, refused handles, the ids fallback and the decode retry, in millisecond
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
 from router.engines.identity import REFUSALS_TO_PAUSE
 from router.errors import UpstreamError, UpstreamFailure
 from router.turn import decide
-from router.turn.decide import AfterPrefill, Attempt, Next
+from router.turn.decide import AfterPrefill, Answered, Attempt, Ending, Next
+from router.turn.outcomes import Reason
 from tests.unit.fake_engines import Call, FakeEngines
 from tests.unit.turns import (
     D1,
@@ -209,6 +211,37 @@ async def test_a_decode_redo_goes_to_another_prefill() -> None:
 )
 def test_after_prefill(attempt: Attempt, after: AfterPrefill) -> None:
     assert decide.after_prefill(attempt) == after
+
+
+# A streamed turn that kept D's handle, then one fact changed at a time.
+KEPT = Answered(
+    handle=True,
+    reuse_on=True,
+    tool_calls=False,
+    stream=True,
+    sent_ids=[1, 2],
+    d_prompt_ids=[1, 2],
+    token_ids_wanted=True,
+    token_ids_needed=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("changes", "end"),
+    [
+        ({}, Ending(keep_handle=True)),
+        ({"reuse_on": False}, Ending(False, Reason.REUSE_DISABLED)),
+        ({"tool_calls": True}, Ending(False, Reason.TOOL_CALLS)),
+        ({"handle": False}, Ending(False, Reason.STREAM_NO_KV_PARAMS)),
+        ({"handle": False, "stream": False}, Ending(False, Reason.NO_KV_PARAMS)),
+        ({"handle": False, "local": True}, Ending(False, Reason.DECODE_LOCAL)),
+        ({"d_prompt_ids": [1, 3]}, Ending(False, Reason.PROMPT_IDS_DIFFER, ids_differ=True)),
+        ({"d_prompt_ids": None}, Ending(False, Reason.NO_TOKEN_IDS)),
+        ({"d_prompt_ids": None, "token_ids_needed": False}, Ending(keep_handle=True)),
+    ],
+)
+def test_ending(changes: dict[str, object], end: Ending) -> None:
+    assert decide.ending(replace(KEPT, **changes)) == end  # type: ignore[arg-type]
 
 
 async def test_the_decode_plan_runs_the_turn_on_d_alone_and_keeps_its_tokens() -> None:
