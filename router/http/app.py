@@ -46,7 +46,7 @@ from router.metrics import CONTENT_TYPE, Metrics
 from router.services import Services
 from router.tracing import span
 from router.turn import responses_chain
-from router.turn.incoming import Api, read_incoming
+from router.turn.incoming import Accepts, Api, read_incoming
 from router.turn.outcomes import Reason, Reuse
 from router.turn.rewrite import PATHS
 from router.turn.run import new_request_id, run_turn
@@ -91,16 +91,14 @@ def turn_endpoint(api: Api) -> Callable[[Request], Any]:
                 raise Unavailable("the router is shutting down")
             settings = svc.settings
             raw = await read_body(request, settings.max_body_bytes, settings.body_timeout)
-            inc = read_incoming(
-                raw,
-                request.headers,
-                api=api,
+            accepts = Accepts(
                 model=svc.model,
                 max_bytes=settings.max_body_bytes,
                 tenant_header=settings.tenant_header,
                 max_model_len=svc.max_model_len,
                 keep_responses=settings.response_ttl > 0,
             )
+            inc = read_incoming(raw, request.headers, api, accepts)
             if api == "responses":
                 inc = await responses_chain.expand(svc, inc)
             with span("kvbaton.request", route=route):

@@ -215,36 +215,36 @@ def _check_common(body: Mapping[str, Any], model: str) -> bool:
     return stream
 
 
-def read_incoming(
-    raw: bytes,
-    headers: Mapping[str, str],
-    *,
-    api: Api,
-    model: str,
-    max_bytes: int,
-    tenant_header: str = "",
-    max_model_len: int = 0,
-    keep_responses: bool = False,
-) -> Incoming:
-    """Validate the client's request; raise a RouterError with the right status otherwise.
-    `keep_responses`: the router stores Responses API responses (--response-ttl)."""
+@dataclass(frozen=True)
+class Accepts:
+    """What the router accepts of a request, from its settings and what its engines serve."""
+
+    model: str  # the engines' model ("": not known, any name passes)
+    max_bytes: int  # --max-body-bytes
+    tenant_header: str = ""  # --tenant-header ("": the bearer token names the tenant)
+    max_model_len: int = 0  # the engines' context length (0: not known)
+    keep_responses: bool = False  # the router stores Responses API responses (--response-ttl)
+
+
+def read_incoming(raw: bytes, headers: Mapping[str, str], api: Api, accepts: Accepts) -> Incoming:
+    """Validate the client's request; raise a RouterError with the right status otherwise."""
     check_content_type(headers.get("content-type"))
-    body, conversation_id = split_client_body(decode_json(raw, max_bytes))
+    body, conversation_id = split_client_body(decode_json(raw, accepts.max_bytes))
     asked = responses_input.Asked()
     if api == "chat":
         _check_messages(body)
     elif api == "responses":
         responses_input.check_input(body)
-        asked = responses_input.asked(body, keeping=keep_responses)
+        asked = responses_input.asked(body, keeping=accepts.keep_responses)
         body = responses_input.engine_body(body)
     else:
         _check_prompt(body)
-    stream = _check_common(body, model)
-    _check_limits(body, api, stream, max_model_len)
+    stream = _check_common(body, accepts.model)
+    _check_limits(body, api, stream, accepts.max_model_len)
     conversation_id = _conversation_id(body, headers, conversation_id, asked.conversation)
     if conversation_id is not None:
         conversation_id = validate_conversation_id(conversation_id)
-    tenant = tenant_of_headers(headers, tenant_header)
+    tenant = tenant_of_headers(headers, accepts.tenant_header)
     return Incoming(
         api=api,
         body=body,

@@ -15,7 +15,7 @@ import pytest
 from router.turn.capture import Captured
 from router.turn.claim import Claim
 from router.turn.commit import abort
-from router.turn.incoming import read_incoming
+from router.turn.incoming import Accepts, read_incoming
 from router.turn.outcomes import Reason, Reuse
 from router.turn.state import Turn
 from router.turn.tenant import DEFAULT_TENANT
@@ -241,10 +241,8 @@ async def test_an_abort_releases_d_s_handle_unless_the_turn_settled(settled: boo
     inc = read_incoming(
         body,
         {"content-type": "application/json"},
-        api="chat",
-        model="m",
-        max_bytes=1 << 20,
-        tenant_header="",
+        "chat",
+        Accepts(model="m", max_bytes=1 << 20),
     )
     claim = Claim(KEY, None, Reuse.miss(Reason.NO_SESSION))
     t = Turn(svc, inc, "r1", claim, time.monotonic())

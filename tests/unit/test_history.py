@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from router.turn import history
-from router.turn.incoming import Incoming, read_incoming
+from router.turn.incoming import Accepts, Incoming, read_incoming
 from router.turn.run import run_turn
 from router.turn.tenant import DEFAULT_TENANT
 from sessions.digests import conversation_digest, text_digest, text_heads
@@ -33,9 +33,8 @@ def incoming(api: str = "chat", **body: Any) -> Incoming:
     return read_incoming(
         msgspec.json.encode({"model": "m", **body}),
         {"content-type": "application/json"},
-        api=api,  # type: ignore[arg-type]
-        model="m",
-        max_bytes=1 << 20,
+        api,  # type: ignore[arg-type]
+        Accepts(model="m", max_bytes=1 << 20),
     )
 
 

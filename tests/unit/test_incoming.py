@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from router.errors import BadRequest, NotFound, PayloadTooLarge, RouterError, UnsupportedMediaType
-from router.turn.incoming import Api, check_depth, read_incoming
+from router.turn.incoming import Accepts, Api, check_depth, read_incoming
 
 JSON = {"content-type": "application/json"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -26,11 +26,8 @@ def read(
     return read_incoming(
         raw,
         JSON if headers is None else headers,
-        api=api,
-        model="m",
-        max_bytes=max_bytes,
-        tenant_header=tenant_header,
-        keep_responses=keep_responses,
+        api,
+        Accepts("m", max_bytes, tenant_header, keep_responses=keep_responses),
     )
 
 

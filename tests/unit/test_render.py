@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from router.errors import UpstreamFailure
-from router.turn.incoming import read_incoming
+from router.turn.incoming import Accepts, read_incoming
 from router.turn.render import not_served
 from router.turn.run import run_turn
 from tests.unit.fake_engines import (
@@ -34,10 +34,8 @@ async def respond(
     inc = read_incoming(
         msgspec.json.encode(body),
         {"content-type": "application/json"},
-        api="responses",
-        model="m",
-        max_bytes=1 << 20,
-        tenant_header="",
+        "responses",
+        Accepts(model="m", max_bytes=1 << 20),
     )
     resp = await run_turn(svc, inc, request_id)
     return resp.status_code, dict(resp.headers), msgspec.json.decode(bytes(resp.body))

@@ -10,7 +10,7 @@ import msgspec
 from router.config import Settings
 from router.lifecycle import pins
 from router.services import Services
-from router.turn.incoming import read_incoming
+from router.turn.incoming import Accepts, read_incoming
 from router.turn.run import run_turn
 from router.turn.tenant import DEFAULT_TENANT
 from sessions.keys import conversation_key
@@ -39,10 +39,8 @@ async def turn(
     inc = read_incoming(
         msgspec.json.encode(body),
         {"content-type": "application/json"},
-        api="chat",
-        model="m",
-        max_bytes=1 << 20,
-        tenant_header="",
+        "chat",
+        Accepts(model="m", max_bytes=1 << 20),
     )
     resp = await run_turn(svc, inc, request_id)
     raw = bytes(resp.body)
