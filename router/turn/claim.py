@@ -282,16 +282,14 @@ async def verify(
     )
     prefix = prefix_verdict(inc, state)
     check = decide.digest_check(prefix, found.reuse, by_tokens=by_tokens, state=state)
-    if check.reuse is not None:
-        return found if check.reuse.is_hit else found.miss(_reason(check.reuse))
+    if check is not decide.ByTokens.DECIDE:
+        return _verdict(found, check)
     sent, tokens = await early.tokens_for(prefill_url) if early else (False, None)
     if not sent:
         tokens = await prompt_token_ids(svc, inc, prefill_url, request_id)
     if tokens is None and inc.api == "responses" and not render.may_render(svc, prefill_url):
         # P answered that it serves no render route (learned now, not asked again).
-        check = decide.digest_check(prefix, found.reuse, by_tokens=False, state=state)
-        assert check.reuse is not None
-        return found if check.reuse.is_hit else found.miss(_reason(check.reuse))
+        return _verdict(found, decide.digest_verdict(prefix, found.reuse))
     reuse = decide.token_verdict(state, tokens, svc.settings.min_reuse_tokens)
     if not reuse.is_hit:
         return found.miss(_reason(reuse))
@@ -305,6 +303,11 @@ async def verify(
         changes["params"] = svc.connector.truncate(handle, reuse.tokens, state.block_size)
         changes["reuse"] = replace(reuse, found=found.reuse.found)
     return replace(found, **changes)  # one copy of the claim, whatever changed
+
+
+def _verdict(found: Claim, reuse: Reuse) -> Claim:
+    """The claim as the digests left it: its hit as claimed, or a miss."""
+    return found if reuse.is_hit else found.miss(_reason(reuse))
 
 
 def _reason(reuse: Reuse) -> Reason:

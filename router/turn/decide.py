@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from enum import StrEnum
+from enum import Enum, StrEnum
 from typing import Any, Protocol
 
 import msgspec
@@ -158,23 +158,29 @@ def text_prefix(api: str, prompt: str | list[int], state: SessionState) -> Prefi
     return Prefix.MISMATCH
 
 
-@dataclass(frozen=True)
-class Check:
-    """How a hit is verified after the digest check: done (a verdict), or by P's tokens."""
+class ByTokens(Enum):
+    """The digests cannot decide a hit: P's /tokenize of the new prompt does."""
 
-    reuse: Reuse | None  # the verdict, when no token check is needed
-    by_tokens: bool = False
+    DECIDE = "by-tokens"
+
+
+# What the digests say of a claimed hit: a verdict (it stands, or a miss and why), or that
+# P's tokens decide (`token_verdict`).
+Check = Reuse | ByTokens
+
+
+def digest_verdict(prefix: Prefix, hit: Reuse) -> Reuse:
+    """The verdict from the digests alone, when no token check is made."""
+    return hit if prefix is Prefix.EXTENDS else Reuse.miss(Reason.PREFIX_MISMATCH)
 
 
 def digest_check(prefix: Prefix, hit: Reuse, *, by_tokens: bool, state: SessionState) -> Check:
     """The verdict from the digests alone, or that P's /tokenize must decide."""
-    if prefix is Prefix.MISMATCH:
-        return Check(Reuse.miss(Reason.PREFIX_MISMATCH))
-    if not by_tokens:
-        return Check(hit if prefix is Prefix.EXTENDS else Reuse.miss(Reason.PREFIX_MISMATCH))
+    if prefix is Prefix.MISMATCH or not by_tokens:
+        return digest_verdict(prefix, hit)
     if not state.block_digests and not state.seq_digest:
-        return Check(Reuse.miss(Reason.NO_TOKEN_DIGESTS))
-    return Check(None, by_tokens=True)
+        return Reuse.miss(Reason.NO_TOKEN_DIGESTS)
+    return ByTokens.DECIDE
 
 
 def token_verdict(state: SessionState, tokens: list[int] | None, min_reuse_tokens: int) -> Reuse:

@@ -14,7 +14,7 @@ from router.engines.identity import REFUSALS_TO_PAUSE
 from router.engines.pool import Pool
 from router.services import StoreGuard
 from router.turn.claim import Claim, prefix_verdict, tokenize_body
-from router.turn.decide import claimed_reuse, decode_blocker
+from router.turn.decide import ByTokens, Check, Prefix, claimed_reuse, decode_blocker, digest_check
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reason, Reuse
 from router.turn.state import Turn
@@ -108,6 +108,28 @@ def test_completion_prefix_verdicts() -> None:
     assert prefix_verdict(completion(prompt + " was bad and"), state) == "diverges-late"
     assert prefix_verdict(completion("A weather" + out + " and"), state) == "mismatch"
     assert prefix_verdict(completion([1, 2, 3]), state) == "extends"
+
+
+HIT = Reuse.hit(32)
+MISMATCH = Reuse.miss(Reason.PREFIX_MISMATCH)
+TOKENS = sm.SessionState(token_count=32, block_size=16, block_digests=["a", "b"])
+
+
+@pytest.mark.parametrize(
+    ("prefix", "by_tokens", "state", "check"),
+    [
+        (Prefix.EXTENDS, False, TOKENS, HIT),  # the digests decide: the hit stands
+        (Prefix.DIVERGES_LATE, False, TOKENS, MISMATCH),
+        (Prefix.MISMATCH, True, TOKENS, MISMATCH),  # no token check can save it
+        (Prefix.EXTENDS, True, TOKENS, ByTokens.DECIDE),
+        (Prefix.DIVERGES_LATE, True, TOKENS, ByTokens.DECIDE),
+        (Prefix.EXTENDS, True, sm.SessionState(), Reuse.miss(Reason.NO_TOKEN_DIGESTS)),
+    ],
+)
+def test_digest_checks(
+    prefix: Prefix, by_tokens: bool, state: sm.SessionState, check: Check
+) -> None:
+    assert digest_check(prefix, HIT, by_tokens=by_tokens, state=state) == check
 
 
 def test_tokenize_body_keeps_rendering_fields() -> None:
