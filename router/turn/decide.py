@@ -164,9 +164,7 @@ class ByTokens(Enum):
     DECIDE = "by-tokens"
 
 
-# What the digests say of a claimed hit: a verdict (it stands, or a miss and why), or that
-# P's tokens decide (`token_verdict`).
-Check = Reuse | ByTokens
+Check = Reuse | ByTokens  # a verdict (a hit, or a miss and why), or P's tokens decide
 
 
 def digest_verdict(prefix: Prefix, hit: Reuse) -> Reuse:
@@ -237,7 +235,7 @@ class Next(StrEnum):
 class Attempt:
     """What one P attempt sent and got back."""
 
-    status: int  # 0: no HTTP answer
+    status: int | None  # None: no HTTP answer (refused, reset, timed out)
     ok: bool  # 200 and a body that does not say it failed
     reached: bool  # False only when the connection was never made
     with_handle: bool
@@ -253,7 +251,8 @@ class AfterPrefill:
 
 
 def after_prefill(a: Attempt) -> AfterPrefill:
-    if a.with_ids and 400 <= a.status < 500:
+    refused = a.status is not None and 400 <= a.status < 500  # P's 4xx: the request refused
+    if a.with_ids and refused:
         # P validates before reading any KV: the ids were refused, not the handle.
         return AfterPrefill(Next.AS_BODY)
     if a.ok:
@@ -266,11 +265,11 @@ def after_prefill(a: Attempt) -> AfterPrefill:
     # #34896); a timeout may still be reading (a hung D). Either way the handle is used up,
     # and the failure is the handle's D's: the same P is tried again as a miss, and is judged
     # by that attempt alone (a hung D must not eject every P).
-    if a.with_handle and (a.status != 0 or a.reached):
+    if a.with_handle and (a.status is not None or a.reached):
         return AfterPrefill(Next.AS_MISS, handle_used=True)
     if a.status == 429:
         return AfterPrefill(Next.ANOTHER_P)  # busy, not broken: another P, no ejection
-    if 400 <= a.status < 500:
+    if refused:
         return AfterPrefill(Next.RELAY)
     return AfterPrefill(Next.ANOTHER_P, failed=True)
 

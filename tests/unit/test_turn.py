@@ -203,9 +203,9 @@ async def test_a_decode_redo_goes_to_another_prefill() -> None:
         (Attempt(400, False, True, True, False), AfterPrefill(Next.AS_MISS, handle_used=True)),
         (Attempt(400, False, True, False, False), AfterPrefill(Next.RELAY)),
         # A timeout carrying a handle (a hung D): the D's fault, redone here as a miss.
-        (Attempt(0, False, True, True, False), AfterPrefill(Next.AS_MISS, handle_used=True)),
+        (Attempt(None, False, True, True, False), AfterPrefill(Next.AS_MISS, handle_used=True)),
         (Attempt(429, False, True, False, False), AfterPrefill(Next.ANOTHER_P)),
-        (Attempt(0, False, False, True, False), AfterPrefill(Next.ANOTHER_P, failed=True)),
+        (Attempt(None, False, False, True, False), AfterPrefill(Next.ANOTHER_P, failed=True)),
         (Attempt(503, False, True, False, False), AfterPrefill(Next.ANOTHER_P, failed=True)),
     ],
 )

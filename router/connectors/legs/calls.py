@@ -50,7 +50,7 @@ def prefill_request(
 class Answer:
     """What one P call got back."""
 
-    status: int  # 0: no HTTP answer
+    status: int | None  # None: no HTTP answer
     raw: bytes
     parsed: dict[str, Any] | None
     failure: str  # what went wrong, for logs and errors ("HTTP <status>" if it answered)
@@ -61,14 +61,14 @@ class Answer:
     @property
     def paused(self) -> bool:
         """vLLM 0.33 refused the request while paused (503, retryable): busy, not failed."""
-        return engine_paused(self.status, self.parsed)
+        return self.status is not None and engine_paused(self.status, self.parsed)
 
     def raise_unless_ok(self, url: str) -> dict[str, Any]:
         """The parsed body; EngineReply for P's own 4xx, UpstreamFailure for the rest."""
-        if 400 <= self.status < 500:
+        if self.status is not None and 400 <= self.status < 500:
             raise EngineReply(self.status, self.raw)
         if not self.ok or self.parsed is None:
-            if self.status == 0:
+            if self.status is None:
                 raise UpstreamFailure(f"{url}: {self.failure}", reached=self.reached)
             raise UpstreamFailure(f"{url} answered {self.status}: {self.raw[:200]!r}")
         return self.parsed
@@ -87,6 +87,7 @@ async def call_prefill(
     body, path = request
     started = time.monotonic()
     reached, stalled = True, False
+    status: int | None
     with svc.pool.busy(inst), span("kvbaton.prefill", instance=inst.url, hit=hit):
         try:
             status, raw = await svc.engines.post_json(
@@ -98,9 +99,9 @@ async def call_prefill(
             )
             failure = f"HTTP {status}"
         except UpstreamFailure as exc:
-            status, raw, failure = 0, b"", str(exc)
+            status, raw, failure = None, b"", str(exc)
             reached, stalled = exc.reached, exc.stalled
-    parsed = parse_answer(raw) if status else None
+    parsed = parse_answer(raw) if status is not None else None
     svc.metrics.upstream.labels("prefill", inst.url, _outcome(status)).observe(
         time.monotonic() - started
     )
@@ -108,11 +109,11 @@ async def call_prefill(
     return Answer(status, raw, parsed, failure, reached, ok, stalled)
 
 
-def _outcome(status: int) -> LegOutcome:
-    """The upstream metric's outcome of a P call (status 0: no answer)."""
+def _outcome(status: int | None) -> LegOutcome:
+    """The upstream metric's outcome of a P call (status None: no answer)."""
     if status == 200:
         return LegOutcome.OK
-    return LegOutcome.ERROR if status == 0 or status >= 500 else LegOutcome.REJECTED
+    return LegOutcome.ERROR if status is None or status >= 500 else LegOutcome.REJECTED
 
 
 def keep_affinity(turn: Turn) -> None:

@@ -36,7 +36,7 @@ async def _attempt(
     request = prefill_request(turn, kv, ids)
     answer = await call_prefill(turn, inst, request, turn.leg_headers(inst), hit=bool(handle))
     paused = answer.paused  # refused before the engine took it: the handle was not read
-    if handle is not None and (answer.status or answer.reached) and not paused:
+    if handle is not None and (answer.status is not None or answer.reached) and not paused:
         turn.handle_sent = True  # P may have read it (or notified D): never released after
     attempt = Attempt(
         answer.status,
@@ -55,7 +55,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
     handle = turn.claim.params
     ids = turn.claim.prompt_ids if svc.ids_leg_on() else None
     refused_by = ""
-    refused_ids = 0
+    refused_ids: int | None = None  # the status of P's refusal of the prompt as ids
     tried: list[str] = []
     while True:
         attempt, answer = await _attempt(turn, inst, handle, ids)
@@ -72,19 +72,19 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
         elif step.next is Next.DONE:
             assert parsed is not None
             svc.pool.record_success(inst)
-            if refused_ids:
+            if refused_ids is not None:
                 svc.switch_ids_leg_off(
                     f"{inst.url} answered {refused_ids} to /v1/completions with token ids "
                     "and 200 to the same prompt as the client sent it"
                 )
             return Prefilled(inst, _handoff(turn, inst, parsed), refused_by, ids, parsed)
         elif step.next is Next.RELAY:
+            assert attempt.status is not None  # P's own 4xx
             raise EngineReply(attempt.status, raw)
         elif step.next is Next.ANOTHER_P:
             tried.append(inst.url)
             peer = _handle_source(turn) if handle is not None else None
-            reply = (attempt.status, raw, failure)
-            inst = _another(turn, inst, tried, step.failed, reply, peer, stalled=answer.stalled)
+            inst = _another(turn, inst, tried, step.failed, answer, peer)
             if peer is not None and not inst.ident.version.pairs_with(peer.ident.version):
                 handle = None  # no P left that can read it: the turn goes on as a miss
                 turn.miss(Reason.CONNECTOR_MISMATCH)
@@ -104,17 +104,15 @@ def _another(
     inst: Instance,
     tried: list[str],
     failed: bool,
-    reply: tuple[int, bytes, str],
+    answer: Answer,
     peer: Instance | None,
-    *,
-    stalled: bool = False,
 ) -> Instance:
     """The next P after `inst` did not serve (failed: counted against it, and a P that stalled
     is ejected at once; else it was busy or paused); one that can read the handle's D
     (`peer`) while there is one."""
-    status, raw, failure = reply
+    failure = answer.failure
     if failed:
-        turn.svc.pool.record_failure(inst, failure, stalled=stalled)
+        turn.svc.pool.record_failure(inst, failure, stalled=answer.stalled)
     log.warning("prefill on %s failed (%s); trying another instance", inst.url, failure)
     pool = turn.svc.pool
     try:
@@ -124,8 +122,9 @@ def _another(
         return pool.pick("prefill", exclude=tried)
     except RouterError:
         if not failed:  # every P is busy or paused: the client gets the 429/503 to back off
-            retry = PAUSED_RETRY_AFTER_S if status == 503 else None
-            raise EngineReply(status, raw, retry_after=retry) from None
+            assert answer.status is not None  # P answered: 429 busy, or 503 paused
+            retry = PAUSED_RETRY_AFTER_S if answer.status == 503 else None
+            raise EngineReply(answer.status, answer.raw, retry_after=retry) from None
         raise UpstreamError(f"every prefill instance failed; last: {failure}") from None
 
 
