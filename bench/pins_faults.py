@@ -37,7 +37,7 @@ REDIS_PAUSE_S = 3.0
 COPIES = 4
 TURNS = 3
 SETTLE_S = 5.0  # issue 48: D's pins equal the router's count within 5 s of the fault
-SWEEP_S = 1.5  # the router counts its pin index once a second (lifecycle/pins.py)
+SWEEP_S = 1.5  # the router counts its pin index once a second (lifecycle/pin_sweep.py)
 # The bots' pause between turns (pins_mixed.KINDS["scripted"]); the kill meets a closed loop.
 THINK = {"dist": "uniform", "lo": 1.0, "hi": 3.0}
 

@@ -38,7 +38,7 @@ from router.http.body import read_body
 from router.http.disconnect import CLIENT_CLOSED, until_disconnect
 from router.http.seeds import add_instance as seeds_add_instance
 from router.http.status import status
-from router.lifecycle import pins, registry
+from router.lifecycle import pin_sweep, registry
 from router.lifecycle.advice import store_guard
 from router.lifecycle.discovery import discover, learn_late
 from router.lifecycle.health import health_loop
@@ -252,7 +252,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         ops = Operations(syncer, backend.conversations)
         syncing: asyncio.Task[None] | None = None
         background: list[asyncio.Task[None]] = []  # the connector's (registration), the sweep
-        svc.releaser = pins.releaser(svc)
+        svc.releaser = pin_sweep.releaser(svc)
         try:
             await guard.check(backend.store)  # Redis down: said once, now, with the flag
             await discover(svc)
@@ -262,7 +262,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
             background = [asyncio.create_task(c) for c in connector.start(syncer.resync)]
             if svc.releaser is not None:
                 svc.releaser.start()
-                background.append(asyncio.create_task(pins.sweep_loop(svc)))
+                background.append(asyncio.create_task(pin_sweep.sweep_loop(svc)))
             svc.kv_events.start()
             # Engines that did not answer at start: their model and block size when they do.
             learn = functools.partial(learn_late, svc) if settings.check_models else None

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from router.engines import ranks
 from router.engines.dns import DnsExpander
 from router.engines.pool import Instance, Role
-from router.lifecycle.pins import release_delay
+from router.lifecycle.pin_sweep import release_delay
 from router.services import Services
 from sessions.store import StoreError, StoreRefused
 

@@ -1,5 +1,5 @@
 """Which of a pressured D's handles go first: those least likely to be read, idle longest
-relative to their own conversation's cadence. Pure: the sweep (lifecycle/pins.py) feeds it
+relative to their own conversation's cadence. Pure: the sweep (lifecycle/pin_sweep.py) feeds it
 the pin index's oldest entries and each conversation's turn times."""
 
 from __future__ import annotations

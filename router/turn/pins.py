@@ -1,6 +1,6 @@
 """The turn's part in D's memory: a handle it took and no P read is released when the turn
 ends, a handle it leaves is noted in the store's pin index (for the idle and pressure
-releases, router/lifecycle/pins.py), and the time since the conversation's last turn is
+releases, router/lifecycle/pin_sweep.py), and the time since the conversation's last turn is
 measured (the release delay's base)."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from router.connectors.nixl.params import release_body
 from router.engines.metrics_text import kv_usage
 from router.engines.pool import Instance, Pool
 from router.engines.release import Gaps, Job, Releaser
-from router.lifecycle import pins
+from router.lifecycle import pin_sweep
 from router.turn import decide
 from router.turn.outcomes import Reason
 from tests.unit.fake_engines import FakeEngines
@@ -93,7 +93,7 @@ async def test_a_turn_that_reads_the_handle_releases_nothing() -> None:
 async def test_with_release_off_nothing_is_released() -> None:
     engines = FakeEngines()
     svc = services(engines, decode_local_max_inflight=1, release_pins=False)
-    assert pins.releaser(svc) is None
+    assert pin_sweep.releaser(svc) is None
     await conversation(svc, 1)
     crowd_prefill(svc)
     await turn(svc, second_turn("and then?"), request_id="r1")
@@ -131,7 +131,7 @@ def test_the_release_delay_is_the_handle_ttl_unless_fixed(
     svc = services(FakeEngines(), release_after=release_after, handle_ttl=handle_ttl)
     for _ in range(50):  # quick scripted turns: the measured gaps do not shorten it
         svc.gaps.note(0.5)
-    assert pins.release_delay(svc) == delay
+    assert pin_sweep.release_delay(svc) == delay
 
 
 def test_the_measured_gaps_p95_needs_twenty_samples() -> None:
@@ -214,4 +214,4 @@ def test_a_pressured_d_releases_its_pinned_share_above_the_low_water_mark(
     count: int, usage: float, batch: int
 ) -> None:
     inst = Instance("http://d", "decode", kv_usage=usage, pins=count)
-    assert pins.pressure_batch(inst) == batch
+    assert pin_sweep.pressure_batch(inst) == batch

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.lifecycle import pins, release_order
+from router.lifecycle import pin_sweep, release_order
 from router.lifecycle.release_order import least_likely_first, overdue, prior
 from router.services import Services
 from sessions.keys import conversation_key
@@ -97,7 +97,7 @@ def swept(clock: Clock, **settings: Any) -> Services:
     svc = services(FakeEngines(), **settings)
     svc.clock = clock
     svc.store = MemorySessionStore(clock)
-    svc.releaser = pins.releaser(svc)
+    svc.releaser = pin_sweep.releaser(svc)
     d1 = svc.pool.find("decode", D1)
     assert d1 is not None
     origin = svc.connector.origin(HANDLE)
@@ -142,13 +142,13 @@ async def test_without_pressure_a_handle_waits_for_the_handle_ttl_not_the_gaps()
         svc.gaps.note(0.5)
     await committed(svc, "human", 1, 0.0)
     clock.now += 12  # the human's next turn is typed 12 s later: still there
-    assert await pins.sweep(svc) == 0 and await pins.relieve(svc) == 0
+    assert await pin_sweep.sweep(svc) == 0 and await pin_sweep.relieve(svc) == 0
     clock.now += 60
-    assert await pins.sweep(svc) == 0
+    assert await pin_sweep.sweep(svc) == 0
     state = await svc.store.get(conversation_key("t", "human"))
     assert state is not None and state.kv_transfer_params is not None
     clock.now = T0 + TTL  # no turn reads it now: released as idle
-    assert await pins.sweep(svc) == 1
+    assert await pin_sweep.sweep(svc) == 1
     assert released(svc) == [("human", "idle")]
 
 
@@ -157,9 +157,9 @@ async def test_a_fixed_release_after_still_releases_after_that_delay() -> None:
     svc = swept(clock, release_after=7.0)
     await committed(svc, "c", 1, 0.0)
     clock.now += 6.9
-    assert await pins.sweep(svc) == 0
+    assert await pin_sweep.sweep(svc) == 0
     clock.now += 0.2
-    assert await pins.sweep(svc) == 1 and released(svc) == [("c", "idle")]
+    assert await pin_sweep.sweep(svc) == 1 and released(svc) == [("c", "idle")]
 
 
 async def test_under_pressure_the_most_overdue_go_first_down_to_the_low_water_mark() -> None:
@@ -181,12 +181,12 @@ async def test_under_pressure_the_most_overdue_go_first_down_to_the_low_water_ma
     # 60 s (3). Oldest first would release slow-human and human: the two likeliest reads.
     d1.note_kv_usage(0.95)  # over the 0.9 high-water mark: 4 pins, 21 % above 0.75 -> 1
     assert d1.pressured
-    assert await pins.relieve(svc) == 1
+    assert await pin_sweep.relieve(svc) == 1
     assert released(svc) == [("script", "pressure")]
-    assert await pins.relieve(svc) == 1  # D reads as full still (its /metrics say nothing)
+    assert await pin_sweep.relieve(svc) == 1  # D reads as full still (its /metrics say nothing)
     assert released(svc) == [("one-turn", "pressure")]
     d1.note_kv_usage(0.7)  # under the low-water mark: nothing more goes
-    assert not d1.pressured and await pins.relieve(svc) == 0
+    assert not d1.pressured and await pin_sweep.relieve(svc) == 0
     for name in ("slow-human", "human"):
         state = await svc.store.get(conversation_key("t", name))
         assert state is not None and state.kv_transfer_params is not None, name
@@ -206,4 +206,4 @@ async def test_under_pressure_a_handle_committed_again_since_the_listing_is_not_
     assert d1 is not None
     d1.note_kv_usage(0.95)
     clock.now = T0 + 50
-    assert await pins.relieve(svc) == 0 and released(svc) == []
+    assert await pin_sweep.relieve(svc) == 0 and released(svc) == []

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from router.config import Settings
-from router.lifecycle import pins
+from router.lifecycle import pin_sweep
 from router.services import Services
 from router.turn.incoming import Accepts, read_incoming
 from router.turn.run import run_turn
@@ -98,7 +98,7 @@ def crowd_prefill(svc: Services) -> None:
 def releasing(engines: FakeEngines, **settings: Any) -> Services:
     """`services` with its releaser of pinned handles started (stop it at the end)."""
     svc = services(engines, **settings)
-    svc.releaser = pins.releaser(svc)
+    svc.releaser = pin_sweep.releaser(svc)
     assert svc.releaser is not None
     svc.releaser.start()
     return svc
