@@ -15,8 +15,9 @@ import msgspec
 from router.errors import UpstreamFailure
 from router.services import Services
 from router.tracing import span
-from router.turn import decide, history, render
+from router.turn import history, render
 from router.turn.aim import aims_at_its_d
+from router.turn.decide import extends, sendable
 from router.turn.incoming import Incoming, canonical_items
 from router.turn.outcomes import Found, Reason, Reuse
 from router.turn.rewrite import ids_leg_allowed
@@ -139,14 +140,14 @@ async def _claim_key(
     if state is not None and (not expect or state.prefix_digest == expect):
         state = _spend(svc, key, state)
     decode = svc.pool.find("decode", state.decode) if state is not None else None
-    reuse = decide.claimed_reuse(state, inc.api, svc.clock(), decode)
+    reuse = sendable.claimed_reuse(state, inc.api, svc.clock(), decode)
     if state is not None and state.kv_transfer_params is not None:
         reuse = _checked(svc, key, state, reuse)
     taken = None
     if (
         state is not None
         and (not expect or state.prefix_digest == expect)
-        and decide.releasable(reuse.reason)
+        and sendable.releasable(reuse.reason)
         and aims_at_its_d(svc, key, state)
     ):
         taken = state.kv_transfer_params
@@ -199,7 +200,7 @@ def _checked(svc: Services, key: str, state: SessionState, reuse: Reuse) -> Reus
     if not integrity.authentic(svc.settings.session_secrets, key, state):
         reason = Reason.HANDLE_UNAUTHENTICATED
     elif reuse.is_hit:
-        reason = decide.handle_check(svc.connector, state)
+        reason = sendable.handle_check(svc.connector, state)
         if reason is None and not aims_at_its_d(svc, key, state):
             reason = Reason.HANDLE_INVALID  # another address than its D announced
     if reason is None:
@@ -208,10 +209,10 @@ def _checked(svc: Services, key: str, state: SessionState, reuse: Reuse) -> Reus
     return Reuse.miss(reason)
 
 
-def prefix_verdict(inc: Incoming, state: SessionState) -> decide.Prefix:
+def prefix_verdict(inc: Incoming, state: SessionState) -> extends.Prefix:
     if inc.api in ("chat", "responses"):
-        return decide.item_prefix(inc.api, canonical_items(inc), state, inc.heads)
-    return decide.text_prefix(inc.api, inc.prompt, state)
+        return extends.item_prefix(inc.api, canonical_items(inc), state, inc.heads)
+    return extends.text_prefix(inc.api, inc.prompt, state)
 
 
 def tokenize_body(inc: Incoming, model: str) -> dict[str, Any]:
@@ -281,16 +282,16 @@ async def verify(
         inc.api != "responses" or render.verifiable(svc, state, prefill_url)
     )
     prefix = prefix_verdict(inc, state)
-    check = decide.digest_check(prefix, found.reuse, by_tokens=by_tokens, state=state)
-    if check is not decide.ByTokens.DECIDE:
+    check = extends.digest_check(prefix, found.reuse, by_tokens=by_tokens, state=state)
+    if check is not extends.ByTokens.DECIDE:
         return _verdict(found, check)
     sent, tokens = await early.tokens_for(prefill_url) if early else (False, None)
     if not sent:
         tokens = await prompt_token_ids(svc, inc, prefill_url, request_id)
     if tokens is None and inc.api == "responses" and not render.may_render(svc, prefill_url):
         # P answered that it serves no render route (learned now, not asked again).
-        return _verdict(found, decide.digest_verdict(prefix, found.reuse))
-    reuse = decide.token_verdict(state, tokens, svc.settings.min_reuse_tokens)
+        return _verdict(found, extends.digest_verdict(prefix, found.reuse))
+    reuse = extends.token_verdict(state, tokens, svc.settings.min_reuse_tokens)
     if not reuse.is_hit:
         return found.miss(_reason(reuse))
     # Only on a hit: /tokenize rendered D's own tokens of this conversation exactly, evidence

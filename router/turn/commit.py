@@ -12,8 +12,9 @@ from typing import Any
 
 from router.engines.versions import registration_generation
 from router.tracing import span
-from router.turn import aim, decide, early, history, pins, responses_keep, worth
+from router.turn import aim, early, history, pins, responses_keep, worth
 from router.turn.capture import Captured
+from router.turn.decide import keep
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reason
 from router.turn.state import Turn
@@ -147,7 +148,7 @@ def next_state(turn: Turn, captured: Captured, *, d_owns: bool = True) -> sm.Ses
     if inc.stream and inc.api != "responses" and handle:
         turn.decode.ident.note_streams_params()
     prev = turn.claim.state
-    answered = decide.Answered(
+    answered = keep.Answered(
         handle=handle,
         reuse_on=svc.settings.reuse,
         tool_calls=captured.tool_calls,
@@ -158,7 +159,7 @@ def next_state(turn: Turn, captured: Captured, *, d_owns: bool = True) -> sm.Ses
         token_ids_needed=svc.settings.verify_prefix == "tokens" and inc.api != "responses",
         local=turn.prefill is None,
     )
-    end = decide.ending(answered)
+    end = keep.ending(answered)
     if end.ids_differ:
         _switch_ids_leg_off(turn, captured)
     if end.keep_handle and not d_owns:  # it names a side channel D did not show it owns
@@ -178,7 +179,7 @@ def next_state(turn: Turn, captured: Captured, *, d_owns: bool = True) -> sm.Ses
         prefill=turn.prefill.url if turn.prefill else (prev.prefill if prev else ""),
         decode=turn.decode.url,
         kv_transfer_params=kept,
-        cache_tokens=end.reason in decide.CACHE_KEPT,
+        cache_tokens=end.reason in keep.CACHE_KEPT,
         no_handle_reason=str(end.reason or ""),
         prefix_digest=prefix_digest,
         prefix_len=prefix_len,

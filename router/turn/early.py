@@ -15,8 +15,9 @@ import asyncio
 from dataclasses import dataclass
 
 from router.services import Services
-from router.turn import asks, render
+from router.turn import render
 from router.turn.claim import prompt_token_ids
+from router.turn.decide import asks
 from router.turn.incoming import Incoming
 from sessions.keys import conversation_key
 

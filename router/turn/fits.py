@@ -12,8 +12,9 @@ from typing import Any
 import msgspec
 
 from router.errors import BadRequest
-from router.turn import decide, render
+from router.turn import render
 from router.turn.claim import prefix_verdict, prompt_token_ids
+from router.turn.decide import extends
 from router.turn.incoming import Incoming
 from router.turn.state import Turn
 from sessions.model import SessionState
@@ -60,7 +61,7 @@ def state_bound(inc: Incoming, state: SessionState | None) -> int | None:
     plus one token per byte of the text after it. None: the state vouches for nothing."""
     if state is None or state.token_count <= 0 or inc.api not in ("chat", "completions"):
         return None
-    if prefix_verdict(inc, state) is not decide.Prefix.EXTENDS:
+    if prefix_verdict(inc, state) is not extends.Prefix.EXTENDS:
         return None
     if inc.api == "completions":
         if not isinstance(inc.prompt, str):

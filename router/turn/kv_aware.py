@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 from router.engines.kv_index import EngineIndex, block_digests, held_tokens
 from router.engines.pool import AFFINITY_SLACK, Instance
-from router.turn import decide, verdicts
 from router.turn.claim import prompt_token_ids
+from router.turn.decide import holds
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.reuse")
@@ -24,7 +24,7 @@ def check_handle(turn: Turn, p_inst: Instance, source: Instance | None) -> None:
         return
     state = claim.state
     block = state.block_size or turn.svc.block_size
-    p_held = verdicts.held_since_last_turn(state, p_inst.url, block)
+    p_held = holds.since_last_turn(state, p_inst.url, block)
     evicted = False
     if kv is not None and claim.tokens is not None:
         verified = claim.tokens[: claim.reuse.tokens]
@@ -33,7 +33,7 @@ def check_handle(turn: Turn, p_inst: Instance, source: Instance | None) -> None:
         if d_index is not None and d_index.block_size > 0:
             digests = block_digests(verified, d_index.block_size)
             evicted = d_index.evicted_since(digests, state.updated_at)
-    reuse = decide.cached_reuse(claim.reuse, block, p_held=p_held, d_evicted=evicted)
+    reuse = holds.cached_reuse(claim.reuse, block, p_held=p_held, d_evicted=evicted)
     if reuse != claim.reuse:
         log.info(
             "turn %s: %s (verified %d tokens, P %s holds %d)",
@@ -81,7 +81,7 @@ async def place_prefill(turn: Turn, p_inst: Instance) -> Instance:
         idx = indexes[inst.url]
         held.append((inst, held_tokens(idx, tokens) if idx is not None else 0))
     turn.held = {i.url: n for i, n in held if indexes[i.url] is not None}
-    chosen = decide.prefix_placement(held, p_inst, AFFINITY_SLACK)
+    chosen = holds.prefix_placement(held, p_inst, AFFINITY_SLACK)
     if chosen is not p_inst:
         log.info(
             "turn %s: prefill on %s, which holds %d prompt tokens",

@@ -11,9 +11,9 @@ import functools
 import logging
 
 from router.services import Services
-from router.turn import decide
 from router.turn.aim import aims_at_its_d
 from router.turn.capture import Captured
+from router.turn.decide import sendable
 from router.turn.state import Turn
 from sessions.codec import handle_id
 from sessions.model import SessionState
@@ -38,7 +38,7 @@ def release_unread(turn: Turn, reason: str) -> None:
     svc, claim = turn.svc, turn.claim
     if svc.releaser is None or claim.taken is None or turn.handle_sent or claim.state is None:
         return
-    if not decide.releasable(claim.reuse.reason):  # the turn's verdict, as it ended
+    if not sendable.releasable(claim.reuse.reason):  # the turn's verdict, as it ended
         return
     # Its entry in the pin index stays until a sweep finds no handle there (or a commit on
     # the same D replaces it): a removal racing this turn's own note could drop the new one.

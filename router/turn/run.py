@@ -1,6 +1,6 @@
 """One conversation turn, top to bottom: claim, then the connector's legs (which verify,
 place, prefill, decode, relay and commit), and what ends a turn that failed. The decisions
-are the decision core's (`decide`, `placement`, `asks`); the steps apply them."""
+are the decision core's (router/turn/decide/); the steps apply them."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 
 from router.engines.pool import Instance
+from router.turn.decide.holds import since_last_turn
 from router.turn.outcomes import Found, Reason, Reuse, Via
 from router.turn.state import Turn
-from router.turn.verdicts import held_since_last_turn
 from sessions.model import SessionState
 
 log = logging.getLogger("kvbaton.reuse")
@@ -23,7 +23,7 @@ def lacking(state: SessionState, prefill: str, kept: float, held: int | None = N
     of the prompt it computed last turn (`held`, found here when None), as much of them as P
     is seen to keep (`kept`)."""
     if held is None:
-        held = held_since_last_turn(state, prefill, state.block_size)
+        held = since_last_turn(state, prefill, state.block_size)
     return max(0, state.token_count - int(held * kept))
 
 
@@ -38,7 +38,7 @@ def judge(turn: Turn, p_inst: Instance) -> None:
     if claim.params is None or state is None or not claim.reuse.pulls:
         return
     reads = p_inst.reads.current(p_inst.ident.restarts)
-    held = held_since_last_turn(state, p_inst.url, state.block_size)
+    held = since_last_turn(state, p_inst.url, state.block_size)
     short = lacking(state, p_inst.url, reads.kept, held)
     if pays(short, reads.floor):
         return

@@ -22,7 +22,7 @@ from router.engines.metrics_text import engine_requests, process_started
 from router.engines.pool import AFFINITY_SLACK, Pool
 from router.errors import Unavailable, UpstreamFailure
 from router.lifecycle.health import check
-from router.turn.decide import decode_blocker
+from router.turn.decide.sendable import decode_blocker
 from sessions import model as sm
 
 

@@ -1,4 +1,4 @@
-"""The session HMAC (sessions/integrity.py) and the router's handle checks (decide.handle_check)."""
+"""The session HMAC (sessions/integrity.py) and the router's handle checks (decide/sendable.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from router.connectors.nixl.connector import NixlPull
-from router.turn.decide import handle_check
+from router.turn.decide.sendable import handle_check
 from router.turn.outcomes import Reason
 from sessions.integrity import authentic, sign
 from sessions.model import SessionState

@@ -10,7 +10,7 @@ from router.engines.kv_index import EngineIndex, block_digests, held_tokens
 from router.engines.kv_watch import parse_sources
 from router.engines.pool import Instance
 from router.errors import ConfigError
-from router.turn import decide
+from router.turn.decide import holds
 from router.turn.outcomes import Reason, Reuse, Via
 
 BS = 4
@@ -120,7 +120,7 @@ def test_decode_map_and_positional_events_and_extra_fields() -> None:
     ],
 )
 def test_cached_reuse(verified: Reuse, p_held: int, evicted: bool, expected: Reuse) -> None:
-    assert decide.cached_reuse(verified, 16, p_held=p_held, d_evicted=evicted) == expected
+    assert holds.cached_reuse(verified, 16, p_held=p_held, d_evicted=evicted) == expected
 
 
 def test_prefill_cache_header_label_and_source() -> None:
@@ -137,12 +137,12 @@ def test_prefill_cache_header_label_and_source() -> None:
 
 def test_prefix_placement_within_the_load_limit() -> None:
     a, b, c = (Instance(u, "prefill") for u in ("a", "b", "c"))
-    assert decide.prefix_placement([(a, 0), (b, 64)], a, 8) is b
-    assert decide.prefix_placement([(a, 0), (b, 0)], a, 8) is a
-    assert decide.prefix_placement([(a, 64), (b, 64)], a, 8) is a
+    assert holds.prefix_placement([(a, 0), (b, 64)], a, 8) is b
+    assert holds.prefix_placement([(a, 0), (b, 0)], a, 8) is a
+    assert holds.prefix_placement([(a, 64), (b, 64)], a, 8) is a
     b.outstanding = 9
-    assert decide.prefix_placement([(a, 0), (b, 64), (c, 32)], a, 8) is c
-    assert decide.prefix_placement([], a, 8) is a
+    assert holds.prefix_placement([(a, 0), (b, 64), (c, 32)], a, 8) is c
+    assert holds.prefix_placement([], a, 8) is a
 
 
 def test_parse_sources() -> None:

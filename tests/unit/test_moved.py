@@ -9,7 +9,7 @@ import pytest
 
 from router.connectors.legs.moved import prompt_counts
 from router.engines.kv_index import EngineIndex
-from router.turn import verdicts
+from router.turn.decide import holds
 from router.turn.kv_aware import events_held
 from router.turn.outcomes import Found, Reason, Reuse, Via
 from sessions.model import SessionState
@@ -36,7 +36,7 @@ PC = Via.PREFILL_CACHE
     ],
 )
 def test_moved(reuse: Reuse, cached: int | None, expected: Reuse) -> None:
-    assert verdicts.moved(reuse, cached, 16) == expected
+    assert holds.moved(reuse, cached, 16) == expected
 
 
 @pytest.mark.parametrize(
@@ -48,8 +48,8 @@ def test_moved(reuse: Reuse, cached: int | None, expected: Reuse) -> None:
         (SessionState(prefill_tokens=45), "", 0),
     ],
 )
-def test_held_since_last_turn(state: SessionState, prefill: str, expected: int) -> None:
-    assert verdicts.held_since_last_turn(state, prefill, 16) == expected
+def test_since_last_turn(state: SessionState, prefill: str, expected: int) -> None:
+    assert holds.since_last_turn(state, prefill, 16) == expected
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from router.engines.metrics_text import kv_usage
 from router.engines.pool import Instance, Pool
 from router.engines.release import Gaps, Job, Releaser
 from router.lifecycle import pin_sweep
-from router.turn import decide
+from router.turn.decide import sendable
 from router.turn.outcomes import Reason
 from tests.unit.fake_engines import FakeEngines
 from tests.unit.handles import HANDLE
@@ -114,7 +114,7 @@ async def test_with_release_off_nothing_is_released() -> None:
     ],
 )
 def test_which_taken_handles_may_be_released(reason: Reason | None, releasable: bool) -> None:
-    assert decide.releasable(reason) is releasable
+    assert sendable.releasable(reason) is releasable
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The per-turn plan (router/turn/placement.py), table-driven: pull, decode or recompute
+"""The per-turn plan (router/turn/decide/plan.py), table-driven: pull, decode or recompute
 from the tokens D's cache holds, the new tokens, a handle, D's and P's load (any API: D's own
 rendering says what it holds)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.turn.placement import Inputs, Limits, Plan, choose, d_has_room
+from router.turn.decide.plan import Inputs, Limits, Plan, choose, d_has_room
 
 LIMITS = Limits(max_tokens=512, max_inflight=4)
 

@@ -14,7 +14,8 @@ from router.engines.identity import REFUSALS_TO_PAUSE
 from router.engines.pool import Pool
 from router.services import StoreGuard
 from router.turn.claim import Claim, prefix_verdict, tokenize_body
-from router.turn.decide import ByTokens, Check, Prefix, claimed_reuse, decode_blocker, digest_check
+from router.turn.decide.extends import ByTokens, Check, Prefix, digest_check
+from router.turn.decide.sendable import claimed_reuse, decode_blocker
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reason, Reuse
 from router.turn.state import Turn

@@ -12,8 +12,8 @@ from router.connectors.names import ConnectorName
 from router.connectors.select import select
 from router.connectors.store.connector import StoreConnector
 from router.connectors.store.params import prompt_usage
+from router.turn.decide.handleless import store as verdict
 from router.turn.outcomes import Reason, Reuse, Via
-from router.turn.verdicts import store as verdict
 from tests.unit.fake_engines import FakeEngines
 from tests.unit.turns import D1, P1, conversation, services, state_of
 

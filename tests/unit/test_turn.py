@@ -10,8 +10,9 @@ import pytest
 
 from router.engines.identity import REFUSALS_TO_PAUSE
 from router.errors import UpstreamError, UpstreamFailure
-from router.turn import decide
-from router.turn.decide import AfterPrefill, Answered, Attempt, Ending, Next
+from router.turn.decide import attempts, keep
+from router.turn.decide.attempts import AfterPrefill, Attempt, Next
+from router.turn.decide.keep import Answered, Ending
 from router.turn.outcomes import Reason
 from tests.unit.fake_engines import Call, FakeEngines
 from tests.unit.turns import (
@@ -210,7 +211,7 @@ async def test_a_decode_redo_goes_to_another_prefill() -> None:
     ],
 )
 def test_after_prefill(attempt: Attempt, after: AfterPrefill) -> None:
-    assert decide.after_prefill(attempt) == after
+    assert attempts.after_prefill(attempt) == after
 
 
 # A streamed turn that kept D's handle, then one fact changed at a time.
@@ -241,7 +242,7 @@ KEPT = Answered(
     ],
 )
 def test_ending(changes: dict[str, object], end: Ending) -> None:
-    assert decide.ending(replace(KEPT, **changes)) == end  # type: ignore[arg-type]
+    assert keep.ending(replace(KEPT, **changes)) == end  # type: ignore[arg-type]
 
 
 async def test_the_decode_plan_runs_the_turn_on_d_alone_and_keeps_its_tokens() -> None:

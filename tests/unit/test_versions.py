@@ -14,8 +14,8 @@ from router.engines.pool import Pool
 from router.engines.versions import EngineVersion, engine_paused, parse, registration_generation
 from router.errors import Unavailable
 from router.lifecycle.health import check
-from router.turn import decide
-from router.turn.decide import Attempt, Next
+from router.turn.decide import attempts
+from router.turn.decide.attempts import Attempt, Next
 
 PAUSED = {
     "error": {
@@ -91,12 +91,12 @@ def test_engine_paused(status: int, body: Any, paused: bool) -> None:
 
 
 def test_a_paused_p_is_busy_and_its_handle_unspent() -> None:
-    step = decide.after_prefill(
+    step = attempts.after_prefill(
         Attempt(503, False, True, with_handle=True, with_ids=False, paused=True)
     )
     assert step.next is Next.ANOTHER_P and not step.handle_used and not step.failed
     # Any other 503 with a handle: the handle may have been read.
-    step = decide.after_prefill(Attempt(503, False, True, with_handle=True, with_ids=False))
+    step = attempts.after_prefill(Attempt(503, False, True, with_handle=True, with_ids=False))
     assert step.handle_used
 
 

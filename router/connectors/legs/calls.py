@@ -17,7 +17,7 @@ from router.engines.versions import engine_paused
 from router.errors import EngineReply, Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
 from router.tracing import span
-from router.turn import verdicts
+from router.turn.decide import handleless
 from router.turn.rewrite import PATHS, ids_prefill_body, prefill_body
 from router.turn.state import Turn
 from sessions.vocabulary import LegOutcome
@@ -118,8 +118,8 @@ def _outcome(status: int | None) -> LegOutcome:
 
 def keep_affinity(turn: Turn) -> None:
     """A connector without a D->P handle (push, MoRI-IO): a continued conversation's verdict
-    says affinity (`verdicts.affinity`), and it sends no handle."""
-    reuse = verdicts.affinity(turn.claim.reuse, turn.claim.state is not None)
+    says affinity (`handleless.affinity`), and it sends no handle."""
+    reuse = handleless.affinity(turn.claim.reuse, turn.claim.state is not None)
     if reuse != turn.claim.reuse:
         turn.rejudge(reuse, drop_handle=True)
 

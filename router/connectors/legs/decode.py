@@ -26,9 +26,9 @@ from router.errors import (
 )
 from router.relay import RelayResponse
 from router.tracing import span
-from router.turn import asks
 from router.turn.capture import TERMINAL_NAMES
 from router.turn.commit import abort, finish
+from router.turn.decide import asks
 from router.turn.rewrite import PATHS, decode_body
 from router.turn.sse import SseRelay, capture_body
 from router.turn.state import Turn

@@ -24,7 +24,7 @@ from router.engines.client import EngineStream
 from router.engines.pool import Instance
 from router.engines.versions import READY_PATH
 from router.errors import Unavailable, UpstreamFailure
-from router.turn import asks
+from router.turn.decide import asks
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.turn")

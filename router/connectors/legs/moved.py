@@ -1,6 +1,6 @@
 """What moved: after the P leg, a hit is judged again from P's own count of cached prompt
 tokens (`usage.prompt_tokens_details.cached_tokens`, vLLM's `--enable-prompt-tokens-details`),
-so that a plain `hit` says P read KV from D (`verdicts.moved` decides), and the prompt tokens
+so that a plain `hit` says P read KV from D (`holds.moved` decides), and the prompt tokens
 P reported are kept for the next turn (what its prefix cache then holds)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from router.connectors.legs.prefill import Prefilled
 from router.engines.pool import Instance
-from router.turn import verdicts
+from router.turn.decide import holds
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.reuse")
@@ -46,7 +46,7 @@ def note_moved(turn: Turn, prefilled: Prefilled) -> None:
     turn.prefill_tokens = prompt or 0
     claim = turn.claim
     block = claim.state.block_size if claim.state is not None else 0
-    reuse = verdicts.moved(claim.reuse, cached, block or turn.svc.block_size)
+    reuse = holds.moved(claim.reuse, cached, block or turn.svc.block_size)
     _learn(turn, prefilled.instance, cached, skipped=reuse != claim.reuse and claim.reuse.pulls)
     if reuse != claim.reuse:
         log.info(
@@ -71,4 +71,4 @@ def _learn(turn: Turn, p_inst: Instance, cached: int | None, *, skipped: bool) -
     if skipped:
         reads.skipped(turn.claim.reuse.tokens - (cached or 0))
     elif not turn.handle_sent:
-        reads.cached(cached, verdicts.held_since_last_turn(state, p_inst.url, state.block_size))
+        reads.cached(cached, holds.since_last_turn(state, p_inst.url, state.block_size))

@@ -17,15 +17,16 @@ from router.connectors.legs.prefill import Prefilled
 from router.engines.pool import Instance, Role
 from router.errors import Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
-from router.turn import decide, fits, kv_aware, plan, worth
+from router.turn import decode_plan, fits, kv_aware, worth
 from router.turn.claim import verify
+from router.turn.decide import attempts
 from router.turn.outcomes import Reason
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.turn")
 
 # What a connector does with P's answer before D's leg (store: its reuse verdict). Not
-# decide.AfterPrefill, which is what the P leg does after one attempt.
+# attempts.AfterPrefill, which is what the P leg does after one attempt.
 OnPrefilled = Callable[[Turn, Prefilled], None]
 
 
@@ -40,7 +41,7 @@ async def serve(turn: Turn, on_prefilled: OnPrefilled | None = None) -> Response
     turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, turn.early)
     kv_aware.check_handle(turn, p_inst, source)
     failed: list[str] = []
-    local = await plan.decode_here(turn, source, p_inst)
+    local = await decode_plan.decode_here(turn, source, p_inst)
     if local is not None:
         try:
             return await decode(turn, local, None)
@@ -74,7 +75,7 @@ async def serve(turn: Turn, on_prefilled: OnPrefilled | None = None) -> Response
                 svc.pool.record_failure(d_inst, str(exc), stalled=exc.stalled)
             failed.append(d_inst.url)
             log.warning("decode on %s failed before the first byte: %s", d_inst.url, exc)
-            if not decide.redo_decode(len(failed)):
+            if not attempts.redo_decode(len(failed)):
                 raise UpstreamError(f"decode failed twice; last: {exc}") from None
             if turn.claim.params is not None:
                 turn.miss(Reason.DECODE_RETRIED)

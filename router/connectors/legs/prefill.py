@@ -1,5 +1,5 @@
 """The prefill leg: P with the claimed handle or the null handoff, with retries that never
-send one P's params twice. `decide.after_prefill` says what each attempt leads to."""
+send one P's params twice. `attempts.after_prefill` says what each attempt leads to."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 from router.connectors.legs.calls import Answer, call_prefill, prefill_request
 from router.engines.pool import Instance
 from router.errors import EngineReply, RouterError, UpstreamError
-from router.turn import decide
-from router.turn.decide import Attempt, Next
+from router.turn.decide import attempts
+from router.turn.decide.attempts import Attempt, Next
 from router.turn.outcomes import Reason
 from router.turn.state import Turn
 
@@ -60,7 +60,7 @@ async def prefill(turn: Turn, inst: Instance) -> Prefilled:
     while True:
         attempt, answer = await _attempt(turn, inst, handle, ids)
         raw, parsed, failure = answer.raw, answer.parsed, answer.failure
-        step = decide.after_prefill(attempt)
+        step = attempts.after_prefill(attempt)
         if step.handle_used:
             log.warning(
                 "prefill %s rejected the handle (%s); retrying as a miss", inst.url, failure

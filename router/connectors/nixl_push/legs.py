@@ -38,7 +38,7 @@ from router.engines import ranks
 from router.engines.client import EngineStream
 from router.engines.pool import Instance
 from router.errors import EngineReply, Unavailable, UpstreamError
-from router.turn import decide
+from router.turn.decide import attempts
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.legs")
@@ -141,7 +141,7 @@ async def serve(turn: Turn, known: Directory) -> Response:
             svc.pool.record_failure(inst, str(why))
             (failed_p if leg == "prefill" else failed_d).append(inst.url)
             log.warning("push %s on %s failed: %s; redoing the turn", leg, inst.url, why)
-            if not decide.redo_decode(len(failed_p) + len(failed_d)):
+            if not attempts.redo_decode(len(failed_p) + len(failed_d)):
                 raise UpstreamError(f"push turn failed twice; last ({leg}): {why}") from None
             if leg == "prefill":
                 p_inst = await _pick_prefill(turn, known, "", failed_p)

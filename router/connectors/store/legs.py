@@ -1,5 +1,5 @@
 """`--kv-connector store`: a turn's reuse verdict from what P says it found cached
-(`verdicts.store`), applied after P's leg.
+(`handleless.store`), applied after P's leg.
 
 In store mode no handle exists: the conversation's KV is wherever the shared store (and the
 engines' own prefix caches) hold it, and P finds it by content. So the verdict comes after
@@ -13,7 +13,7 @@ import logging
 
 from router.connectors.legs.prefill import Prefilled
 from router.connectors.store.params import prompt_usage
-from router.turn import verdicts
+from router.turn.decide import handleless
 from router.turn.state import Turn
 
 log = logging.getLogger("kvbaton.reuse")
@@ -32,7 +32,7 @@ def note_prefill(turn: Turn, prefilled: Prefilled) -> None:
     if prompt is not None and prompt >= cached:
         svc.metrics.store_prompt_tokens.labels("computed").inc(prompt - cached)
     local = turn.held.get(prefilled.instance.url)
-    reuse = verdicts.store(turn.claim.reuse, turn.claim.state is not None, cached, local)
+    reuse = handleless.store(turn.claim.reuse, turn.claim.state is not None, cached, local)
     if reuse != turn.claim.reuse:
         log.info(
             "turn %s: %s (P %s reports %d cached prompt tokens)",

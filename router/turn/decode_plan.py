@@ -1,5 +1,5 @@
-"""The turn's plan applied: what the previous D's prefix cache holds of the new prompt, and
-whether the turn runs there alone (the decode plan, `hit;via=decode`). `placement` decides."""
+"""The decode plan applied: what the previous D's prefix cache holds of the new prompt, and
+whether the turn runs there alone (`hit;via=decode`). router/turn/decide/plan.py decides."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 
 from router.engines.kv_index import held_tokens
 from router.engines.pool import Instance
-from router.turn import decide, placement
 from router.turn.claim import prefix_verdict, prompt_token_ids
+from router.turn.decide import extends, plan, sendable
 from router.turn.outcomes import Found, Reason, Reuse, Via
 from router.turn.state import Turn
 from sessions import model as sm
@@ -21,19 +21,19 @@ log = logging.getLogger("kvbaton.reuse")
 NO_HANDLE_MADE = frozenset({Reason.STREAM_NO_KV_PARAMS, Reason.NO_KV_PARAMS, Reason.DECODE_LOCAL})
 
 
-def limits(turn: Turn) -> placement.Limits:
+def limits(turn: Turn) -> plan.Limits:
     s = turn.svc.settings
-    return placement.Limits(s.decode_local_max_tokens, s.decode_local_max_inflight)
+    return plan.Limits(s.decode_local_max_tokens, s.decode_local_max_inflight)
 
 
 def _candidate(turn: Turn, source: Instance | None) -> bool:
-    """Whether the decode plan is worth a look (`placement.candidate` decides from data)."""
+    """Whether the decode plan is worth a look (`plan.candidate` decides from data)."""
     claim, state = turn.claim, turn.claim.state
     if state is None or source is None:
         return False
     reuse = claim.reuse
     no_handle = not reuse.is_hit and reuse.reason in NO_HANDLE_MADE
-    seen = placement.Seen(
+    seen = plan.Seen(
         reuse_on=turn.svc.settings.reuse,
         connector_allows=turn.svc.connector.caps.decode_plan,
         has_token_digests=bool(state.block_digests or state.seq_digest),
@@ -41,11 +41,11 @@ def _candidate(turn: Turn, source: Instance | None) -> bool:
         pulls=reuse.pulls,
         no_handle_made=no_handle,
         # Asked only when it can matter: it hashes the conversation again.
-        prefix_mismatch=lambda: prefix_verdict(turn.inc, state) is decide.Prefix.MISMATCH,
-        d_usable=source.usable and decide.decode_blocker(source, state) is None,
+        prefix_mismatch=lambda: prefix_verdict(turn.inc, state) is extends.Prefix.MISMATCH,
+        d_usable=source.usable and sendable.decode_blocker(source, state) is None,
         d_inflight=d_load(source),
     )
-    return placement.candidate(seen, limits(turn))
+    return plan.candidate(seen, limits(turn))
 
 
 def d_load(inst: Instance) -> int:
@@ -77,15 +77,14 @@ async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> 
     index = kv.index(source.url, source.ident.restarts) if kv is not None else None
     if index is not None:  # D's KV events: what it still holds (nothing evicted since)
         holds = min(holds, held_tokens(index, tokens))
-    inputs = placement.Inputs(
+    inputs = plan.Inputs(
         prompt_tokens=len(tokens),
         d_holds=holds,
         handle=claim.reuse.pulls,
         d_inflight=d_load(source),
         p_inflight=p_inst.outstanding,
     )
-    plan = placement.choose(inputs, limits(turn))
-    if plan is not placement.Plan.DECODE:
+    if plan.choose(inputs, limits(turn)) is not plan.Plan.DECODE:
         return None
     found = Found.HISTORY if claim.history_id else None
     turn.rejudge(Reuse.hit(holds, Via.DECODE, found), drop_handle=True)
