@@ -18,6 +18,7 @@ from tests.support.waiting import timeout_scale
 SESSION_SECRET = "kvbaton-tests-session-secret"
 SIGNING_FLAGS = ("--session-secret", "--unsigned-sessions")
 STORE_TIMEOUT = 0.25  # --store-timeout's default
+PORT_RACES = 3  # starts on a fresh port after one that lost its port to another process
 
 
 def store_timeout_flag() -> list[str]:
@@ -69,8 +70,10 @@ def http_process(
 ) -> Iterator[RouterProc]:
     """Start `python -m <argv(port)>` on a free port and wait for its /health; with
     attempts > 1 a start that is not up in time is tried again on a fresh port (a loaded
-    machine, a port taken meanwhile)."""
-    for attempt in range(attempts):
+    machine). A start that lost its port to another process (a second test run beside this
+    one) is always tried again, up to PORT_RACES times."""
+    failed = races = 0
+    while True:
         port = free_port()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)  # spawn() hands its log file over
@@ -79,7 +82,11 @@ def http_process(
             wait_http(f"http://127.0.0.1:{port}/health", timeout=ready_timeout, proc=proc)
         except (TimeoutError, RuntimeError):
             stop(proc, timeout=stop_timeout)
-            if attempt + 1 == attempts:
+            if lost_its_port(log_file(name)) and races + 1 < PORT_RACES:
+                races += 1
+                continue
+            failed += 1
+            if failed == attempts:
                 raise
             continue
         except BaseException:
@@ -90,6 +97,14 @@ def http_process(
         finally:
             stop(proc, timeout=stop_timeout)
         return
+
+
+def lost_its_port(log: Path) -> bool:
+    """Whether a child's log says its listening port was taken ("Address already in use")."""
+    try:
+        return "Address already in use" in log.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

@@ -5,10 +5,13 @@ works goes on being waited for, one that hangs does not; deadlines scale."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
+import urllib.request
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +28,7 @@ from tests.support.procs import (
     wait_tcp,
     wait_until,
 )
+from tests.support.router import PORT_RACES, http_process
 from tests.support.waiting import SCALE_ENV, StartupError, timeout_scale
 
 pytestmark = pytest.mark.timeout(60)
@@ -166,3 +170,42 @@ def test_each_run_logs_in_a_folder_of_its_own() -> None:
     path = log_file("x")
     assert f"run-{os.environ[RUN_ENV]}" in path.parts
     assert path.parent.name == os.environ.get("PYTEST_XDIST_WORKER", f"run-{os.environ[RUN_ENV]}")
+
+
+def test_a_start_that_lost_its_port_is_tried_on_another(tmp_path: Path) -> None:
+    """A second test run beside this one took the port between free_port() and the child's
+    bind: the child exits with "Address already in use" and the start goes on, on a fresh
+    port, whatever `attempts` says (here 1)."""
+    (tmp_path / "health").write_text("ok")
+    ports: list[int] = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+
+        def argv(port: int) -> list[str]:
+            ports.append(port)
+            bind = held if len(ports) == 1 else port  # the first start finds its port taken
+            return ["http.server", "--bind", "127.0.0.1", "-d", str(tmp_path), str(bind)]
+
+        with http_process(argv, "port-race", attempts=1) as served:
+            assert len(ports) == 2 and served.port == ports[1] != held
+            with urllib.request.urlopen(served.url + "/health", timeout=10) as resp:
+                assert resp.read() == b"ok"
+
+
+def test_a_port_taken_every_time_fails_after_the_retries(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        starts: list[int] = []
+
+        def argv(port: int) -> list[str]:
+            starts.append(port)
+            return ["http.server", "--bind", "127.0.0.1", str(held)]
+
+        refused = pytest.raises(StartupError, match="Address already in use")
+        with refused, http_process(argv, "port-taken"):
+            pass
+    assert len(starts) == PORT_RACES
