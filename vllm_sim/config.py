@@ -38,6 +38,7 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     reasoning_tokens: int = 0
     prefill_ms_per_token: float = 0.0
     transfer_ms_per_block: float = 0.0
+    transfer_ms_per_pull: float = 0.0
     pull_step_ms: float = 0.0
     decode_ms_per_token: float = 0.0
     max_num_seqs: int = 256
@@ -142,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefill-ms-per-token", type=float, default=0.0)
     a("--transfer-ms-per-block", type=float, default=0.0)
     a(
+        "--transfer-ms-per-pull",
+        type=float,
+        default=0.0,
+        help="a pull's fixed cost beside its blocks: one NIXL read, from the step that starts "
+        "it to its completion (docs/simulator.md, Cost model)",
+    )
+    a(
         "--pull-step-ms",
         type=float,
         default=0.0,
@@ -236,6 +244,7 @@ def parse_settings(argv: Sequence[str] | None) -> SimSettings:
         reasoning_tokens=ns.reasoning_tokens,
         prefill_ms_per_token=ns.prefill_ms_per_token,
         transfer_ms_per_block=ns.transfer_ms_per_block,
+        transfer_ms_per_pull=ns.transfer_ms_per_pull,
         pull_step_ms=ns.pull_step_ms,
         decode_ms_per_token=ns.decode_ms_per_token,
         max_num_seqs=ns.max_num_seqs,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from vllm_sim import model, moriio, push, push_params, transfer
@@ -106,15 +106,36 @@ class Connector:
     # -- loading a request's KV -----------------------------------------------------------
 
     async def pull_or_notify(
-        self, src: transfer.RemoteSource, seq: Seq, start: int, count: int
+        self,
+        src: transfer.RemoteSource,
+        seq: Seq,
+        start: int,
+        count: int,
+        parked: Callable[[int], Awaitable[None]],
     ) -> int:
-        """Pull count tokens into positions [start, start+count); 0 on recompute fallback."""
-        ch = self.channel
+        """Pull count tokens into positions [start, start+count); 0 on recompute fallback.
+
+        The request waits out `parked(blocks)`, the modelled read and the step that reports
+        it (vLLM's WAITING_FOR_REMOTE_KVS); the side channel's exchange, which fetches the
+        blocks' contents, runs beside that wait: its wire time is the simulator's, not the
+        model's, and adds only where it outlasts the modelled time."""
         if count == 0:
             # Nothing to read: only tell the producer to free its blocks (vLLM sends the
             # notification through an empty read, which the request does not wait for).
             self._notify_later(src)
             return 0
+        read = asyncio.ensure_future(self._read(src, seq, start, count))
+        try:
+            await parked(-(-count // self.block_size))
+            return await read
+        finally:
+            if not read.done():
+                read.cancel()  # the request was cancelled while parked
+            elif not read.cancelled():
+                read.exception()  # retrieved: a cancelled request's failed read is not logged
+
+    async def _read(self, src: transfer.RemoteSource, seq: Seq, start: int, count: int) -> int:
+        ch = self.channel
         started = time.monotonic()
         try:
             if src.expiry is not None:

@@ -16,7 +16,7 @@ from vllm_sim import handover, model, moriio, transfer
 from vllm_sim.blocks import BlockPool, CacheEvent
 from vllm_sim.config import SimSettings
 from vllm_sim.connector import Connector
-from vllm_sim.costs import CostModel, spend
+from vllm_sim.costs import CostModel
 from vllm_sim.kvchannel import KVChannelClient
 from vllm_sim.metrics import Counters, Gauges
 from vllm_sim.output import OutputText
@@ -52,6 +52,7 @@ class Engine:
             settings.prefill_ms_per_token,
             settings.transfer_ms_per_block,
             settings.decode_ms_per_token,
+            settings.transfer_ms_per_pull,
         )
         self.steps = StepLoop(
             settings.prefill_ms_per_token,
@@ -218,16 +219,18 @@ class Engine:
         )
         if leg.source is not None or self.store is not None:
             c.external_prefix_cache_queries += n - hit
-        pulled = 0
-        wire = time.monotonic()
+        pulled, wire = 0, time.monotonic()
         if leg.source is not None:
-            pulled = await self.kv.pull_or_notify(leg.source, seq, hit, count)
+            pulled = await self.kv.pull_or_notify(leg.source, seq, hit, count, self._parked)
         elif leg.kind in ("push_consumer", "push_broken"):
             c.external_prefix_cache_queries += n - hit
             me = (s.side_channel_host, self.kv_port)
             pulled = await self.kv.receive_push(leg, seq, hit, n - hit, me)
         elif self.store is not None:
             pulled = await self.kv.store_load(req, seq)
+        if pulled and leg.source is None:  # a push or store load: its wait counts toward it
+            wire = time.monotonic() - wire
+            await self.steps.reported(self.costs.transfer_s(-(-pulled // self.block_size)) - wire)
         c.external_prefix_cache_hits += pulled
         # Compute the rest; with everything pulled, recompute the last prompt token (as vLLM).
         start = min(hit + pulled, n - 1)
@@ -251,14 +254,13 @@ class Engine:
             res.cached_tokens = leg.source.cached_tokens or 0
         c.prompt_tokens_cached += res.cached_tokens
         self._publish()
-        if pulled:  # the modelled read, less the side channel's own HTTP; then its report
-            wire = time.monotonic() - wire
-            await spend(self.costs.transfer_s(-(-pulled // self.block_size)) - wire)
-            await self.steps.transfer_reported()
         failed = count > 0 and not pulled
         seq.seed = handover.seed_for(s, c, self.tok, req, leg.kind, failed)
         if seq.seed is None:  # shares its step with the running decodes; a seed skips it
             await self.steps.prefill(computed, s.first_token_forward_ms)
+
+    async def _parked(self, blocks: int) -> None:  # a pull's read and its report (steps.py)
+        await self.steps.parked(self.costs.transfer_s(blocks))
 
     def _cache_blocks(self, seq: Seq, num_kv: int) -> None:
         """Cache every full block whose KV is complete (under this instance's token ids)."""

@@ -2,10 +2,12 @@
 in vLLM's continuous batching on one GPU. A step lasts `--decode-ms-per-token` when it carries
 any decode, plus `--prefill-ms-per-token` for every prompt token it computes: a prefill on D
 slows every decode batched with it, and concurrent prefills share the GPU instead of running
-side by side. KV pulls (`--transfer-ms-per-block`) are asynchronous reads outside the steps;
-a finished pull waits for the step that reports it (`--pull-step-ms` on an idle engine), as
-vLLM's scheduler parks the request in WAITING_FOR_REMOTE_KVS until a step's get_finished says
-its transfer is done, and schedules it in the step after.
+side by side. KV pulls are asynchronous reads outside the steps, priced as vLLM's scheduler
+prices them: the request is parked (WAITING_FOR_REMOTE_KVS) from the step that schedules it
+and starts its read, through the read's modelled time (`--transfer-ms-per-pull` plus
+`--transfer-ms-per-block` each), until the step that reports the read done (the step in
+progress, or an empty one of `--pull-step-ms` on an idle engine); its prefill joins the step
+after that one.
 
 A step computes at most `--max-num-batched-tokens` prompt tokens (vLLM's chunked prefill):
 a long prompt, or many at once, take several steps, and a short request queued behind them
@@ -40,6 +42,7 @@ class StepLoop:
     _step: asyncio.Future[None] | None = None  # the step in progress (None: the loop is idle)
     _prefills: list[_Prefill] = field(default_factory=list)
     _decodes: list[asyncio.Future[None]] = field(default_factory=list)
+    _reports: list[asyncio.Future[None]] = field(default_factory=list)  # pulls awaiting a step
     _task: asyncio.Task[None] | None = None
 
     def step_s(self, prefill_tokens: int, decodes: int, forward_ms: float = 0.0) -> float:
@@ -61,14 +64,25 @@ class StepLoop:
         self._prefills.append(_Prefill(max(tokens, 0), fut, forward_ms))
         await self._wait(fut)
 
-    async def transfer_reported(self) -> None:
-        """A pull just finished: its request waits for the step that reports it (the one in
-        progress, or an empty one of `pull_step_ms` on an idle engine, whose loop keeps
-        stepping while a request waits for remote KV); its prefill then joins the next."""
+    async def parked(self, transfer_s: float) -> None:
+        """A pulling request in vLLM's WAITING_FOR_REMOTE_KVS. The scheduler takes it at the
+        next step (its read starts with that step), the read takes `transfer_s`, and only a
+        later step's get_finished reports it done: the step in progress then, or an empty
+        one of `pull_step_ms` on an idle engine (whose loop keeps stepping while a request
+        waits for remote KV). On return the request's prefill is due in the step after the
+        one that reports it: queued now, while that step runs, it joins the next."""
         if self._step is not None and not self._step.done():
-            await asyncio.shield(self._step)
-        elif self.pull_step_ms > 0:
-            await asyncio.sleep(self.pull_step_ms / 1000.0)
+            await asyncio.shield(self._step)  # scheduled at the end of the step in progress
+        await self.reported(transfer_s)
+
+    async def reported(self, transfer_s: float) -> None:
+        """The read's (remaining) time, then the step that reports it done (`parked`)."""
+        if transfer_s > 0:
+            await asyncio.sleep(transfer_s)
+        if self._step is None and self.pull_step_ms > 0:  # idle: an empty step reports it
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._reports.append(fut)
+            await self._wait(fut)
 
     async def decode(self) -> None:
         """One output token: the next step that carries this decode."""
@@ -86,18 +100,22 @@ class StepLoop:
     async def _run(self) -> None:
         """Steps while work is queued: each takes the decodes queued when it began and up to
         max_batched_tokens prompt tokens, oldest first (a prompt may span steps)."""
-        while self._prefills or self._decodes:
+        while self._prefills or self._decodes or self._reports:
             done, tokens, forward_ms = self._chunk()
             decodes, self._decodes = self._decodes, []
+            reports, self._reports = self._reports, []
             live = sum(1 for fut in decodes if not fut.done())
+            seconds = self.step_s(tokens, live, forward_ms)
+            if reports and not (tokens or live or forward_ms):  # only reports finished pulls
+                seconds = self.pull_step_ms / 1000.0
             self._step = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.sleep(self.step_s(tokens, live, forward_ms))
+                await asyncio.sleep(seconds)
             finally:
                 self._step.set_result(None)
                 self._step = None
             self.steps += 1
-            for fut in done + decodes:
+            for fut in done + decodes + reports:
                 if not fut.done():  # a cancelled request (client gone) is skipped
                     fut.set_result(None)
 

@@ -9,7 +9,6 @@ import itertools
 import time
 
 from tests.sim.client import words
-from vllm_sim import transfer
 from vllm_sim.config import SimSettings
 from vllm_sim.engine import Engine
 from vllm_sim.request import GenRequest, RunResult
@@ -82,55 +81,3 @@ async def test_a_step_computes_at_most_its_token_budget_oldest_first() -> None:
 
     await asyncio.gather(prefill("long", 2500), prefill("short", 10))
     assert done == {"long": 3, "short": 3} and loop.steps == 3
-
-
-async def test_a_finished_pull_waits_for_the_step_that_reports_it() -> None:
-    """vLLM parks a pulling request in WAITING_FOR_REMOTE_KVS: the step in progress when its
-    transfer finishes reports it, and only then can its prefill join a step (issue 49)."""
-    loop = StepLoop(decode_ms_per_token=50.0)
-    decoding = asyncio.create_task(loop.decode())  # a step of 50 ms is now in progress
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert loop.steps == 0
-    await loop.transfer_reported()
-    assert loop.steps == 1, "the pull went on before the step in progress ended"
-    await decoding
-
-
-async def test_on_an_idle_engine_the_report_is_one_empty_step() -> None:
-    idle = StepLoop(pull_step_ms=30.0)
-    reported = asyncio.create_task(idle.transfer_reported())
-    await asyncio.sleep(0.005)
-    assert not reported.done(), "no empty step was paid"
-    await reported
-    free = StepLoop()  # at zero cost nothing waits
-    t0 = time.monotonic()
-    await free.transfer_reported()
-    assert time.monotonic() - t0 < 0.005
-
-
-class HeldNotify:
-    """A side channel whose free notification never completes until told."""
-
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-        self.release = asyncio.Event()
-
-    async def notify(self, host: str, port: int, engine: str, request_id: str, gen: int) -> None:
-        self.sent.append(request_id)
-        await self.release.wait()
-
-
-async def test_a_declined_read_does_not_wait_for_its_notification() -> None:
-    """P reads nothing (under kv_recompute_threshold): it tells D to free the blocks beside
-    the request, as vLLM's worker does, not in front of its prefill (issue 49)."""
-    e = engine()
-    held = HeldNotify()
-    e.kv.channel = held  # type: ignore[assignment]
-    src = transfer.RemoteSource("d", "req-1", "127.0.0.1", 1, [1], 16, None, None)
-    seq = await e._admit(GenRequest(request_id="p-1", prompt=prompt(e, 3, 20), max_tokens=1))
-    assert await asyncio.wait_for(e.kv.pull_or_notify(src, seq, 0, 0), 1.0) == 0
-    await asyncio.sleep(0)
-    assert held.sent == ["req-1"], "the notification was not sent"
-    held.release.set()
-    await asyncio.sleep(0)
