@@ -139,8 +139,9 @@ class Connector:
         started = time.monotonic()
         try:
             if src.expiry is not None:
-                # Only a forwarded deadline needs the producer's clock (vllm#47021).
-                hs = await ch.handshake(src.host, src.port, src.engine_id)
+                # Only a forwarded deadline needs the producer's clock (vllm#47021), as
+                # measured at the first handshake: no round trip per read.
+                hs = await ch.clock(src.host, src.port, src.engine_id, src.generation)
                 if transfer.is_expired(src.expiry, hs.remote_now(self.now())):
                     self.counters.sim_reads_declined += 1
                     raise TransferError(f"Declining expired remote read for {src.request_id}")

@@ -163,6 +163,7 @@ class KVChannelClient:
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._agents: dict[str, str] = {}  # engine id -> agent of its first handshake
+        self._handshakes: dict[str, Handshake] = {}  # engine id -> that handshake (its clock)
         self._generations: dict[str, int] = {}  # engine id -> highest registration seen
         self.connector_version = connector_version
 
@@ -214,18 +215,27 @@ class KVChannelClient:
             or not isinstance(agent, str)
         ):
             raise TransferError(f"bad handshake reply {out!r:.200}")
+        hs = Handshake(engine_id, block_size, float(remote_now) - (t0 + t1) / 2, agent)
         self._agents.setdefault(engine_id, agent)
-        return Handshake(engine_id, block_size, float(remote_now) - (t0 + t1) / 2, agent)
+        self._handshakes.setdefault(engine_id, hs)
+        return hs
 
     async def _agent(self, host: str, port: int, engine_id: str, generation: int = 0) -> str:
         """The agent this reader knows for the engine id; an unknown one is handshaken first,
         and so is one whose handle names a newer registration (vLLM 0.33's pull worker)."""
         if generation > self._generations.get(engine_id, 0):
             self._agents.pop(engine_id, None)
+            self._handshakes.pop(engine_id, None)
             self._generations[engine_id] = generation
         if engine_id not in self._agents:
             await self.handshake(host, port, engine_id)
         return self._agents[engine_id]
+
+    async def clock(self, host: str, port: int, engine_id: str, generation: int = 0) -> Handshake:
+        """The producer's handshake as this reader keeps it: vLLM measures the clock offset
+        once, at the handshake, and converts every later deadline with it (vllm#47021)."""
+        await self._agent(host, port, engine_id, generation)
+        return self._handshakes[engine_id]
 
     async def read(
         self,

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import pytest
+from aiohttp.test_utils import TestServer
 
 from tests.sim.client import chat, words
 from tests.sim.conftest import running
 from tests.support.chat import NULL_HANDOFF
+from tests.support.procs import free_port
 from vllm_sim import transfer
 from vllm_sim.config import SimSettings
 from vllm_sim.costs import CostModel
 from vllm_sim.engine import Engine
+from vllm_sim.kvchannel import KVChannelClient, side_channel_app
 from vllm_sim.request import GenRequest
 from vllm_sim.steps import StepLoop
 
@@ -126,9 +130,14 @@ async def test_a_declined_read_does_not_wait_for_its_notification() -> None:
 async def test_the_fixed_cost_and_the_report_step_show_in_ps_time() -> None:
     """Turn 2 on P with D's handle: P's answer takes at least the pull's fixed cost, its
     blocks and the empty step that reports them, and is the answer of the KV it read."""
-    costs = {"transfer_ms_per_pull": 150.0, "transfer_ms_per_block": 1.0, "pull_step_ms": 50.0}
     async with (
-        running(bidirectional=True, kv_recompute_threshold=1, **costs) as p,
+        running(
+            bidirectional=True,
+            kv_recompute_threshold=1,
+            transfer_ms_per_pull=150.0,
+            transfer_ms_per_block=1.0,
+            pull_step_ms=50.0,
+        ) as p,
         running(bidirectional=True) as d,
         running() as ref,
     ):
@@ -190,3 +199,43 @@ async def test_a_declined_read_answers_while_d_holds_its_notification() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+class Source:
+    """A producer's side channel that counts its handshakes."""
+
+    engine_id, block_size, agent, connector_version, registered = "d", 16, "agent-1", 15, True
+
+    def __init__(self) -> None:
+        self.handshakes = 0
+
+    def now(self) -> float:
+        self.handshakes += 1  # only the handshake reads the producer's clock
+        return 5000.0
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[list[int]] | None:
+        return [[b] * 16 for b in block_ids]
+
+    def release(self, request_id: str) -> bool:
+        return True
+
+
+async def test_a_deadline_is_converted_with_the_first_handshakes_clock() -> None:
+    """vLLM measures D's clock offset once, at the handshake (vllm#47021): a read with a
+    deadline makes no round trip of its own until a new registration calls for one."""
+    source = Source()
+    port = free_port()
+    server = TestServer(side_channel_app(source), host="127.0.0.1", port=port)
+    await server.start_server()
+    client = KVChannelClient(5.0)
+    await client.start()
+    try:
+        first = await client.clock("127.0.0.1", port, "d")
+        again = await client.clock("127.0.0.1", port, "d")
+        assert await client.read("127.0.0.1", port, "d", 16, [3], None) == [[3] * 16]
+        assert source.handshakes == 1 and again == first
+        await client.clock("127.0.0.1", port, "d", generation=2)  # D re-registered
+        assert source.handshakes == 2
+    finally:
+        await client.close()
+        await server.close()
