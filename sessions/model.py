@@ -194,36 +194,45 @@ def _sequence_digests(
     return seq, block_digests(token_ids, block_size)
 
 
+class Finished(msgspec.Struct, frozen=True, kw_only=True):
+    """What a turn that finished normally tells its next state: where it ran, D's handle (or
+    why it kept none), the conversation's digests and D's token ids."""
+
+    api: str  # "chat" | "completions" | "responses"
+    prefill: str  # base URL of the P it ran on (the previous one's on a turn without P)
+    decode: str  # base URL of the D it ran on
+    decode_started: float = 0.0  # D's process start time (0: unknown)
+    kv_transfer_params: dict[str, Any] | None  # D's handle to keep; None: none kept
+    no_handle_reason: str  # why none was kept: a `Reason`, as stored ("" with a handle)
+    # Without a handle, D's prefix cache still holds the turn's sequence (all but the last
+    # token, which has no KV yet): its digests are kept for the decode plan.
+    cache_tokens: bool = False
+    prefix_digest: str  # the conversation D holds (prompt + answer): its chain head ...
+    prefix_len: int  # ... and the items or characters it covers
+    prompt_digest: str = ""  # the same over the prompt alone
+    prompt_len: int = 0
+    token_ids: Sequence[int] | None  # D's prompt and answer as token ids (None: not asked)
+    prefill_rank: int = -1  # the data-parallel ranks it ran on (-1: none chosen)
+    decode_rank: int = -1
+    prefill_tokens: int = 0  # prompt tokens P computed or found cached (0: no P leg)
+
+
 def next_state(
     prev: SessionState | None,
+    done: Finished,
     *,
-    api: str,
-    prefill: str,
-    decode: str,
-    kv_transfer_params: dict[str, Any] | None,
-    no_handle_reason: str,
-    prefix_digest: str,
-    prefix_len: int,
-    prompt_digest: str = "",
-    prompt_len: int = 0,
-    token_ids: Sequence[int] | None,
     block_size: int,
     now: float,
     handle_ttl: float,
-    decode_started: float = 0.0,
-    cache_tokens: bool = False,
-    prefill_rank: int = -1,
-    decode_rank: int = -1,
-    prefill_tokens: int = 0,
 ) -> SessionState:
-    """The state after a turn that finished normally (the caller commits it with CAS).
-
-    `cache_tokens`: without a handle, D's prefix cache still holds the turn's sequence (all
-    but the last token, which has no KV yet); its digests are kept for the decode plan."""
+    """The state after a turn that finished normally (the caller commits it with CAS): its
+    block digests cut by `block_size`, its handle usable for `handle_ttl` from `now`."""
     # A copy the caller cannot change (JSON values: a round trip in C, ~8x a deepcopy).
-    params = _DECODE(_JSON.encode(kv_transfer_params)) if kv_transfer_params else None
+    handle = done.kv_transfer_params
+    params = _DECODE(_JSON.encode(handle)) if handle else None
     held = _remote_num_tokens(params)
-    if not params and cache_tokens and token_ids:
+    token_ids = done.token_ids
+    if not params and done.cache_tokens and token_ids:
         held = len(token_ids) - 1
     blocks: tuple[str, ...] = ()
     seq = ""
@@ -231,17 +240,17 @@ def next_state(
         seq, blocks = _sequence_digests(prev, token_ids[:held], block_size)
     return SessionState(
         turn=(prev.turn if prev else 0) + 1,
-        api=api,
-        prefill=prefill,
-        decode=decode,
+        api=done.api,
+        prefill=done.prefill,
+        decode=done.decode,
         decode_engine_id=str(params.get("remote_engine_id") or "") if params else "",
-        decode_started=decode_started if held else 0.0,
+        decode_started=done.decode_started if held else 0.0,
         kv_transfer_params=params,
-        no_handle_reason="" if params else no_handle_reason,
-        prefix_digest=prefix_digest,
-        prefix_len=prefix_len,
-        prompt_digest=prompt_digest,
-        prompt_len=prompt_len,
+        no_handle_reason="" if params else done.no_handle_reason,
+        prefix_digest=done.prefix_digest,
+        prefix_len=done.prefix_len,
+        prompt_digest=done.prompt_digest,
+        prompt_len=done.prompt_len,
         token_count=held,
         block_size=block_size,
         block_digests=blocks,
@@ -250,7 +259,7 @@ def next_state(
         created_at=prev.created_at if prev else now,
         updated_at=now,
         inflight="",
-        prefill_rank=prefill_rank,
-        decode_rank=decode_rank,
-        prefill_tokens=prefill_tokens,
+        prefill_rank=done.prefill_rank,
+        decode_rank=done.decode_rank,
+        prefill_tokens=done.prefill_tokens,
     )

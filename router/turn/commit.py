@@ -173,26 +173,29 @@ def next_state(turn: Turn, captured: Captured, *, d_owns: bool = True) -> sm.Ses
     if handle:  # kept or not, it says which registration D is on
         turn.decode.ident.note_registration(registration_generation(params))
     prompt_digest, prompt_len, prefix_digest, prefix_len = _digests(inc, captured)
-    state = sm.next_state(
-        turn.claim.state,
+    done = sm.Finished(
         api=inc.api,
         prefill=turn.prefill.url if turn.prefill else (prev.prefill if prev else ""),
         decode=turn.decode.url,
+        decode_started=turn.decode.ident.handle_started,
         kv_transfer_params=kept,
-        cache_tokens=end.reason in keep.CACHE_KEPT,
         no_handle_reason=str(end.reason or ""),
+        cache_tokens=end.reason in keep.CACHE_KEPT,
         prefix_digest=prefix_digest,
         prefix_len=prefix_len,
         prompt_digest=prompt_digest,
         prompt_len=prompt_len,
         token_ids=token_ids,
-        block_size=svc.block_size or turn.decode.block_size,
-        now=svc.clock(),
-        handle_ttl=svc.settings.handle_ttl,
-        decode_started=turn.decode.ident.handle_started,
         prefill_rank=turn.ranks.get("prefill", prev.prefill_rank if prev else -1),
         decode_rank=turn.ranks.get("decode", -1),
         prefill_tokens=turn.prefill_tokens if turn.prefill else 0,
+    )
+    state = sm.next_state(
+        prev,
+        done,
+        block_size=svc.block_size or turn.decode.block_size,
+        now=svc.clock(),
+        handle_ttl=svc.settings.handle_ttl,
     )
     assert turn.claim.key is not None
     return integrity.sign(svc.settings.session_secrets, turn.claim.key, state)

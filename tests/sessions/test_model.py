@@ -9,6 +9,7 @@ import pytest
 
 from sessions.digests import head_at, next_head
 from sessions.model import (
+    Finished,
     SessionState,
     block_digests,
     conversation_digest,
@@ -176,8 +177,15 @@ def test_handle_unusable_reason(state: SessionState | None, api: str, reason: st
     assert handle_unusable_reason(state, api, NOW) == reason
 
 
-def advance(prev: SessionState | None, **overrides: Any) -> SessionState:
-    args: dict[str, Any] = {
+def advance(
+    prev: SessionState | None,
+    *,
+    block_size: int = BS,
+    now: float = NOW,
+    handle_ttl: float = 400.0,
+    **overrides: Any,
+) -> SessionState:
+    facts: dict[str, Any] = {
         "api": "chat",
         "prefill": "http://p1:8000",
         "decode": "http://d1:8000",
@@ -186,12 +194,9 @@ def advance(prev: SessionState | None, **overrides: Any) -> SessionState:
         "prefix_digest": "ab" * 16,
         "prefix_len": 4,
         "token_ids": list(range(11)),
-        "block_size": BS,
-        "now": NOW,
-        "handle_ttl": 400.0,
     }
-    args.update(overrides)
-    return next_state(prev, **args)
+    done = Finished(**{**facts, **overrides})
+    return next_state(prev, done, block_size=block_size, now=now, handle_ttl=handle_ttl)
 
 
 def test_next_state_first_turn() -> None:
