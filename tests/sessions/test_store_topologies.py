@@ -18,36 +18,8 @@ from sessions.store import StoreError
 
 # The store contract every topology passes, run here with the harness below (cluster and
 # sentinel).
-from tests.sessions.store_contract import (  # noqa: F401
-    TTL,
-    Harness,
-    test_a_claimed_handle_cannot_be_released,
-    test_a_commit_with_a_pin_notes_it_when_it_commits,
-    test_a_handle_is_claimed_or_released_never_both,
-    test_a_newer_note_replaces_and_forget_removes,
-    test_a_next_handle_takes_back_what_it_no_longer_pins,
-    test_absent_key,
-    test_blocks_several_handles_pin_count_once,
-    test_claim_takes_the_handle,
-    test_claim_without_handle_changes_nothing,
-    test_commit_is_compare_and_set,
-    test_commit_sets_the_ttl,
-    test_commit_then_get,
-    test_concurrent_claims_single_use,
-    test_concurrent_commits_one_wins,
-    test_delete,
-    test_end_and_claim_race,
-    test_end_returns_the_state_and_deletes_it,
-    test_pins_are_listed_oldest_first,
-    test_release,
-    test_stored_state_is_a_copy,
-    test_take_handle_any_age_with_inf,
-    test_take_handle_leaves_what_it_may_not_take,
-    test_take_handle_takes_an_idle_handle_once,
-    test_take_handle_without_a_state,
-    test_the_pin_index_expiry_only_grows,
-    test_turn_times_read_each_conversation_s_pace_and_leave_its_handle,
-)
+from tests.sessions.store_contract import *  # noqa: F403 (the contract's tests)
+from tests.sessions.store_contract import Harness
 from tests.sessions.topologies import Topology, redis_cluster, redis_sentinel, wait_until
 
 
