@@ -9,13 +9,11 @@ import asyncio
 import time
 from typing import Any
 
-import msgspec
 import pytest
 
 from router.turn.capture import Captured
 from router.turn.claim import Claim
 from router.turn.commit import abort
-from router.turn.incoming import Accepts, read_incoming
 from router.turn.outcomes import Reason, Reuse
 from router.turn.state import Turn
 from router.turn.tenant import DEFAULT_TENANT
@@ -31,6 +29,7 @@ from tests.unit.turns import (
     counted,
     expected_answer,
     handle_sent,
+    incoming,
     releases,
     releasing,
     second_turn,
@@ -237,13 +236,7 @@ async def test_an_abort_releases_d_s_handle_unless_the_turn_settled(settled: boo
     await conversation(svc, 1)
     state = await state_of(svc)
     messages = second_turn("and then?")[:2]
-    body = msgspec.json.encode({"model": "m", "messages": messages, "conversation_id": "c1"})
-    inc = read_incoming(
-        body,
-        {"content-type": "application/json"},
-        "chat",
-        Accepts(model="m", max_bytes=1 << 20),
-    )
+    inc = incoming({"model": "m", "messages": messages, "conversation_id": "c1"})
     claim = Claim(KEY, None, Reuse.miss(Reason.NO_SESSION))
     t = Turn(svc, inc, "r1", claim, time.monotonic())
     t.decode = svc.pool.find("decode", state.decode)

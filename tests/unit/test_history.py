@@ -9,12 +9,13 @@ import msgspec
 import pytest
 
 from router.turn import history
-from router.turn.incoming import Accepts, Incoming, read_incoming
+from router.turn.incoming import Api, Incoming
 from router.turn.run import run_turn
 from router.turn.tenant import DEFAULT_TENANT
 from sessions.digests import conversation_digest, text_digest, text_heads
 from sessions.keys import history_key
 from sessions.model import SessionState
+from tests.unit import turns
 from tests.unit.fake_engines import FakeEngines
 from tests.unit.turns import answer, services
 
@@ -29,13 +30,8 @@ U1, A1, U2 = (
 )
 
 
-def incoming(api: str = "chat", **body: Any) -> Incoming:
-    return read_incoming(
-        msgspec.json.encode({"model": "m", **body}),
-        {"content-type": "application/json"},
-        api,  # type: ignore[arg-type]
-        Accepts(model="m", max_bytes=1 << 20),
-    )
+def incoming(api: Api = "chat", **body: Any) -> Incoming:
+    return turns.incoming({"model": "m", **body}, api)
 
 
 def test_candidates_are_the_strict_prefixes_that_end_with_an_answer() -> None:

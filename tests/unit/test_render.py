@@ -7,13 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import pytest
 
 from router.errors import UpstreamFailure
-from router.turn.incoming import Accepts, read_incoming
 from router.turn.render import not_served
-from router.turn.run import run_turn
 from tests.unit.fake_engines import (
     Call,
     FakeEngines,
@@ -22,7 +19,7 @@ from tests.unit.fake_engines import (
     responses_messages,
     token_ids,
 )
-from tests.unit.turns import P1, P2, crowd_prefill, services, state_of
+from tests.unit.turns import P1, P2, crowd_prefill, send, services, state_of
 
 INSTRUCTIONS = "be brief"
 
@@ -31,14 +28,7 @@ async def respond(
     svc: Any, items: list[dict[str, Any]], request_id: str
 ) -> tuple[int, dict[str, str], dict[str, Any]]:
     body = {"model": "m", "instructions": INSTRUCTIONS, "input": items, "conversation_id": "c1"}
-    inc = read_incoming(
-        msgspec.json.encode(body),
-        {"content-type": "application/json"},
-        "responses",
-        Accepts(model="m", max_bytes=1 << 20),
-    )
-    resp = await run_turn(svc, inc, request_id)
-    return resp.status_code, dict(resp.headers), msgspec.json.decode(bytes(resp.body))
+    return await send(svc, body, request_id, api="responses")
 
 
 def text_of(body: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ import msgspec
 from router.config import Settings
 from router.lifecycle import pin_sweep
 from router.services import Services
-from router.turn.incoming import Accepts, read_incoming
+from router.turn.incoming import Accepts, Api, Incoming, read_incoming
 from router.turn.run import run_turn
 from router.turn.tenant import DEFAULT_TENANT
 from sessions.keys import conversation_key
@@ -29,22 +29,32 @@ def services(engines: FakeEngines, **settings: Any) -> Services:
     return make_services(config, engines, model="m", block_size=BLOCK)
 
 
+def incoming(body: dict[str, Any], api: Api = "chat") -> Incoming:
+    """A client's JSON body as the router reads it (model "m", 1 MiB at most)."""
+    return read_incoming(
+        msgspec.json.encode(body),
+        {"content-type": "application/json"},
+        api,
+        Accepts(model="m", max_bytes=1 << 20),
+    )
+
+
+async def send(
+    svc: Services, body: dict[str, Any], request_id: str = "rid", api: Api = "chat"
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """One turn of `body` through `run_turn`: its status, headers and decoded body."""
+    resp = await run_turn(svc, incoming(body, api), request_id)
+    return resp.status_code, dict(resp.headers), msgspec.json.decode(bytes(resp.body))
+
+
 async def turn(
     svc: Services, messages: list[dict[str, Any]], request_id: str = "rid", cid: str | None = "c1"
 ) -> tuple[int, dict[str, str], dict[str, Any]]:
-    """One chat turn through `run_turn`: its status, headers and decoded body."""
+    """One chat turn of conversation `cid` (None: none) through `run_turn`."""
     body: dict[str, Any] = {"model": "m", "messages": messages}
     if cid is not None:
         body["conversation_id"] = cid
-    inc = read_incoming(
-        msgspec.json.encode(body),
-        {"content-type": "application/json"},
-        "chat",
-        Accepts(model="m", max_bytes=1 << 20),
-    )
-    resp = await run_turn(svc, inc, request_id)
-    raw = bytes(resp.body)
-    return resp.status_code, dict(resp.headers), msgspec.json.decode(raw)
+    return await send(svc, body, request_id)
 
 
 def answer(body: dict[str, Any]) -> str:
