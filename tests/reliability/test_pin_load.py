@@ -137,7 +137,7 @@ def stacks(redis_url_session: str) -> Iterator[dict[str, Stack]]:
 
 def test_releases_keep_a_small_d_serving_one_turn_conversations(stacks: dict[str, Stack]) -> None:
     # 15 s, scaled with the machine's load: ten times the p99 measured here (1.5-3 s; 10 s
-    # with a second `make test` beside it); a turn waiting for pinned blocks waits for D's
+    # with this file run twice at once beside two busy loops); a turn waiting for pinned blocks waits for D's
     # 480 s TTL. Latency itself is make bench's to measure, not a test's.
     small = load(stacks["small"], ONE_TURN, timeout=scaled(15))
     pins = get_json(stacks["small"].url + "/status")["pins"]
@@ -154,7 +154,7 @@ def test_releases_keep_a_small_d_serving_one_turn_conversations(stacks: dict[str
     # mark, where the pressure releases start (without releases it is D's whole usage, and D
     # stalls: the next test); its peaks (printed, 0.90-0.98 measured) are releases still
     # queued at P behind the prompts it computes. Its median, measured: 0.64 alone, 0.78 with
-    # a second `make test` beside this one, since P is slower to take the queued releases.
+    # this file run twice at once beside two busy loops (P takes the queued releases later).
     assert statistics.median(small.d_pinned) < HIGH_WATER
     assert pins["released"] >= ONE_TURN * 0.9 and pins["failed"] == 0
     # D is over the mark mostly because of its running requests here, so the pressure release
