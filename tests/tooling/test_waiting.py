@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from router.config import load_settings
 from tests.support import waiting
 from tests.support.procs import (
     RUN_ENV,
@@ -28,7 +29,7 @@ from tests.support.procs import (
     wait_tcp,
     wait_until,
 )
-from tests.support.router import PORT_RACES, http_process
+from tests.support.router import PORT_RACES, http_process, serve_argv
 from tests.support.waiting import SCALE_ENV, StartupError, timeout_scale
 
 pytestmark = pytest.mark.timeout(60)
@@ -164,6 +165,21 @@ def test_the_scale_follows_the_variable_else_the_load(monkeypatch: pytest.Monkey
     assert timeout_scale() == waiting.MAX_LOAD_SCALE
     monkeypatch.setattr(waiting, "load", lambda: 0.1)
     assert timeout_scale() == 1.0
+
+
+def test_routers_get_a_store_timeout_stretched_only_on_a_loaded_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def argv(scale: str, *args: str) -> list[str]:
+        monkeypatch.setenv(SCALE_ENV, scale)
+        return serve_argv(["http://p"], ["http://d"], *args, port=1, redis_url="redis://r")
+
+    assert "--store-timeout" not in argv("1")  # the router's own default
+    loaded = argv("4")
+    assert loaded[loaded.index("--store-timeout") + 1] == "1"  # 0.25 s x 4
+    mine = argv("4", "--store-timeout", "0.1")
+    assert mine[-2:] == ["--store-timeout", "0.1"]  # the test's own flag comes last: it wins
+    assert load_settings(mine[2:], env={}).store_timeout == 0.1
 
 
 def test_each_run_logs_in_a_folder_of_its_own() -> None:
