@@ -137,8 +137,8 @@ def stacks(redis_url_session: str) -> Iterator[dict[str, Stack]]:
 
 def test_releases_keep_a_small_d_serving_one_turn_conversations(stacks: dict[str, Stack]) -> None:
     # 15 s, scaled with the machine's load: ten times the p99 measured here (1.5-3 s; 10 s
-    # with this file run twice at once beside two busy loops); a turn waiting for pinned blocks waits for D's
-    # 480 s TTL. Latency itself is make bench's to measure, not a test's.
+    # with this file run twice at once beside two busy loops); a turn waiting for pinned
+    # blocks waits for D's 480 s TTL. Latency itself is make bench's to measure, not a test's.
     small = load(stacks["small"], ONE_TURN, timeout=scaled(15))
     pins = get_json(stacks["small"].url + "/status")["pins"]
     pinned_p95 = statistics.quantiles(small.d_pinned, n=20)[18]
