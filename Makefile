@@ -48,8 +48,8 @@ test-e2e: install
 # ruff, then the subjects of the commits after tools/check_commits.py's base (a shallow clone
 # without that commit skips it).
 lint: install
-	$(BIN)/ruff check router sessions vllm_sim tests bench tools
-	$(BIN)/ruff format --check router sessions vllm_sim tests bench tools
+	$(BIN)/ruff check router sessions vllm_sim tests bench harness tools
+	$(BIN)/ruff format --check router sessions vllm_sim tests bench harness tools
 	$(BIN)/python tools/check_commits.py
 
 typecheck: install

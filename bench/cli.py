@@ -45,7 +45,7 @@ from bench import (
 )
 from bench.plan import FULL, QUICK, Plan
 from bench.stack import LoadGen
-from tests.support.procs import ROOT
+from harness.procs import ROOT
 
 PARTS = ("overhead", "throughput", "reuse", "events", "profile", "pins", "peers", "handover")
 PNGS = {

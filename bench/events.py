@@ -27,10 +27,10 @@ import zmq.asyncio
 from bench.plan import Plan
 from bench.stack import READY_TIMEOUT, LoadGen, start_stack
 from bench.stats import summary_ms
+from harness.procs import ROOT, free_port
+from harness.router import RouterProc, router
 from router.engines.kv_events import Source, Subscriber
 from router.engines.kv_index import EngineIndex
-from tests.support.procs import ROOT, free_port
-from tests.support.router import RouterProc, router
 
 Tick = Callable[[str], None]
 

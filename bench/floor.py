@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from bench.stack import cpu_seconds
-from tests.support.procs import ROOT, free_port
+from harness.procs import ROOT, free_port
 
 CHUNK = (
     b'data: {"id":"cmpl-0","object":"chat.completion.chunk",'

@@ -14,7 +14,7 @@ from bench import overhead
 from bench.plan import Plan
 from bench.stack import LoadGen, start_stack
 from bench.stats import summary_ms
-from tests.support.stack import Stack
+from harness.stack import Stack
 
 Tick = Callable[[str], None]
 

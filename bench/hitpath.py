@@ -25,7 +25,7 @@ from bench.plan import FULL, Plan
 from bench.stack import LoadGen, passthrough, reset_caches, start_stack, tree_cpu_seconds
 from bench.stats import fmt, summary_ms, table
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
-from tests.support.stack import Stack, argv_of
+from harness.stack import Stack, argv_of
 
 Tick = Callable[[str], None]
 NAN = float("nan")

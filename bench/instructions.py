@@ -48,8 +48,8 @@ import redis
 from bench import hitpath, overhead
 from bench.plan import FULL
 from bench.stack import LoadGen, start_stack
-from tests.support.procs import free_port, wait_http
-from tests.support.router import serve_argv
+from harness.procs import free_port, wait_http
+from harness.router import serve_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 # Under callgrind a turn takes ~30x longer: no timeout may fire, no health probe run.

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from tests.support.chat import NULL_HANDOFF
+from harness.chat import NULL_HANDOFF
 from vllm_sim.words import COMMON
 
 CHAT = "/v1/chat/completions"

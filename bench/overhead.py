@@ -23,8 +23,8 @@ from bench.stack import (
 )
 from bench.stats import per_chunk, summary_ms
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
-from tests.support.router import RouterProc
-from tests.support.stack import Stack, argv_of
+from harness.router import RouterProc
+from harness.stack import Stack, argv_of
 
 Tick = Callable[[str], None]
 

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.support.procs import ROOT
+from harness.procs import ROOT
 
 VLLM_ROUTER = "vllm-router==0.1.17"
 PEERS_VENV = ROOT / ".venv-peers"

@@ -45,8 +45,8 @@ from bench.peer_venv import PEERS_VENV, VLLM_ROUTER, VLLM_TREE_ENV, vllm_copy, v
 from bench.plan import Plan
 from bench.stack import LoadGen, by_source, read_wait, start_stack, tree_cpu_seconds
 from bench.stats import fmt, summary_ms
-from tests.support.procs import free_port, log_file, redis_server, stop, wait_http
-from tests.support.stack import Stack
+from harness.procs import free_port, log_file, redis_server, stop, wait_http
+from harness.stack import Stack
 
 Tick = Callable[[str], None]
 

@@ -29,9 +29,9 @@ from typing import Any
 from bench.plan import Plan
 from bench.stack import LoadGen, start_stack
 from bench.stats import fmt, pct, summary_ms
-from tests.support.chat import get_json
-from tests.support.metrics import parse, scrape
-from tests.support.stack import Stack
+from harness.chat import get_json
+from harness.metrics import parse, scrape
+from harness.stack import Stack
 
 Tick = Callable[[str], None]
 

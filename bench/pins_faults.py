@@ -29,9 +29,9 @@ from bench.pins import ROUTER_ARGS, Tick, decoder_pins, stack
 from bench.plan import Plan
 from bench.stack import LoadGen, another_router
 from bench.stats import table
+from harness.chat import get_json
+from harness.stack import Stack, argv_of
 from sessions.keys import pins_key
-from tests.support.chat import get_json
-from tests.support.stack import Stack, argv_of
 
 REDIS_PAUSE_S = 3.0
 COPIES = 4

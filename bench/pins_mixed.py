@@ -16,7 +16,7 @@ from bench.pins import RELEASED, WORKLOAD, Sampler, Tick, releases, stack, summa
 from bench.plan import Plan
 from bench.stack import LoadGen
 from bench.stats import fmt, pct, table
-from tests.support.chat import get_json
+from harness.chat import get_json
 
 # Each kind's turns and the pause before every turn after the first (bench/loadgen.py,
 # think_time); seeds of their own, so the two kinds do not say the same words.

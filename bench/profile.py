@@ -19,7 +19,7 @@ from typing import Any
 from bench import hitpath, overhead, workload
 from bench.plan import Plan
 from bench.stack import LoadGen, reset_caches, router_cpu, start_stack
-from tests.support.stack import Stack
+from harness.stack import Stack
 
 Tick = Callable[[str], None]
 

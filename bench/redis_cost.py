@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from bench.stack import LoadGen
 from bench.stats import pct
-from tests.support.stack import Stack
+from harness.stack import Stack
 
 _LINE = re.compile(r'^\d+\.\d+ \[\d+ ([^\]]+)\] "([^"]+)"')
 SCRIPT_COMMANDS = ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro")
@@ -247,7 +247,7 @@ def main() -> None:
     redis-server."""
     import json
 
-    from tests.support.procs import redis_server
+    from harness.procs import redis_server
 
     with redis_server() as (url, _, _):
         out = {"rtt": rtt(url), "history": history_cost(url), "pin_note": pin_note_cost(url)}

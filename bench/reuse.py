@@ -23,7 +23,7 @@ from bench.loadgen import words
 from bench.plan import Plan
 from bench.stack import LoadGen, RedisStats, by_source, machine_cpu, post, router_cpu, start_stack
 from bench.stats import pct, summary_ms
-from tests.support.stack import Stack
+from harness.stack import Stack
 
 Tick = Callable[[str], None]
 

@@ -1,6 +1,6 @@
 """Processes for the benchmark: simulators, redis-server, routers and the load generator.
 
-Everything binds 127.0.0.1 on free ports (tests/support/stack.py) and is stopped by the
+Everything binds 127.0.0.1 on free ports (harness/stack.py) and is stopped by the
 ExitStack that started it, also on Ctrl-C or SIGTERM.
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 
 import redis
 
-from tests.support.metrics import samples
-from tests.support.procs import ROOT, log_file, stop
-from tests.support.router import RouterProc, http_process, router
-from tests.support.stack import Stack
-from tests.support.stack import start_stack as support_stack
+from harness.metrics import samples
+from harness.procs import ROOT, log_file, stop
+from harness.router import RouterProc, http_process, router
+from harness.stack import Stack
+from harness.stack import start_stack as support_stack
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

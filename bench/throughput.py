@@ -21,7 +21,7 @@ from bench import overhead, workload
 from bench.plan import Plan
 from bench.stack import LoadGen, pin, reset_caches, start_stack, tree_cpu_seconds
 from bench.stats import pct
-from tests.support.stack import Stack
+from harness.stack import Stack
 
 Tick = Callable[[str], None]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import peer_venv
-from tests.support.procs import log_file
+from harness.procs import log_file
 from vllm_sim.tokenizer import BYTE_BASE, NUM_BYTE_TOKENS, SPECIAL_TOKENS, Tokenizer
 from vllm_sim.words import COMMON
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from tests.support.procs import LOG_ROOT, RUN_ENV, prune_logs, redis_server
-from tests.support.waiting import SCALE_ENV, timeout_scale
+from harness.procs import LOG_ROOT, RUN_ENV, prune_logs, redis_server
+from harness.waiting import SCALE_ENV, timeout_scale
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "component", "e2e")
@@ -77,7 +77,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     """The test's pytest-timeout (its marker's, else --timeout or the ini's) times
-    timeout_scale() when the test starts, as every wait in tests/support scales."""
+    timeout_scale() when the test starts, as every wait in harness/ scales."""
     scale = timeout_scale()
     marker = item.get_closest_marker("timeout")
     if marker is not None:

@@ -23,10 +23,10 @@ from typing import Any
 
 import aiohttp
 
-from tests.support.metrics import metric
-from tests.support.procs import SimProc
-from tests.support.stack import Stack
-from tests.support.stack import start_stack as support_stack
+from harness.metrics import metric
+from harness.procs import SimProc
+from harness.stack import Stack
+from harness.stack import start_stack as support_stack
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0", "--num-blocks", "32768")
 CHAT = "/v1/chat/completions"

@@ -25,9 +25,9 @@ import openai
 import pytest
 import yaml
 
-from tests.support.chat import Message, chat_turn, client, get_json, post, reference_answer
-from tests.support.metrics import scrape, total
-from tests.support.procs import free_port, wait_until
+from harness.chat import Message, chat_turn, client, get_json, post, reference_answer
+from harness.metrics import scrape, total
+from harness.procs import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

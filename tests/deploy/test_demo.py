@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import pytest
 
+from harness.procs import free_port, output_until
+from harness.waiting import scaled
 from router.lifecycle.demo import demo_main
-from tests.support.procs import free_port, output_until
-from tests.support.waiting import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 # turn, prompt, TTFT and computed with reuse, X-KV-Reuse, then TTFT and computed without.

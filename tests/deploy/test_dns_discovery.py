@@ -15,10 +15,10 @@ import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
+from harness.procs import SimProc, free_port, sims
+from harness.waiting import scaled
 from router.config import load_settings
 from router.http.app import create_app
-from tests.support.procs import SimProc, free_port, sims
-from tests.support.waiting import scaled
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import free_port, output_until
+from harness.procs import free_port, output_until
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("README.md", "docs/operations.md")

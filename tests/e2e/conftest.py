@@ -7,9 +7,9 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from tests.support.chat import Message, chat_turn, client, post, reference_answer
-from tests.support.metrics import metric
-from tests.support.stack import Stack, start_stack
+from harness.chat import Message, chat_turn, client, post, reference_answer
+from harness.metrics import metric
+from harness.stack import Stack, start_stack
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 # Engines as stock vLLM 0.32 (the simulator's default is 0.33): streams carry no handle.

@@ -11,12 +11,12 @@ from typing import Any
 
 import openai
 
+from harness import chat
+from harness.chat import chat_turn, client, get_json
+from harness.procs import free_port
+from harness.stack import Stack
+from harness.waiting import scaled
 from tests.e2e.conftest import p_route_calls, pulled, reference_chat
-from tests.support import chat
-from tests.support.chat import chat_turn, client, get_json
-from tests.support.procs import free_port
-from tests.support.stack import Stack
-from tests.support.waiting import scaled
 
 # The system prompt of the conversations in test_conversation and the files built on them.
 SYSTEM = "You are a terse assistant that answers in short words about the weather and tea."

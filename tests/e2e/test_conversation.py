@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import redis
 
+from harness.chat import chat_turn, client
+from harness.metrics import metric
 from tests.e2e.conftest import Stack, reference_chat
 from tests.e2e.helpers import SYSTEM, checked_turn
-from tests.support.chat import chat_turn, client
-from tests.support.metrics import metric
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

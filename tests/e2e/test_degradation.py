@@ -12,6 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.chat import chat_turn, client
+from harness.metrics import metric
+from harness.procs import ROOT, free_port, sim
+from harness.router import router
 from tests.e2e.conftest import (
     V032,
     Stack,
@@ -21,10 +25,6 @@ from tests.e2e.conftest import (
     pulled,
     reference_chat,
 )
-from tests.support.chat import chat_turn, client
-from tests.support.metrics import metric
-from tests.support.procs import ROOT, free_port, sim
-from tests.support.router import router
 
 
 @pytest.fixture(scope="module")

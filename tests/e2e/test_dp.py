@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import redis
 
+from harness.chat import chat_turn, client, get_json, reference_answer
+from harness.metrics import metric
+from harness.router import RouterProc, router
+from harness.stack import Stack, start_stack
 from tests.e2e.helpers import D_PUSH, PUSH
 from tests.sim.client import words
-from tests.support.chat import chat_turn, client, get_json, reference_answer
-from tests.support.metrics import metric
-from tests.support.router import RouterProc, router
-from tests.support.stack import Stack, start_stack
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ from typing import Any
 import openai
 import pytest
 
+from harness.chat import chat_turn, client, get_json, post, reference_answer
+from harness.metrics import metric
+from harness.procs import wait_until
+from harness.stack import Stack, start_stack
 from tests.e2e.conftest import BIDIR
-from tests.support.chat import chat_turn, client, get_json, post, reference_answer
-from tests.support.metrics import metric
-from tests.support.procs import wait_until
-from tests.support.stack import Stack, start_stack
 
 PARK_TIMEOUT = "2"
 OFF = ("--no-concurrent-dispatch", "--no-first-token-seeding")

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from harness.chat import chat_turn, client
 from tests.e2e.conftest import Stack, pulled, reference_chat
-from tests.support.chat import chat_turn, client
 
 HIT = "hit;id=history"
 

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from harness.chat import chat_turn, client
+from harness.metrics import metric
+from harness.stack import Stack, start_stack
+from harness.waiting import scaled
 from tests.e2e.conftest import BIDIR, pulled, reference_chat
 from tests.e2e.helpers import LONG, events_flags, indexed, spec, status, wait_in_sync
-from tests.support.chat import chat_turn, client
-from tests.support.metrics import metric
-from tests.support.stack import Stack, start_stack
-from tests.support.waiting import scaled
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def ports() -> list[tuple[str, ...]]:
 @pytest.fixture(scope="module")
 def stack(redis_url_session: str, ports: list[tuple[str, ...]]) -> Iterator[Stack]:
     # The router's flags need the engines' URLs: start them first, then the router.
-    from tests.support.router import router
+    from harness.router import router
 
     with start_stack(
         prefill=[(*BIDIR, *ports[0]), (*BIDIR, *ports[1])],

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from tests.support.chat import client, get_json, post, reference_answer
-from tests.support.metrics import metric
-from tests.support.procs import SimProc, free_port, log_file, sim, wait_until
-from tests.support.router import SESSION_SECRET, RouterProc, http_process
+from harness.chat import client, get_json, post, reference_answer
+from harness.metrics import metric
+from harness.procs import SimProc, free_port, log_file, sim, wait_until
+from harness.router import SESSION_SECRET, RouterProc, http_process
 
 SYSTEM = "You are a terse assistant about rivers and bridges."
 TTL = 2.0

@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.chat import chat_turn, client
+from harness.metrics import metric
+from harness.procs import wait_until
+from harness.waiting import scaled
 from tests.e2e.conftest import Stack, pd_stack
-from tests.support.chat import chat_turn, client
-from tests.support.metrics import metric
-from tests.support.procs import wait_until
-from tests.support.waiting import scaled
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

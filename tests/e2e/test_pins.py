@@ -15,14 +15,14 @@ from typing import Any
 import openai
 import pytest
 
+from harness.chat import chat_turn, client, get_json, post
+from harness.metrics import matching, metric, scrape
+from harness.procs import wait_until
+from harness.router import router
+from harness.stack import Stack, start_stack
 from router.turn.tenant import tenant_of
 from tests.e2e.conftest import BIDIR, V032, pd_stack
 from tests.e2e.helpers import decoder_pins
-from tests.support.chat import chat_turn, client, get_json, post
-from tests.support.metrics import matching, metric, scrape
-from tests.support.procs import wait_until
-from tests.support.router import router
-from tests.support.stack import Stack, start_stack
 
 AUTH = {"authorization": "Bearer test-key", "content-type": "application/json"}
 ADMIN_KEY = "pins-admin-key-0123456789"

@@ -11,6 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.chat import MODEL, Message, chat_turn, client, get_json, post
+from harness.metrics import metric
+from harness.stack import start_stack
 from tests.e2e.conftest import (
     BIDIR,
     V032,
@@ -21,9 +24,6 @@ from tests.e2e.conftest import (
     reference_chat,
     streamed_turns,
 )
-from tests.support.chat import MODEL, Message, chat_turn, client, get_json, post
-from tests.support.metrics import metric
-from tests.support.stack import start_stack
 
 BLOCK = 16  # the simulators' default block size
 

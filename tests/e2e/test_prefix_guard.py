@@ -8,12 +8,12 @@ import uuid
 
 import pytest
 
+from harness.chat import chat_turn, client
+from harness.metrics import metric
+from harness.procs import wait_until
+from harness.router import router
 from tests.e2e.conftest import Stack, p_route_calls, pulled, reference_chat
 from tests.e2e.helpers import SYSTEM
-from tests.support.chat import chat_turn, client
-from tests.support.metrics import metric
-from tests.support.procs import wait_until
-from tests.support.router import router
 
 
 def two_turns(stack: Stack, cid: str) -> list[dict[str, str]]:

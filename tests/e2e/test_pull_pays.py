@@ -12,11 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.chat import chat_turn, client
+from harness.metrics import metric
+from harness.stack import Stack, start_stack
 from router.engines.reads import VLLM_RECOMPUTE_THRESHOLD
 from tests.e2e.conftest import pulled
-from tests.support.chat import chat_turn, client
-from tests.support.metrics import metric
-from tests.support.stack import Stack, start_stack
 
 ENGINE = ("--bidirectional",)  # vLLM's defaults with bidirectional_kv_xfer
 SYSTEM = "You answer questions about the weather on a tea plantation, briefly. " * 4

@@ -14,11 +14,11 @@ import openai
 import pytest
 import redis
 
+from harness.chat import chat_turn, client, get_json, post, reference_answer
+from harness.metrics import metric
+from harness.procs import wait_until
+from harness.stack import Stack, start_stack
 from tests.e2e.helpers import D_PUSH, PUSH
-from tests.support.chat import chat_turn, client, get_json, post, reference_answer
-from tests.support.metrics import metric
-from tests.support.procs import wait_until
-from tests.support.stack import Stack, start_stack
 
 SYSTEM = "You are a terse assistant about the weather and tea."
 

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import redis
 
+from harness.chat import chat_turn, client, get_json, post, reference_answer
+from harness.metrics import metric
+from harness.procs import sim
+from harness.router import router
+from harness.stack import Stack, start_stack
 from tests.e2e.helpers import D_PUSH, PUSH
-from tests.support.chat import chat_turn, client, get_json, post, reference_answer
-from tests.support.metrics import metric
-from tests.support.procs import sim
-from tests.support.router import router
-from tests.support.stack import Stack, start_stack
 
 KEY = "push-seed-admin-key"
 

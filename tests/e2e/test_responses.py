@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from harness.chat import chat_turn, client
 from tests.e2e.conftest import Stack, pulled
 from tests.e2e.helpers import INSTRUCTIONS, responses_reference, responses_turn
-from tests.support.chat import chat_turn, client
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from harness.chat import client, get_json
+from harness.metrics import metric
 from tests.e2e.conftest import V032, Stack, pd_stack, pulled
 from tests.e2e.helpers import INSTRUCTIONS, responses_reference, responses_turn
-from tests.support.chat import client, get_json
-from tests.support.metrics import metric
 
 SCALE_OUT = ("--enable-scale-out",)
 BLOCK = 16  # the simulator's default block size

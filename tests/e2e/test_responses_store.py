@@ -13,13 +13,13 @@ import openai
 import pytest
 import redis
 
+from harness import chat
+from harness.chat import MODEL, client, post
+from harness.metrics import metric
+from harness.procs import wait_until
+from harness.stack import Stack, start_stack
 from tests.e2e.conftest import BIDIR, pulled
 from tests.e2e.helpers import decoder_pins
-from tests.support import chat
-from tests.support.chat import MODEL, client, post
-from tests.support.metrics import metric
-from tests.support.procs import wait_until
-from tests.support.stack import Stack, start_stack
 
 INSTRUCTIONS = "Answer like a lighthouse keeper: short words only."
 SCALE_OUT = "--enable-scale-out"  # P and D serve /v1/responses/render: turns verified by tokens

@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
+from harness.chat import chat_turn, client
+from harness.router import router
 from sessions.model import conversation_digest
 from tests.e2e.conftest import Stack, post_json, reference_chat
-from tests.support.chat import chat_turn, client
-from tests.support.router import router
 
 
 def test_concurrent_turns_use_the_handle_at_most_once(stack: Stack) -> None:

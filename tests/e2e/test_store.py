@@ -16,6 +16,10 @@ import openai
 import pytest
 import redis
 
+from harness.chat import chat_turn, client, get_json, post, reference_answer
+from harness.metrics import metric
+from harness.procs import SimProc, redis_server, wait_until
+from harness.stack import Stack, start_stack
 from tests.e2e.conftest import reference_chat
 from tests.e2e.helpers import (
     LONG,
@@ -26,10 +30,6 @@ from tests.e2e.helpers import (
     spec,
     wait_in_sync,
 )
-from tests.support.chat import chat_turn, client, get_json, post, reference_answer
-from tests.support.metrics import metric
-from tests.support.procs import SimProc, redis_server, wait_until
-from tests.support.stack import Stack, start_stack
 
 BS = 16  # the simulators' default block size
 MAX_TOKENS = 24
@@ -254,7 +254,7 @@ def test_a_flushed_store_gives_right_answers_and_an_honest_miss(ss: StoreStack) 
 @pytest.fixture(scope="module")
 def events_stack() -> Iterator[StoreStack]:
     """2 P publishing KV events and 1 D, in store mode, and a router subscribed to the Ps."""
-    from tests.support.router import router
+    from harness.router import router
 
     ports = [events_flags(), events_flags()]
     with redis_server() as (url, _port, _proc):

@@ -11,6 +11,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from harness.chat import Message, chat_turn, client, get_json, post
+from harness.metrics import metric
+from harness.stack import start_stack
 from tests.e2e.conftest import (
     BIDIR,
     V032,
@@ -20,9 +23,6 @@ from tests.e2e.conftest import (
     reference_chat,
     streamed_turns,
 )
-from tests.support.chat import Message, chat_turn, client, get_json, post
-from tests.support.metrics import metric
-from tests.support.stack import start_stack
 
 NO_PLAN = ("--decode-local-max-tokens", "0")  # hits are P's reads from D, nothing else
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from harness.chat import chat_turn, client
+from harness.stack import Stack, start_stack
 from tests.e2e.conftest import pulled
 from tests.e2e.helpers import SYSTEM, events_flags, spec, wait_in_sync
-from tests.support.chat import chat_turn, client
-from tests.support.stack import Stack, start_stack
 
 THINK = ("--reasoning-tokens", "12")
 # vLLM's defaults with bidirectional_kv_xfer: P skips a read of fewer than 64 tokens.
@@ -83,7 +83,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def with_events(redis_url_session: str) -> Iterator[Stack]:
     """Two P and a D publishing KV events, a router subscribed."""
-    from tests.support.router import router
+    from harness.router import router
 
     ports = [events_flags() for _ in range(3)]
     with start_stack(

@@ -21,14 +21,14 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from harness import metrics
+from harness.chat import chat_turn
+from harness.metrics import metric
+from harness.procs import ROOT, free_port, redis_server, sim, stop, wait_until
+from harness.router import SESSION_SECRET, RouterProc, router
+from harness.waiting import scaled
 from tests.e2e.conftest import Stack, pd_stack
 from tests.e2e.helpers import checked_turn
-from tests.support import metrics
-from tests.support.chat import chat_turn
-from tests.support.metrics import metric
-from tests.support.procs import ROOT, free_port, redis_server, sim, stop, wait_until
-from tests.support.router import SESSION_SECRET, RouterProc, router
-from tests.support.waiting import scaled
 
 REQUESTS = "kvbaton_requests_total"
 

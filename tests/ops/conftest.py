@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support.chat import CHAT, JSON, chat_body, post
-from tests.support.procs import SimProc, log_file, sim
-from tests.support.router import RouterProc, router
+from harness.chat import CHAT, JSON, chat_body, post
+from harness.procs import SimProc, log_file, sim
+from harness.router import RouterProc, router
 
 ADMIN_KEY = "ops-admin-key"
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")

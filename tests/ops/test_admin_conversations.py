@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import redis
 
+from harness.procs import SimProc
+from harness.router import RouterProc
 from router.turn.tenant import tenant_of
 from tests.ops.conftest import call, chat, log_path, ops_router
-from tests.support.procs import SimProc
-from tests.support.router import RouterProc
 
 TAG = "conversations"
 

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import redis
 
+from harness.chat import CHAT, chat_body, post
+from harness.metrics import metric
+from harness.procs import SimProc, sim
+from harness.router import RouterProc
+from harness.waiting import scaled
 from tests.ops.conftest import BIDIR, call, chat, decode_urls, ops_router
-from tests.support.chat import CHAT, chat_body, post
-from tests.support.metrics import metric
-from tests.support.procs import SimProc, sim
-from tests.support.router import RouterProc
-from tests.support.waiting import scaled
 
 
 @pytest.fixture(scope="module")

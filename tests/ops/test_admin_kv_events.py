@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import redis
 
+from harness.chat import NULL_HANDOFF, post
+from harness.procs import SimProc, free_port, sim, wait_until
+from harness.router import RouterProc
 from tests.ops.conftest import BIDIR, call, ops_router
-from tests.support.chat import NULL_HANDOFF, post
-from tests.support.procs import SimProc, free_port, sim, wait_until
-from tests.support.router import RouterProc
 
 
 @pytest.fixture(scope="module")

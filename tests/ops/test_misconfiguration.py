@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tests.support.chat import JSON, get_json, post
-from tests.support.metrics import metric
-from tests.support.procs import SimProc, free_port, redis_server, sims, wait_until
-from tests.support.router import RouterProc, router
+from harness.chat import JSON, get_json, post
+from harness.metrics import metric
+from harness.procs import SimProc, free_port, redis_server, sims, wait_until
+from harness.router import RouterProc, router
 
 PASSWORD = "hunter2-not-logged"
 

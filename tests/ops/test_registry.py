@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 import redis
 
+from harness.procs import SimProc, free_port
+from harness.waiting import scaled
 from router.config import Settings
 from router.engines.client import Upstream
 from router.engines.pool import Instance
 from router.lifecycle.registry import admit, desired
 from sessions.registry_store import Entry
 from tests.ops.conftest import call, decode_urls, ops_router
-from tests.support.procs import SimProc, free_port
 from tests.support.services import make_services
-from tests.support.waiting import scaled
 
 
 def status(url: str) -> dict[str, Any]:

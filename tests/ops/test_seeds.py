@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from harness.procs import SimProc, free_port
+from harness.router import RouterProc, router
 from tests.ops.conftest import call, chat
-from tests.support.procs import SimProc, free_port
-from tests.support.router import RouterProc, router
 
 pytestmark = pytest.mark.e2e
 

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tests.support.chat import chat_turn, client
-from tests.support.router import SESSION_SECRET
-from tests.support.stack import Stack, start_stack
+from harness.chat import chat_turn, client
+from harness.router import SESSION_SECRET
+from harness.stack import Stack, start_stack
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 API_KEY = "sk-operator-knows-this"

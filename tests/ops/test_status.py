@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.procs import SimProc
+from harness.router import RouterProc, router
 from tests.ops.conftest import ADMIN_KEY, call, ops_router
-from tests.support.procs import SimProc
-from tests.support.router import RouterProc, router
 
 
 @pytest.fixture(scope="module")

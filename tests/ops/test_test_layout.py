@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# bench imports tests.support too: it may not import a test module either.
-SCANNED = ("tests", "bench")
+# bench and harness may not import a test module either.
+SCANNED = ("tests", "bench", "harness")
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +77,7 @@ CASES: list[tuple[str, str, set[str]]] = [
     # A contract's tests, imported from the helper module that holds them, are fine.
     ("from tests.sessions.store_contract import test_absent_key", "tests.sessions", set()),
     ("from tests.unit.turns import services", "tests.unit", set()),
-    ("from tests.support.procs import free_port", "bench", set()),
+    ("from harness.procs import free_port", "bench", set()),
     ("from tests.e2e.conftest import BIDIR", "tests.e2e", set()),
     ("from aiohttp.test_utils import TestServer", "tests.sim", set()),
 ]
@@ -90,3 +90,16 @@ def test_the_check_finds_an_imported_test_module(
     source: str, package: str, found: set[str]
 ) -> None:
     assert imported_test_modules(source, package) == found
+
+
+def test_the_harness_imports_neither_bench_nor_tests() -> None:
+    """harness/ sits below both of its users: bench/ and tests/ import it, never the reverse."""
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            name
+            for name in imported(ast.parse(path.read_text()), package_of(path))
+            if name.split(".")[0] in ("bench", "tests")
+        )
+        for path in sorted((ROOT / "harness").rglob("*.py"))
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}

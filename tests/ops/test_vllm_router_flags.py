@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.procs import SimProc, sim
+from harness.router import router
 from router import vllm_router_flags
 from router.config import FLAGS, build_parser, load_settings
 from router.errors import ConfigError
 from tests.ops.conftest import BIDIR, call, chat
-from tests.support.procs import SimProc, sim
-from tests.support.router import router
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
 BASE = ["--prefill", "http://p0:8000", "--decode", "http://d0:8001"]

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from harness.chat import get_json
+from harness.procs import SimProc, sims, wait_until
+from harness.stack import Stack, start_stack, started
 from tests.reliability.helpers import clear_faults, running
-from tests.support.chat import get_json
-from tests.support.procs import SimProc, sims, wait_until
-from tests.support.stack import Stack, start_stack, started
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 # The shared engines want a key (vLLM --api-key); routers send it from their config.

@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 
 import redis
 
-from tests.support.chat import JSON, Reply, chat_body, get_json, post
-from tests.support.metrics import metric
-from tests.support.procs import SimProc
-from tests.support.router import RouterProc
-from tests.support.router import router as support_router
+from harness.chat import JSON, Reply, chat_body, get_json, post
+from harness.metrics import metric
+from harness.procs import SimProc
+from harness.router import RouterProc
+from harness.router import router as support_router
 
 T = TypeVar("T")
 
@@ -196,7 +196,7 @@ def advance_clock(engine: SimProc, seconds: float) -> int:
 def router(
     prefill: Sequence[str], decode: Sequence[str], *args: str, redis_url: str, name: str
 ) -> contextlib.AbstractContextManager[RouterProc]:
-    """tests.support.router.router with a start-up wait long enough for a machine loaded by
+    """harness.router.router with a start-up wait long enough for a machine loaded by
     other engines, and one more try on a fresh port if it is not up."""
     return support_router(
         prefill,

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.chat import JSON, MODEL, Reply, get_json, post
 from tests.reliability.conftest import MAX_BODY, TENANT_HEADER, Stack
 from tests.reliability.helpers import assert_openai_error
-from tests.support.chat import JSON, MODEL, Reply, get_json, post
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

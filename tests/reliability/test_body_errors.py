@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from harness.procs import wait_until
 from tests.reliability.conftest import Stack
 from tests.reliability.helpers import read_to_close, request_head, total
-from tests.support.procs import wait_until
 
 BAD_CHUNKS = {
     "size-ZZ": b"ZZ\r\n{}\r\n0\r\n\r\n",

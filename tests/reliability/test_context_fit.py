@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from harness.chat import JSON, MODEL, post
+from harness.metrics import metric
+from harness.procs import wait_until
 from tests.reliability.conftest import ENGINE_KEY, Stack
 from tests.reliability.helpers import Conversation, assert_openai_error, new_cid, router
-from tests.support.chat import JSON, MODEL, post
-from tests.support.metrics import metric
-from tests.support.procs import wait_until
 
 MAX_MODEL_LEN = 8192  # the simulators' default
 AUTH = {**JSON, "Authorization": f"Bearer {ENGINE_KEY}"}

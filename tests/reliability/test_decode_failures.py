@@ -12,6 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.chat import JSON, post
+from harness.procs import SimProc, wait_until
+from harness.router import RouterProc
 from router.engines.identity import REFUSALS_TO_PAUSE
 from tests.reliability.conftest import ADMIN_KEY, FIRST_BYTE_TIMEOUT, ROUTER_FLAGS, Stack
 from tests.reliability.helpers import (
@@ -27,9 +30,6 @@ from tests.reliability.helpers import (
     session,
     total,
 )
-from tests.support.chat import JSON, post
-from tests.support.procs import SimProc, wait_until
-from tests.support.router import RouterProc
 
 
 def started(main: Stack, tag: str, via: str = "") -> tuple[Conversation, SimProc]:

@@ -8,6 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.chat import chat_body
+from harness.procs import wait_until
+from harness.router import RouterProc
 from tests.reliability.conftest import Slow
 from tests.reliability.helpers import (
     Conversation,
@@ -20,9 +23,6 @@ from tests.reliability.helpers import (
     running,
     send_and_hang_up,
 )
-from tests.support.chat import chat_body
-from tests.support.procs import wait_until
-from tests.support.router import RouterProc
 
 PATH = "/v1/chat/completions"
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.router import RouterProc
 from tests.reliability.conftest import ENGINE_KEY, Stack
 from tests.reliability.helpers import Conversation, new_cid, router, session
-from tests.support.router import RouterProc
 
 HANDLE_TTL = 1.0
 LONG_HANDLE_TTL = 60.0

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 
 import redis
 
+from harness.chat import JSON, post
+from harness.metrics import metric
+from harness.procs import free_port, wait_until
 from tests.reliability.conftest import ROUTER_FLAGS, SESSION_SECRET, Stack
 from tests.reliability.helpers import Conversation, instance, new_cid, router, session
-from tests.support.chat import JSON, post
 from tests.support.fake_d import Shape, fake_d
-from tests.support.metrics import metric
-from tests.support.procs import free_port, wait_until
 
 UNSIGNED = [f for f in ROUTER_FLAGS if f not in ("--session-secret", SESSION_SECRET)]
 

@@ -16,6 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
+from harness.chat import chat_body, get_json, post
+from harness.metrics import metric
+from harness.procs import restart_redis, stop, wait_until
+from harness.stack import Stack, start_stack
 from sessions.keys import CONVERSATION_PATTERN, conversation_key
 from tests.reliability.helpers import (
     Conversation,
@@ -26,10 +30,6 @@ from tests.reliability.helpers import (
     router,
     running,
 )
-from tests.support.chat import chat_body, get_json, post
-from tests.support.metrics import metric
-from tests.support.procs import restart_redis, stop, wait_until
-from tests.support.stack import Stack, start_stack
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 # D takes 20 ms a token: a turn is in flight long enough to be cut by a SIGTERM.

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from harness.chat import JSON, MODEL, Reply, post
+from harness.router import RouterProc
 from tests.reliability.conftest import ENGINE_KEY, MAX_BODY, Stack
 from tests.reliability.helpers import (
     assert_openai_error,
@@ -24,8 +26,6 @@ from tests.reliability.helpers import (
     router,
     total,
 )
-from tests.support.chat import JSON, MODEL, Reply, post
-from tests.support.router import RouterProc
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from tests.support.chat import chat_body, get_json, post
-from tests.support.metrics import metric
-from tests.support.procs import SimProc, free_port, sims, wait_until
-from tests.support.router import RouterProc, router
-from tests.support.stack import started
+from harness.chat import chat_body, get_json, post
+from harness.metrics import metric
+from harness.procs import SimProc, free_port, sims, wait_until
+from harness.router import RouterProc, router
+from harness.stack import started
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 REPLAY_TIMEOUT = 2.0  # the subscriber's (router/engines/kv_events.py)

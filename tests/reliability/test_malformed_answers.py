@@ -9,12 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.metrics import metric
+from harness.procs import wait_until
+from harness.router import RouterProc
 from tests.reliability.conftest import ROUTER_FLAGS, Stack
 from tests.reliability.helpers import Conversation, instance, new_cid, router, session
 from tests.support.fake_d import FakeD, Shape, fake_d
-from tests.support.metrics import metric
-from tests.support.procs import wait_until
-from tests.support.router import RouterProc
 
 SSE = "text/event-stream; charset=utf-8"
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.chat import get_json, post
-from tests.support.stack import Stack, start_stack
-from tests.support.waiting import scaled
+from harness.chat import get_json, post
+from harness.stack import Stack, start_stack
+from harness.waiting import scaled
 
 BIDIR = ("--bidirectional", "--kv-recompute-threshold", "0")
 # An H100-like cost (8B): 500 prompt tokens take P 15 ms, each decode step takes D 15 ms.

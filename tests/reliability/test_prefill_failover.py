@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from harness.procs import SimProc, wait_until
 from tests.reliability.conftest import PREFILL_TIMEOUT, UNHEALTHY_AFTER, Stack
 from tests.reliability.helpers import (
     Conversation,
@@ -22,7 +23,6 @@ from tests.reliability.helpers import (
     session,
     total,
 )
-from tests.support.procs import SimProc, wait_until
 
 
 def log_lines(main: Stack, text: str) -> int:

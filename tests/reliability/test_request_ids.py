@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from harness.procs import log_file, wait_until
 from tests.reliability.conftest import Stack
 from tests.reliability.helpers import Conversation, faults, new_cid
-from tests.support.procs import log_file, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import redis
 
+from harness.chat import JSON, Reply, chat_body, post
 from tests.reliability.conftest import ENGINE_KEY, TENANT_HEADER, Stack
 from tests.reliability.helpers import Conversation, new_cid, reference, router, total
-from tests.support.chat import JSON, Reply, chat_body, post
 
 
 def bearer(token: str) -> dict[str, str]:

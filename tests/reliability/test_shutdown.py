@@ -11,11 +11,11 @@ import time
 
 import pytest
 
+from harness.chat import JSON, chat_body
+from harness.procs import wait_until
+from harness.router import RouterProc
 from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
 from tests.reliability.helpers import new_cid, reference, router, running, session
-from tests.support.chat import JSON, chat_body
-from tests.support.procs import wait_until
-from tests.support.router import RouterProc
 
 GRACE = 10.0
 TOKENS = 6  # 3 s of decoding on the slow D: it spans the SIGTERM

@@ -9,11 +9,11 @@ import os
 import subprocess
 import sys
 
+from harness.chat import get_json
+from harness.procs import ROOT, free_port
+from harness.router import router as plain_router
 from tests.reliability.conftest import ROUTER_FLAGS, SESSION_SECRET, Stack
 from tests.reliability.helpers import Conversation, new_cid, router
-from tests.support.chat import get_json
-from tests.support.procs import ROOT, free_port
-from tests.support.router import router as plain_router
 
 UNSIGNED_FLAGS = [f for f in ROUTER_FLAGS if f not in ("--session-secret", SESSION_SECRET)]
 

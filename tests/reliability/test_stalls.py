@@ -12,12 +12,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.chat import chat_body, post
+from harness.procs import SimProc, sims, wait_until
+from harness.router import router
+from harness.stack import started
 from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
 from tests.reliability.helpers import instance, metric, running, send_and_hang_up
-from tests.support.chat import chat_body, post
-from tests.support.procs import SimProc, sims, wait_until
-from tests.support.router import router
-from tests.support.stack import started
 
 IDLE_S = 1.0
 PACED = ("--bidirectional", "--kv-recompute-threshold", "0", "--decode-ms-per-token", "50")

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
+from harness.metrics import metric
+from harness.procs import wait_until
+from harness.waiting import scaled, timeout_scale
 from tests.reliability.conftest import ROUTER_FLAGS, STORE_RETRY_AFTER, Stack
 from tests.reliability.helpers import Conversation, new_cid, router
-from tests.support.metrics import metric
-from tests.support.procs import wait_until
 from tests.support.slow_redis import slow_redis
-from tests.support.waiting import scaled, timeout_scale
 
 UNAVAILABLE = "miss;reason=store-unavailable"
 

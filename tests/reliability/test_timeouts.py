@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.chat import chat_body, post
+from harness.procs import wait_until
+from harness.router import RouterProc
 from tests.reliability.conftest import SLOW_TOKEN_MS, Slow
 from tests.reliability.helpers import Conversation, metric, new_cid, router, running, session
-from tests.support.chat import chat_body, post
-from tests.support.procs import wait_until
-from tests.support.router import RouterProc
 
 IDLE_TIMEOUT = 0.3  # below the slow D's gap between tokens (SLOW_TOKEN_MS)
 

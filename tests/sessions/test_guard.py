@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from harness.procs import redis_server, restart_redis, stop
 from sessions.guard import StoreGuard
 from sessions.keys import conversation_key
 from sessions.redis_store import RedisSessionStore
 from sessions.store import StoreError
-from tests.support.procs import redis_server, restart_redis, stop
 
 KEY = conversation_key("default", "guarded")
 

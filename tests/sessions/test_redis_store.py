@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from harness.procs import free_port, redis_server, restart_redis, stop
 from sessions.codec import to_fields
 from sessions.guard import StoreGuard
 from sessions.keys import (
@@ -26,7 +27,6 @@ from sessions.keys import (
 from sessions.model import PinSize, PinTotals, SessionState
 from sessions.redis_store import RedisSessionStore
 from sessions.store import CorruptState, StoreError
-from tests.support.procs import free_port, redis_server, restart_redis, stop
 
 KEY = conversation_key("tenant-a", "conv-1")
 STATE = SessionState(

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from harness.procs import free_port
 from sessions import connect
 from sessions.registry_store import Entry, MemoryRegistry, RedisRegistry, Registry
 from sessions.store import StoreError
-from tests.support.procs import free_port
 
 D1 = "http://d1:8000"
 D2 = "http://d2:8000"

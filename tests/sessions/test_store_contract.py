@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from harness.waiting import scaled
 from sessions.codec import handle_id
 from sessions.keys import conversation_key, history_key, pins_key
 from sessions.memory_store import MemorySessionStore
@@ -24,7 +25,6 @@ from tests.sessions.conftest import FakeClock
 # The store contract every topology passes, run here on the in-memory store and redis-server.
 from tests.sessions.store_contract import *  # noqa: F403 (the contract's tests)
 from tests.sessions.store_contract import D1, D2, KEY, OTHER, TTL, Harness, held, state_with, totals
-from tests.support.waiting import scaled
 
 
 @pytest.fixture(params=["memory", "redis"])

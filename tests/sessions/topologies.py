@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.procs import free_port, logged, stop, wait_tcp
-from tests.support.waiting import Deadline
+from harness.procs import free_port, logged, stop, wait_tcp
+from harness.waiting import Deadline
 
 SENTINEL_SERVICE = "kvbaton"
 

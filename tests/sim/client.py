@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.support import metrics
+from harness import metrics
 from vllm_sim.words import COMMON
 
 _TIMEOUT = aiohttp.ClientTimeout(total=20)

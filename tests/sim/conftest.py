@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from tests.support.procs import SimProc, free_port, sim
+from harness.procs import SimProc, free_port, sim
 from vllm_sim.clock import SimClock
 from vllm_sim.config import SimSettings
 from vllm_sim.server import Sim, build_app

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.chat import NULL_HANDOFF
+from harness.procs import SimProc
 from tests.sim.client import chat, words
-from tests.support.chat import NULL_HANDOFF
-from tests.support.procs import SimProc
 
 
 async def prefill(p: SimProc, messages: list[dict[str, Any]], params: dict[str, Any]) -> Any:

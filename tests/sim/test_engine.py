@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 
+from harness.chat import NULL_HANDOFF
 from tests.sim.client import chat, words
 from tests.sim.conftest import FakeTime, running
-from tests.support.chat import NULL_HANDOFF
 from vllm_sim.blocks import CacheEvent, Removed, Stored
 from vllm_sim.config import SimSettings
 from vllm_sim.engine import Engine

@@ -14,9 +14,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from harness.chat import NULL_HANDOFF
+from harness.procs import SimProc, sims
 from tests.sim.client import chat, get, parse_sse, post, stream, tokenize, words
-from tests.support.chat import NULL_HANDOFF
-from tests.support.procs import SimProc, sims
 from vllm_sim import model
 from vllm_sim.events_decode import decode_batch
 

@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from harness.chat import NULL_HANDOFF
+from harness.procs import SimProc, sims
 from tests.sim.client import chat, get, metric, post, words
-from tests.support.chat import NULL_HANDOFF
-from tests.support.procs import SimProc, sims
 from vllm_sim import handover
 from vllm_sim.config import SimSettings
 from vllm_sim.metrics import Counters

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from harness.chat import NULL_HANDOFF
+from harness.procs import SimProc, free_port, sim, sims
 from tests.sim.client import chat, external, get, metric, parse_sse, post, stream, tokenize, words
 from tests.sim.handoff import answer, as_p_handle, decode, prefill, scratch, turn1, turn2_messages
-from tests.support.chat import NULL_HANDOFF
-from tests.support.procs import SimProc, free_port, sim, sims
 
 BS = 16
 

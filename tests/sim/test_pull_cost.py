@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import pytest
 from aiohttp.test_utils import TestServer
 
+from harness.chat import NULL_HANDOFF
+from harness.procs import free_port
 from tests.sim.client import chat, words
 from tests.sim.conftest import running
-from tests.support.chat import NULL_HANDOFF
-from tests.support.procs import free_port
 from vllm_sim import transfer
 from vllm_sim.config import SimSettings
 from vllm_sim.costs import CostModel

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from harness.chat import NULL_HANDOFF
 from tests.sim.client import metric, post, words
 from tests.sim.conftest import InProc, running
-from tests.support.chat import NULL_HANDOFF
 
 N = 8
 

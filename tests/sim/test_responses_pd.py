@@ -8,9 +8,9 @@ from typing import Any
 import openai
 import pytest
 
+from harness.chat import NULL_HANDOFF
+from harness.procs import SimProc, sims
 from tests.sim.client import chat, external, output_text, parse_events, post, stream, words
-from tests.support.chat import NULL_HANDOFF
-from tests.support.procs import SimProc, sims
 
 BS = 16
 

@@ -12,9 +12,9 @@ from urllib.parse import urlsplit
 import pytest
 import redis.asyncio as aioredis
 
+from harness.procs import free_port
 from tests.sim.client import chat, metric, words
 from tests.sim.conftest import InProc, running
-from tests.support.procs import free_port
 from vllm_sim.kvstore import KEY_PREFIX, pack
 
 BS = 16

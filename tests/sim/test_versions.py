@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from harness.chat import NULL_HANDOFF
+from harness.procs import SimProc, sims
 from tests.sim.client import chat, get, metric, parse_sse, post, stream
 from tests.sim.handoff import answer, as_p_handle, decode, prefill, scratch, turn1, turn2_messages
-from tests.support.chat import NULL_HANDOFF
-from tests.support.procs import SimProc, sims
 
 
 @pytest.fixture(scope="module")

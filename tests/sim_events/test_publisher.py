@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.support.procs import free_port
+from harness.procs import free_port
 from vllm_sim.events import (
     END_OF_REPLAY,
     AllBlocksCleared,

@@ -1,3 +1,3 @@
-"""What the tests (and bench/) share: processes (procs), the router (router), a whole stack
-(stack), chat turns (chat), Prometheus text (metrics) and the turn's `Services` (services). Real
-components only."""
+"""What only the tests share: the turn's `Services` (services), a D that answers as a test says
+(fake_d) and a Redis proxy that delays calls (slow_redis). What bench/ shares with the tests is
+the top-level `harness` package."""

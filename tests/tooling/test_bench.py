@@ -14,8 +14,8 @@ import pytest
 from bench import peer_venv, peers, pins_faults, pins_mixed
 from bench.cli import PNGS
 from bench.report import SECTIONS
-from tests.support.procs import ROOT
-from tests.support.waiting import scaled
+from harness.procs import ROOT
+from harness.waiting import scaled
 from tests.tooling.markdown import tables
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

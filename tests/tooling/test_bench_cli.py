@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench import cli
-from tests.support.procs import ROOT
+from harness.procs import ROOT
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import ROOT
+from harness.procs import ROOT
 from tools.check_commits import edited, problem
 
 CHECKER = ROOT / "tools" / "check_commits.py"

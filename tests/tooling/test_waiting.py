@@ -1,4 +1,4 @@
-"""The tests' own waits (tests/support/waiting.py): a start-up that fails says whether the
+"""The tests' own waits (harness/waiting.py): a start-up that fails says whether the
 child died, hung or is still working on a busy machine, with its last log lines; a child that
 works goes on being waited for, one that hangs does not; deadlines scale."""
 
@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from router.config import load_settings
-from tests.support import waiting
-from tests.support.procs import (
+from harness import waiting
+from harness.procs import (
     RUN_ENV,
     Child,
     _start_redis,
@@ -29,8 +28,9 @@ from tests.support.procs import (
     wait_tcp,
     wait_until,
 )
-from tests.support.router import PORT_RACES, http_process, serve_argv
-from tests.support.waiting import SCALE_ENV, StartupError, timeout_scale
+from harness.router import PORT_RACES, http_process, serve_argv
+from harness.waiting import SCALE_ENV, StartupError, timeout_scale
+from router.config import load_settings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from harness.chat import NULL_HANDOFF as WIRE_NULL_HANDOFF
 from router.config import Settings
 from router.connectors.base import Connector, engine_id, prefill_failed
 from router.connectors.nixl.connector import NixlPull
@@ -20,7 +21,6 @@ from router.connectors.nixl.params import (
 )
 from router.connectors.select import select
 from sessions.model import PinSize
-from tests.support.chat import NULL_HANDOFF as WIRE_NULL_HANDOFF
 from tests.unit.handles import D_HANDLE
 
 # P's params (vllm-cpu README section 4a).

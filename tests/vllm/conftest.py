@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.procs import ROOT, free_port
-from tests.support.router import RouterProc, router
+from harness.procs import ROOT, free_port
+from harness.router import RouterProc, router
 from tests.vllm import engines
 from tests.vllm.engines import Engine, EngineSpec, KvEvents
 

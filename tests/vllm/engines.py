@@ -24,8 +24,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from tests.support import metrics
-from tests.support.chat import NULL_HANDOFF
+from harness import metrics
+from harness.chat import NULL_HANDOFF
 
 MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = 32

@@ -8,10 +8,10 @@ import uuid
 
 import redis
 
-from tests.support.chat import post
-from tests.support.metrics import metric, samples
-from tests.support.procs import wait_until
-from tests.support.router import RouterProc
+from harness.chat import post
+from harness.metrics import metric, samples
+from harness.procs import wait_until
+from harness.router import RouterProc
 from tests.vllm import engines
 from tests.vllm.conftest import Engines
 from tests.vllm.engines import by_source

@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tests.support.chat import post, responses_turn
-from tests.support.metrics import metric
-from tests.support.router import RouterProc
+from harness.chat import post, responses_turn
+from harness.metrics import metric
+from harness.router import RouterProc
 from tests.vllm.conftest import Engines
 from tests.vllm.engines import MODEL_NAME, by_source, failed_transfers
 from tests.vllm.turns import MAX_TOKENS, client, moved_if_hit, opening, session_fields

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support.chat import get_json, responses_turn
-from tests.support.procs import free_port, wait_until
-from tests.support.router import RouterProc
+from harness.chat import get_json, responses_turn
+from harness.procs import free_port, wait_until
+from harness.router import RouterProc
 from tests.vllm import engines, pins, responses
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import MODEL_NAME, by_source, failed_transfers

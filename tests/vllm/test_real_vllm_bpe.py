@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from tests.support.metrics import metric
-from tests.support.router import RouterProc
+from harness.metrics import metric
+from harness.router import RouterProc
 from tests.vllm import pins, responses
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import by_source, failed_transfers

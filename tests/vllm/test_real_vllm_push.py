@@ -17,9 +17,9 @@ import uuid
 
 import pytest
 
-from tests.support.chat import get_json
-from tests.support.metrics import metric
-from tests.support.router import RouterProc
+from harness.chat import get_json
+from harness.metrics import metric
+from harness.router import RouterProc
 from tests.vllm.conftest import PYTHON_ENV, Engines
 from tests.vllm.engines import by_source, failed_transfers
 from tests.vllm.turns import chat, opening, reference, session_fields

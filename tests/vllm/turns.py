@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 import openai
 import redis
 
-from tests.support.chat import Turn, chat_turn, reference_answer
-from tests.support.chat import client as support_client
-from tests.support.router import RouterProc
+from harness.chat import Turn, chat_turn, reference_answer
+from harness.chat import client as support_client
+from harness.router import RouterProc
 from tests.vllm.conftest import Engines
 from tests.vllm.engines import MODEL_NAME, by_source, external_tokens, metric
 

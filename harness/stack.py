@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from tests.support.procs import SimProc, redis_server, restart_redis, sim, sims, stop
-from tests.support.router import RouterProc, router
+from harness.procs import SimProc, redis_server, restart_redis, sim, sims, stop
+from harness.router import RouterProc, router
 
 T = TypeVar("T")
 

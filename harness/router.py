@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.procs import free_port, log_file, spawn, stop, wait_http
-from tests.support.waiting import timeout_scale
+from harness.procs import free_port, log_file, spawn, stop, wait_http
+from harness.waiting import timeout_scale
 
 # The secret every test router on Redis signs its sessions with, unless its flags name one or
 # say --unsigned-sessions (a router on a shared store refuses to start without either).

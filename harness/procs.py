@@ -1,5 +1,5 @@
 """Real processes for tests: free ports, a private redis-server, simulators, logs, waiting for
-readiness (tests/support/waiting.py says how long)."""
+readiness (harness/waiting.py says how long)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.support.waiting import Child, Deadline, StartupError
+from harness.waiting import Child, Deadline, StartupError
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG_ROOT = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
