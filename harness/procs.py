@@ -22,7 +22,7 @@ from typing import Any
 
 from harness.waiting import Child, Deadline, StartupError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 LOG_ROOT = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
 RUN_ENV = "KVBATON_TEST_RUN"  # the log folder's run id, set by tests/conftest.py
 
