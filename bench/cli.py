@@ -1,8 +1,11 @@
-"""`python -m bench [--quick] [--out DIR]`: run the benchmarks, write the report and plots.
+"""`python -m bench [--quick] [--only PART ...] [--out DIR] [--render]`: run the benchmarks,
+save each part's results, write the report and its plots.
 
-The full run writes docs/benchmarks.md and docs/bench-*.png; --quick (under 4 minutes) and
---only (some parts: not the whole report, which it would replace) write to a fresh temporary
-directory unless --out is given.
+Each part's results go to bench/results/<part>.json as soon as the part ends (with the
+commit, machine, date and command that measured it), and docs/benchmarks.md is generated
+from every file there: `--only` reruns some parts and keeps the others' results. A quick run,
+or one with --out, writes DIR/results/ and DIR/benchmarks.md instead (a fresh temporary
+directory by default). --render only regenerates the report from the results files.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import argparse
 import contextlib
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import shutil
@@ -47,13 +49,17 @@ from bench.plan import FULL, QUICK, Plan
 from bench.stack import LoadGen
 from harness.procs import ROOT
 
+# The order the parts run in (the report has its own: report.PARTS).
 PARTS = ("overhead", "throughput", "reuse", "events", "profile", "pins", "peers", "handover")
-PNGS = {
-    "overhead": "bench-overhead.png",
-    "ttft": "bench-ttft.png",
-    "throughput": "bench-throughput.png",
-    "pins": "bench-pins.png",
-    "peers": "bench-peers.png",
+RESULTS = ROOT / "bench" / "results"
+DOCS = ROOT / "docs"
+Plot = Callable[[dict[str, Any], Plan, Path], None]
+PNGS: dict[str, tuple[str, Plot]] = {
+    "overhead": ("bench-overhead.png", lambda res, plan, path: plots.overhead(res, path)),
+    "reuse": ("bench-ttft.png", lambda res, plan, path: plots.ttft(res, plan.conv_turns, path)),
+    "throughput": ("bench-throughput.png", lambda res, plan, path: plots.throughput(res, path)),
+    "pins": ("bench-pins.png", lambda res, plan, path: plots.pins(res, path)),
+    "peers": ("bench-peers.png", lambda res, plan, path: plots.peers(res, path)),
 }
 
 
@@ -63,11 +69,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--out",
         type=Path,
-        help="report directory (default: docs/ for a full run, else a temp dir)",
+        metavar="DIR",
+        help="write DIR/results/ and DIR/benchmarks.md (default: bench/results/ and docs/ "
+        "for the full plan, a temporary DIR for --quick)",
     )
     p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts")
-    p.add_argument("--raw", type=Path, help="also write the raw results as JSON here")
-    p.add_argument("--from-raw", type=Path, help="only render the report from a raw JSON file")
+    p.add_argument(
+        "--render", action="store_true", help="only regenerate the report from the results files"
+    )
     return p.parse_args(argv)
 
 
@@ -203,106 +212,98 @@ class Progress:
         self.bar.close()
 
 
+RUNS: dict[str, Callable[[Plan, LoadGen, Callable[[str], None], bool], dict[str, Any]]] = {
+    "overhead": lambda plan, lg, tick, no_reuse: overhead.run(plan, lg, tick, no_reuse),
+    "throughput": lambda plan, lg, tick, no_reuse: {
+        **throughput.run(plan, lg, tick),
+        "hits": hit_throughput.run(plan, lg, tick),
+    },
+    "reuse": lambda plan, lg, tick, no_reuse: reuse.run(plan, lg, tick, no_reuse),
+    "events": lambda plan, lg, tick, no_reuse: events.run(plan, lg, tick),
+    "profile": lambda plan, lg, tick, no_reuse: profile.run(plan, lg, tick),
+    "pins": lambda plan, lg, tick, no_reuse: {
+        **pins.run(plan, lg, tick),
+        "mixed": pins_mixed.run(plan, lg, tick),
+        "faults": pins_faults.run(plan, lg, tick),
+    },
+    "peers": lambda plan, lg, tick, no_reuse: peers.run(plan, lg, tick),
+    "handover": lambda plan, lg, tick, no_reuse: handover.run(plan, lg, tick),
+}
+
+
+def runnable(plan: Plan, parts: tuple[str, ...]) -> tuple[str, ...]:
+    """The parts this machine and plan can run (the profile needs py-spy and time)."""
+    skip = {"profile"} if plan.profile_s <= 0 or not profile.available() else set()
+    return tuple(p for p in parts if p not in skip)
+
+
 def run_parts(
-    plan: Plan, parts: tuple[str, ...], no_reuse: bool, tick: Callable[[str], None]
-) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+    plan: Plan, parts: tuple[str, ...], argv: list[str], progress: Progress, folder: Path
+) -> list[str]:
+    """Run each part and save its results file as soon as it ends; the parts saved."""
+    no_reuse = router_has_no_reuse()
+    saved = []
     with LoadGen() as lg:
-        if "overhead" in parts:
-            results["overhead"] = overhead.run(plan, lg, tick, no_reuse)
-        if "throughput" in parts:
-            results["throughput"] = throughput.run(plan, lg, tick)
-            results["throughput"]["hits"] = hit_throughput.run(plan, lg, tick)
-        if "reuse" in parts:
-            results["reuse"] = reuse.run(plan, lg, tick, no_reuse)
-        if "events" in parts:
-            results["events"] = events.run(plan, lg, tick)
-        if "profile" in parts and plan.profile_s > 0 and profile.available():
-            results["profile"] = profile.run(plan, lg, tick)
-        if "pins" in parts:
-            results["pins"] = pins.run(plan, lg, tick)
-            results["pins"]["mixed"] = pins_mixed.run(plan, lg, tick)
-            results["pins"]["faults"] = pins_faults.run(plan, lg, tick)
-        if "peers" in parts:
-            results["peers"] = peers.run(plan, lg, tick)
-        if "handover" in parts:
-            results["handover"] = handover.run(plan, lg, tick)
-    return results
+        for name in runnable(plan, parts):
+            info, started, first = meta(argv), time.monotonic(), len(progress.loads)
+            res = RUNS[name](plan, lg, progress.tick, no_reuse)
+            info.update(
+                load_after=_load(),
+                duration_s=round(time.monotonic() - started, 1),
+                step_loads=progress.loads[first:],
+                no_reuse=no_reuse,
+            )
+            report.save(folder, name, plan, info, res)
+            saved.append(name)
+    return saved
 
 
-def write(results: dict[str, Any], plan: Plan, out: Path) -> Path:
+def write(folder: Path, out: Path) -> Path:
+    """The report and its plots in out, from the results files in folder; README's headline
+    table too when the report is the committed one."""
+    parts = report.load(folder)
     out.mkdir(parents=True, exist_ok=True)
-    pngs: dict[str, str] = {}
-    if "overhead" in results:
-        plots.overhead(results["overhead"], out / PNGS["overhead"])
-        pngs["overhead"] = PNGS["overhead"]
-    if "reuse" in results:
-        plots.ttft(results["reuse"], plan.conv_turns, out / PNGS["ttft"])
-        pngs["ttft"] = PNGS["ttft"]
-    if "throughput" in results:
-        plots.throughput(results["throughput"], out / PNGS["throughput"])
-        pngs["throughput"] = PNGS["throughput"]
-    if "pins" in results:
-        plots.pins(results["pins"], out / PNGS["pins"])
-        pngs["pins"] = PNGS["pins"]
-    if results.get("peers", {}).get("scenarios"):
-        plots.peers(results["peers"], out / PNGS["peers"])
-        pngs["peers"] = PNGS["peers"]
+    for part in parts:
+        # (peers with every scenario skipped has nothing to draw)
+        if part.name in PNGS and part.results.get("scenarios", True):
+            png, draw = PNGS[part.name]
+            draw(part.results, part.plan, out / png)
     path = out / "benchmarks.md"
-    path.write_text(report.render(results, plan, pngs))
-    if "peers" in pngs and out.resolve() == (ROOT / "docs").resolve():
-        meta = results.get("meta", {})
-        source = (
-            f"the run of {meta.get('date', '?')} UTC (`{meta.get('command', '?')}`, commit "
-            f"{meta.get('commit', '?')})"
-        )
-        headline.update(ROOT / "README.md", headline.lines(results["peers"], source))
+    path.write_text(report.render(parts))
+    peers_part = next((p for p in parts if p.name == "peers"), None)
+    if peers_part is not None and out.resolve() == DOCS.resolve():
+        m = peers_part.meta
+        source = f"the run of {m['date']} UTC (`{m['command']}`, commit {m['commit']})"
+        headline.update(ROOT / "README.md", headline.lines(peers_part.results, source))
     return path
 
 
-def report_dir(args: argparse.Namespace, parts: tuple[str, ...]) -> Path:
-    """--out, else docs/ for a full run; a quick run, or some parts only, would replace the
-    committed report with a partial one: a fresh temporary directory."""
-    if args.out is not None:
-        return Path(args.out)
-    if args.quick or parts != PARTS:
-        return Path(tempfile.mkdtemp(prefix="kvbaton-bench-"))
-    return ROOT / "docs"
+def folders(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(results folder, report folder): bench/results/ and docs/ for the full plan; a quick
+    run, or one with --out, writes DIR/results/ and DIR/ (a fresh temporary DIR by default)
+    so that the committed results keep the full plan's figures."""
+    if args.out is None and not args.quick:
+        return RESULTS, DOCS
+    out = Path(args.out) if args.out is not None else Path(tempfile.mkdtemp(prefix="kvbaton-"))
+    return out / "results", out
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
-    if args.from_raw is not None:
-        results = json.loads(args.from_raw.read_text())
-        print(f"report: {write(results, plan, args.out or args.from_raw.parent)}")
-        return 0
-    parts = tuple(args.only) if args.only else PARTS
-    out = report_dir(args, parts)
-    started = time.monotonic()
-    info = meta(argv)
-    no_reuse = router_has_no_reuse()
-    progress = Progress(planned_steps(plan, parts, no_reuse))
-    try:
-        with sigterm_as_interrupt():
-            results = run_parts(plan, parts, no_reuse, progress.tick)
-    except KeyboardInterrupt:
+    folder, out = folders(args)
+    if not args.render:
+        parts = tuple(args.only) if args.only else PARTS
+        progress = Progress(planned_steps(plan, parts, router_has_no_reuse()))
+        try:
+            with sigterm_as_interrupt():
+                run_parts(plan, parts, argv, progress, folder)
+        except KeyboardInterrupt:
+            progress.close()
+            print("interrupted: every started process was stopped", file=sys.stderr)
+            return 130
         progress.close()
-        print("interrupted: every started process was stopped", file=sys.stderr)
-        return 130
-    progress.close()
-    info.update(load_after=_load(), duration_s=time.monotonic() - started)
-    info["step_seconds"] = progress.seconds
-    info["step_loads"] = progress.loads
-    results["meta"] = info
-    results["flags"] = {"no_reuse": no_reuse}
-    raw = args.raw
-    if raw is None and out.resolve() != (ROOT / "docs").resolve():
-        raw = out / "bench-results.json"  # docs/ holds only the report and its plots
-    if raw is not None:
-        raw.parent.mkdir(parents=True, exist_ok=True)
-        raw.write_text(json.dumps(results, indent=1, default=str))
-    path = write(results, plan, out)
-    print(f"report: {path}")
+    print(f"results: {folder}")
+    print(f"report: {write(folder, out)}")
     return 0
