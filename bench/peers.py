@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import pins, vllm_multiturn
-from bench.peer_venv import PEERS_VENV, VLLM_ROUTER, VLLM_TREE_ENV, vllm_copy, vllm_router
+from bench.peer_venv import PEERS_VENV, VLLM_TREE_ENV, vllm_copy, vllm_router
 from bench.plan import Plan
+from bench.screen import Screen, Table
 from bench.stack import LoadGen, by_source, read_wait, start_stack, tree_cpu_seconds
 from bench.stats import fmt, summary_ms
 from harness.procs import free_port, log_file, redis_server, stop, wait_http
@@ -83,6 +84,7 @@ class Arm:
 
 VLLM_ROUTER_PEER, VLLM_PROXY_PEER, VLLM_DEMO_PEER = "vllm-router", "vllm-proxy", "vllm-demo"
 FLOOR_PEER = "floor"
+KVBATON = "kvbaton"
 # The arms this project runs itself (kvbaton, the floor), by peer kind: never missing.
 LOCAL_EXES: dict[str, str | None] = {"": None, FLOOR_PEER: "bench.passthrough"}
 ARMS = (
@@ -149,14 +151,6 @@ FLOOR_ARM = Arm(
     "are not comparable; its router CPU is, turn for turn",
     (),
     FLOOR_PEER,
-)
-# What the demo proxy does with vLLM's benchmark, read in both (vllm_sim answers as vLLM).
-DEMO_WITH_MIN_TOKENS = (
-    "vLLM's demo proxy with this benchmark: the benchmark sends `min_tokens` (= `max_tokens`, "
-    "the dataset answer's length); the demo sends P the request with `max_tokens` 1 and "
-    "`min_tokens` unchanged, which P refuses (400, as vLLM: `min_tokens` above `max_tokens`), "
-    "and it ignores a 4xx from P. So every turn runs on D alone: D computes the prompt, less "
-    "what it finds in the store (the history it saved itself the turn before)."
 )
 
 
@@ -241,7 +235,7 @@ class Scenario:
 
 
 SCENARIOS = (
-    Scenario("arrivals", "section 7's arrival process", 1.0, 2),
+    Scenario("arrivals", "D's memory's arrival process, answers of 20-60 tokens", 1.0, 2),
     Scenario(
         "P cache pressure",
         "the same arrivals with a small prefix cache on each P: 1,024 blocks (~16k tokens)",
@@ -267,7 +261,7 @@ SCENARIOS = (
     Scenario(
         "vLLM's multi-turn benchmark",
         "vLLM's `benchmarks/multi_turn/benchmark_serving_multi_turn.py`, unchanged, on its "
-        "own example config of synthetic conversations (details below)",
+        "own example config of synthetic conversations (up to 9 turns, a 5,000-token prefix)",
         0.0,  # it runs until every conversation has ended
         1,
         # Its longest conversations reach ~8k tokens (a 5,000-token prefix, 9 turns).
@@ -490,21 +484,6 @@ def router_cpu(arms: dict[str, Any]) -> tuple[float | None, float | None, float 
     return cpu.get(ARMS[0].name), cpu.get(ARMS[2].name), cpu.get(FLOOR_ARM.name)
 
 
-def stack_cost(arms: dict[str, Any]) -> list[str]:
-    """Router CPU per turn of kvbaton and vllm-router's default policy against the floor's,
-    where the floor ran."""
-    kv, peer, floor = router_cpu(arms)
-    if floor is None or kv is None or peer is None or min(floor, peer) <= 0:
-        return []
-    return [
-        "",
-        f"Router CPU per turn: kvbaton {kv:.2f} ms, {ARMS[2].name} {peer:.2f} ms "
-        f"({kv / peer:.2f}x); the floor, the same stack doing no router work, {floor:.2f} ms: "
-        f"{floor / peer:.2f}x {ARMS[2].name}'s on its own, and kvbaton {kv / floor:.2f}x the "
-        "floor's.",
-    ]
-
-
 def _read_wait(rounds: list[dict[str, float]]) -> dict[str, float]:
     """P's side-channel reads over the rounds: how many, their mean wall time and the bucket
     bound under which 90% of them finished (ms)."""
@@ -518,19 +497,6 @@ def _read_wait(rounds: list[dict[str, float]]) -> dict[str, float]:
     bounds = sorted((float(k[3:]), n) for k, n in total.items() if k.startswith("le="))
     p90 = next((b for b, n in bounds if n >= 0.9 * count), float("inf"))
     return {"reads": count, "mean_ms": 1000 * total["sum"] / count, "p90_under_ms": 1000 * p90}
-
-
-def _waited(summary: dict[str, Any]) -> str:
-    """P's reads of D's KV: the simulators' side channel is answered by D's own event loop, so
-    a read waits while D is busy (a GPU's RDMA read does not): what that added here."""
-    wait = summary.get("p_read_wait") or {}
-    if not wait.get("reads"):
-        return ""
-    return (
-        f" Its P's {wait['reads']:,.0f} reads of D's KV took {fmt(wait['mean_ms'])} ms on "
-        f"average, 90% under {fmt(wait['p90_under_ms'])} ms (wall time of the simulators' "
-        "side channel, which D's event loop answers; the modelled transfer time is apart)."
-    )
 
 
 def _reuse(turns: list[dict[str, Any]]) -> dict[str, int]:
@@ -565,92 +531,108 @@ def answers_compared(arms: dict[str, Any]) -> None:
         arm["summary"]["differ"] = sum(base[k] != mine[k] for k in both)
 
 
-def section(res: dict[str, Any], plan: Plan, png: str | None = None) -> list[str]:
-    lines = [
-        "## 8. Side by side with other routers",
-        "",
-        f"Section 7's arrival process ({plan.pins_rate:g} conversations/s) and variants of it, "
-        "through 2 P and 2 D simulators (8,192 blocks each: an 8B model on one H100 holds ~30k "
-        "blocks of 16 tokens, so 8,192 at 3 conversations/s stands for ~30k at ~11/s) with the "
-        "H100/8B cost model and the engines' own 480 s pin TTL; each arm on fresh engines, the "
-        "arms in reversed order every other round. Every client sends its conversation's id as "
-        "`X-Session-ID`. Goodput: turns whose first token came within "
-        f"{res['slo_ms']:g} ms, per second of arrivals. Tokens are the engines' "
-        "`vllm:prompt_tokens_by_source_total` (a killed D's are lost); *D pinned at most* is "
-        "the largest share of the D's blocks (both together) held for a reader that had not "
-        "read them, sampled twice a second; router CPU is the router's process tree. The arms:",
-        "",
-    ]
-    listed: dict[str, str] = {}  # every scenario's arms, in order (the floor's on one)
-    for sc in res["scenarios"].values():
-        for name, arm in sc["arms"].items():
-            listed.setdefault(name, arm["how"])
-    lines += [f"- {name}: {how}" for name, how in listed.items()]
-    peer_of = {a.name: a.peer for a in ARMS}
-    for name in res["skipped"]:
-        why = (
-            f"`{VLLM_ROUTER}` could not be installed"
-            if peer_of.get(name) == VLLM_ROUTER_PEER
-            else f"no vLLM tree (set `{VLLM_TREE_ENV}`)"
-        )
-        lines.append(f"- {name}: skipped, {why}")
-    for name in res.get("skipped_scenarios", []):
-        lines += ["", f"*{name}*: skipped, no vLLM tree (set `{VLLM_TREE_ENV}`)."]
-    for sc_name, sc in res["scenarios"].items():
-        lines += scenario_lines(sc_name, sc)
-    if png:
-        lines += ["", f"![later-turn TTFT and failed turns per arm and scenario]({png})"]
-    lines.append("")
-    return lines
+def arm_names(scenarios: dict[str, Any]) -> list[str]:
+    """Every scenario's arms, in the order they first appear."""
+    names: list[str] = []
+    for sc in scenarios.values():
+        names += [a for a in sc["arms"] if a not in names]
+    return names
 
 
-def scenario_lines(sc_name: str, sc: dict[str, Any]) -> list[str]:
-    """One scenario's table and notes."""
-    lines = ["", f"### {sc_name}: {sc['what']}", ""]
-    if "multiturn" in sc:
-        lines += vllm_multiturn.section(sc["multiturn"], sc["rounds"])
-    else:
-        lines.append(f"{sc['seconds']:g} s of arrivals per arm and round, {sc['rounds']} round(s).")
-    lines += [
-        "",
-        "| arm | turns (failed) | TTFT turn 1 p50 / p90 / p99 ms | later turns p50 / p90 / "
-        "p99 ms | goodput /s | P computed | D computed | P read from D | D pinned at most | "
-        "router CPU ms/turn | answers differing from kvbaton's |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+def later_cell(s: dict[str, Any] | None) -> str:
+    """Later-turn TTFT p50 / p90 (ms) and the failed turns, where any."""
+    if s is None:
+        return "n/a"
+    later = s["ttft_later"]
+    text = f"{fmt(later['p50'], 0)} / {fmt(later['p90'], 0)}"
+    return text + (f" ({s['failed']} of {s['turns']} failed)" if s["failed"] else "")
+
+
+def summary_table(scenarios: dict[str, Any]) -> Table:
+    """Later-turn TTFT per arm and scenario: the one table that says who wins."""
+    rows = [
+        [arm, *(later_cell(sc["arms"].get(arm, {}).get("summary")) for sc in scenarios.values())]
+        for arm in arm_names(scenarios)
     ]
+    return Table(["arm", *scenarios], rows)
+
+
+def winners(scenarios: dict[str, Any]) -> list[str]:
+    """Per scenario, the arm lowest at later-turn p50, and kvbaton's figures where it is not."""
+    out = []
+    for name, sc in scenarios.items():
+        later = {a: r["summary"]["ttft_later"] for a, r in sc["arms"].items()}
+        best = min(later, key=lambda a: later[a]["p50"])
+        b, mine = later[best], later.get(KVBATON)
+        if best == KVBATON:
+            out.append(f"- {name}: kvbaton is lowest, {fmt(b['p50'], 1)} / {fmt(b['p90'], 1)} ms.")
+        elif mine is not None:
+            out.append(
+                f"- {name}: **{best}** is lowest, {fmt(b['p50'], 1)} / {fmt(b['p90'], 1)} ms "
+                f"against kvbaton's {fmt(mine['p50'], 1)} / {fmt(mine['p90'], 1)}."
+            )
+    return out
+
+
+def detail_table(sc: dict[str, Any]) -> Table:
+    rows = []
     for name, arm in sc["arms"].items():
         s = arm["summary"]
-        one_, later = s["ttft_first"], s["ttft_later"]
-        lines.append(
-            f"| {name} | {s['turns']} ({s['failed']}) | "
-            f"{fmt(one_['p50'], 0)} / {fmt(one_['p90'], 0)} / {fmt(one_['p99'], 0)} | "
-            f"{fmt(later['p50'], 0)} / {fmt(later['p90'], 0)} / {fmt(later['p99'], 0)} | "
-            f"{s['goodput']:.2f} | {s['p_computed']:,.0f} | {s.get('d_computed', 0.0):,.0f} | "
-            f"{s['pulled_from_d']:,.0f} | {s['pinned_max']:.0%} | "
-            f"{s['cpu_ms_per_turn']:.2f} | {s['differ']} of {s['compared']} |"
-        )
-    lines += stack_cost(sc["arms"])
-    kv = sc["arms"].get(ARMS[0].name, {}).get("summary")
-    if kv:
-        reuse = ", ".join(f"{k} {v}" for k, v in sorted(kv["reuse"].items()))
-        if "multiturn" in sc:
-            reuse = "not seen (the benchmark reads no response header)"
-        lines += [
-            "",
-            f"kvbaton's later turns by `X-KV-Reuse`: {reuse or 'none'}; the most of its "
-            f"D's blocks pinned at once: {fmt(kv['pinned_max'])}.{_waited(kv)}",
-        ]
-    if "multiturn" in sc and DEMO_ARM.name in sc["arms"]:
-        lines += ["", DEMO_WITH_MIN_TOKENS]
-    for name, arm in sc["arms"].items():
-        if arm["summary"].get("unmeasured"):
-            lines += [
-                "",
-                f"{name}: {arm['summary']['unmeasured']} answered turn(s) without the "
-                "benchmark's measurement (its result queue drained with `Queue.empty()`), "
-                "not counted above.",
+        first = s["ttft_first"]
+        rows.append(
+            [
+                name,
+                f"{s['turns']} ({s['failed']})",
+                f"{fmt(first['p50'], 0)} / {fmt(first['p90'], 0)}",
+                f"{s['goodput']:.2f}",
+                f"{s['p_computed']:,.0f}",
+                f"{s['pulled_from_d']:,.0f}",
+                f"{s['pinned_max']:.0%}",
+                f"{s['cpu_ms_per_turn']:.2f}",
+                f"{s['differ']} of {s['compared']}",
             ]
-        for r in arm["rounds"]:
-            if r.get("error"):
-                lines += ["", f"{name}: the benchmark did not run to its end: `{r['error']}`"]
-    return lines
+        )
+    header = [
+        "arm",
+        "turns (failed)",
+        "TTFT turn 1 p50 / p90 ms",
+        "goodput /s",
+        "P computed",
+        "P read from D",
+        "D pinned at most",
+        "router CPU ms/turn",
+        "answers unlike kvbaton's",
+    ]
+    return Table(header, rows)
+
+
+def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
+    scenarios = res["scenarios"]
+    skipped = [*res["skipped"], *res.get("skipped_scenarios", [])]
+    what = "; ".join(f"*{name}*: {sc['what']}" for name, sc in scenarios.items())
+    question = (
+        "Which router gives the lowest time to first token after a conversation's first turn? "
+        f"{plan.pins_rate:g} conversations/s through 2 P and 2 D simulators, each arm on fresh "
+        f"engines, the arms' order reversed every other round. {what}. TTFT after turn 1, "
+        "p50 / p90 in ms; the second table is the first scenario's."
+    )
+    answer = winners(scenarios)
+    if skipped:
+        answer.append(f"- skipped: {', '.join(skipped)} (no vLLM tree: set `{VLLM_TREE_ENV}`).")
+    first = next(iter(scenarios), None)
+    tables = [summary_table(scenarios)] if scenarios else []
+    if first is not None:
+        tables.append(detail_table(scenarios[first]))
+    kv = scenarios[first]["arms"].get(KVBATON, {}).get("summary") if first else None
+    if kv:
+        plans = ", ".join(f"{k} {v}" for k, v in sorted(kv["reuse"].items()))
+        answer.append(f"- kvbaton's later turns on {first} by `X-KV-Reuse`: {plans or 'none'}.")
+    return [
+        Screen(
+            "Side by side with other routers",
+            question,
+            tables,
+            answer,
+            "bench-peers.png" if scenarios else None,
+        )
+    ]

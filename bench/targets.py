@@ -66,7 +66,7 @@ def reference_rows(hit: dict[str, Any] | None) -> list[Row]:
                 f"own added p50 on {what}, {hitpath.REFERENCE_CLIENTS} clients: <= "
                 f"{REFERENCE_X:g}x the reference proxy's",
                 "vLLM's disagg_proxy_multiturn.py, same conversations, alternating rounds "
-                "(section 1, *the hit path*)",
+                "(*Router overhead*)",
                 f"{fmt(x, 2)}x ({fmt(hitpath.own(c, key))} vs {fmt(theirs)} ms)"
                 + _rounds_note(hitpath.round_ratios(c, key)),
                 _ok(x, REFERENCE_X),
@@ -86,7 +86,7 @@ def own_rows(hit: dict[str, Any] | None) -> list[Row]:
     c = _json_cell((hit or {}).get("cells", []))
     if c is None:
         return []
-    ref = "floor, same conversations, alternating rounds (section 1, *the hit path*)"
+    ref = "floor, same conversations, alternating rounds (*Router overhead*)"
     out: list[Row] = []
     for key, what, bound in (("first", "first turns", OWN_FIRST_MS), ("later", "hits", OWN_HIT_MS)):
         own = hitpath.own(c, key)
@@ -111,7 +111,7 @@ def cpu_rows(ov: dict[str, Any], plan: Plan) -> list[Row]:
         out.append(
             (
                 f"router CPU per first turn: <= {CPU_FIRST_X:g}x the floor's",
-                "floor's CPU per turn, same cell (section 1, JSON, 1 client)",
+                "floor's CPU per turn, same cell (*Router overhead*, JSON, 1 client)",
                 f"{fmt(x)}x ({fmt(k, 3)} vs {fmt(f, 3)} ms)",
                 _ok(x, CPU_FIRST_X),
             )
@@ -151,7 +151,7 @@ def loop_rows(hit: dict[str, Any] | None) -> list[Row]:
     return [
         (
             "router CPU per turn on uvloop (the default) vs asyncio, JSON conversations",
-            "the same router with `--event-loop asyncio`, same rounds (section 1)",
+            "the same router with `--event-loop asyncio`, same rounds (*Router overhead*)",
             f"{fmt(uv, 3)} vs {fmt(aio, 3)} ms: {fmt(_ratio(uv, aio))}x",
             None,
         )
@@ -231,7 +231,7 @@ def limit_rows(res: dict[str, Any] | None, plan: Plan) -> list[Row]:
             (
                 f"TTFT p50 with reuse, every turn after the first, {engines}: within "
                 f"{(LIMIT_SLACK - 1) * 100:.0f}% of the limit",
-                "cost model's limit per turn (section 3, *TTFT against the limit*)",
+                "cost model's limit per turn (*What reuse buys*)",
                 f"worst turn {turn}: {fmt(measured, 1)} vs {fmt(limit, 1)} ms, {fmt(ratio)}x",
                 _ok(ratio, LIMIT_SLACK),
             )
@@ -264,7 +264,7 @@ def throughput_rows(res: dict[str, Any] | None) -> list[Row]:
             out.append(
                 (
                     f"turns/s, {label}, {kind} first turns",
-                    "figure with the CPU per turn that explains it (section 2)",
+                    "figure with the CPU per turn that explains it (*Throughput*)",
                     f"{fmt(sweep['sustained_turns_s'], 0)} turns/s at "
                     f"{fmt(sweep['cpu_ms_per_turn'], 3)} ms CPU/turn",
                     None,
@@ -287,7 +287,7 @@ def peer_rows(res: dict[str, Any] | None) -> list[Row]:
     return [
         (
             f"router CPU per turn on vLLM's multi-turn benchmark: <= {PEER_CPU_X:g}x vllm-router's",
-            f"{peers.ARMS[2].name}, same scenario and rounds (section 8)",
+            f"{peers.ARMS[2].name}, same scenario and rounds (*Side by side*)",
             measured,
             _ok(x, PEER_CPU_X),
         )
@@ -303,7 +303,7 @@ def hit_rate_rows(res: dict[str, Any] | None) -> list[Row]:
     return [
         (
             f"hit turns/s, {where}: >= {HIT_TURNS_S:g}",
-            "the hit path's conversations, closed loop (section 2, *Hit turns*)",
+            "the hit path's conversations, closed loop (*Throughput*)",
             f"{fmt(best['turns_s'], 0)} turns/s at {best['router_cpu_util'] * 100:.0f}% of the "
             f"router's core; a fully busy core at {fmt(best['cpu_ms_per_turn'], 3)} ms CPU/turn: "
             f"{fmt(best['ceiling_turns_s'], 0)}",

@@ -285,38 +285,3 @@ def parse(stats: list[dict[str, Any]], convs: list[dict[str, Any]], log: str) ->
         "unmeasured": len(unmeasured),
         "unmeasured_answers": unmeasured,
     }
-
-
-def _dist(d: dict[str, Any]) -> str:
-    """One of its config's distributions, in words."""
-    kind = d.get("distribution")
-    if kind == "constant":
-        return f"{d['value']:,}"
-    if kind == "uniform":
-        return f"{d['min']:,}-{d['max']:,} (uniform)"
-    rest = ", ".join(f"{k} {v:,}" for k, v in d.items() if k != "distribution")
-    return f"{kind} ({rest})"
-
-
-def section(desc: dict[str, Any], rounds: int) -> list[str]:
-    """The report's account of the workload (the table that follows is section 8's)."""
-    return [
-        f"Its `generate_multi_turn.json` (synthetic conversations; only `text_files` changed, "
-        f"to a local file of the simulators' vocabulary words, and the size under `--quick`): "
-        f"{desc['conversations']} conversations of {_dist(desc['messages'])} messages, a "
-        f"common prefix of {_dist(desc['common_prefix'])} tokens, a first-turn prefix of "
-        f"{_dist(desc['prefix'])}, user messages of {_dist(desc['user'])} tokens, answers of "
-        f"{_dist(desc['answer'])} (its `min_tokens` = `max_tokens`), streamed. "
-        f"`--num-clients {desc['clients']} --max-active-conversations {desc['active']} "
-        "--no-early-stop --seed 0`, so every arm gets the same requests; its tokenizer is a "
-        "local folder that splits text as the simulators do, `--served-model-name sim-model`. "
-        "It sends each conversation's id only as a body `conversation_id`; a `sitecustomize` "
-        "on its path copies the id into an `X-Session-ID` header too (vllm-router's "
-        "`consistent_hash` reads that), the script itself unchanged. A turn is one of its "
-        "requests (turn n sends 2n - 1 messages), TTFT its `ttft_ms`; *failed* the failures it "
-        "logged (a client that hits an error drops that conversation). Goodput is per second "
-        "of its own run (first request to last answer); router CPU also counts the router's "
-        "idle work while the benchmark starts (its imports take seconds), which weighs on few "
-        "requests (`--quick`); answers are compared over the conversations it wrote back "
-        f"(`--output-file`). {rounds} round(s).",
-    ]
