@@ -1,21 +1,13 @@
-"""The floor of the stack the design names, for one turn: Hypercorn + Starlette + aiohttp
-passing a request through P and D with nothing else: no Redis, no session, no verification,
-no parsing of D's answer, no metrics or logs.
+"""The floor: Hypercorn + Starlette + aiohttp passing a turn through P and D with nothing
+else (no Redis, session, verification, parsing of D's answer, metrics or logs). P gets the
+body with `max_tokens: 1` and the null handoff, D P's `kv_transfer_params`; D's answer is
+relayed as it comes. What it adds is what any router on this stack pays.
 
-Run as `python -m bench.passthrough PORT P_URL D_URL [uvloop|asyncio] [REDIS_URL]`. A chat
-request goes to P (`stream: false`, `max_tokens: 1`, the null handoff), then to D with P's
-`kv_transfer_params`; D's JSON body is returned as it came, D's SSE bytes relayed as they
-arrive (Starlette's StreamingResponse). kvbaton's added latency minus this one's is what
-the router's own work costs; this one's is what any router on this stack pays.
+With REDIS_URL, the *work floor*: also the I/O a hit makes kvbaton do, bare: kvbaton's claim
+and commit scripts keyed by `conversation_id` (a state of kvbaton's size, computed from
+nothing) and on a later turn P's `/tokenize` of the chat.
 
-With REDIS_URL it is the *work floor*: the same, plus the I/O that a hit makes kvbaton do
-and nothing else. Keyed by the body's `conversation_id`, it runs kvbaton's own claim script
-before the legs and its commit script after D's answer (two Redis round trips, as a turn
-with a conversation id makes), and on a later turn (the claim found the conversation) it
-first POSTs P's `/tokenize` with the chat, as kvbaton verifies a hit. What it commits is
-the size of kvbaton's state (a handle, one 16-hex-digit digest per 16-token block of the
-prompt, the other fields' sizes) but computed from nothing: no digests, no verification,
-no parsing of D's answer (the handle it stores is P's, of the same size as D's).
+`python -m bench.passthrough PORT P_URL D_URL [uvloop|asyncio] [REDIS_URL]`
 """
 
 from __future__ import annotations
@@ -51,9 +43,7 @@ JSON = {"Content-Type": "application/json"}
 
 
 class WorkStore:
-    """The work floor's I/O per turn: kvbaton's own claim and commit scripts (one Redis round
-    trip each, on a hash of kvbaton's state size) and, on a later turn, P's /tokenize of the
-    chat; bare: no digests, no decoding of what the claim read beyond the turn number."""
+    """The work floor's I/O per turn (none without a Redis URL)."""
 
     def __init__(self, redis_url: str | None, p_url: str) -> None:
         self._p_url = p_url
@@ -89,12 +79,9 @@ class WorkStore:
         if started is None:
             return
         key, turn, prompt_tokens = started
-        fields = {
-            **STATE_FIELDS,
-            "turn": str(turn + 1),
-            "kv_transfer_params": msgspec.json.encode(params).decode(),
-            "block_digests": " ".join(["0123456789abcdef"] * (prompt_tokens // 16)),
-        }
+        fields = {**STATE_FIELDS, "turn": str(turn + 1)}
+        fields["kv_transfer_params"] = msgspec.json.encode(params).decode()
+        fields["block_digests"] = " ".join(["0123456789abcdef"] * (prompt_tokens // 16))
         flat = [x for item in fields.items() for x in item]
         await self._commit(keys=[key], args=[turn, TTL_MS, msgspec.json.encode(flat)])
 
@@ -148,20 +135,13 @@ def build_app(p_url: str, d_url: str, redis_url: str | None = None) -> Starlette
 
         return StreamingResponse(relay(), d_resp.status, media_type="text/event-stream")
 
-    return Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-        ],
-        lifespan=lifespan,
-    )
+    routes = [Route("/health", health), Route("/v1/chat/completions", chat, methods=["POST"])]
+    return Starlette(routes=routes, lifespan=lifespan)
 
 
 async def main(port: int, p_url: str, d_url: str, redis_url: str | None = None) -> None:
     config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.accesslog = None
-    config.keep_alive_timeout = 75.0
+    config.bind, config.accesslog, config.keep_alive_timeout = [f"127.0.0.1:{port}"], None, 75.0
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -170,8 +150,7 @@ async def main(port: int, p_url: str, d_url: str, redis_url: str | None = None) 
 
 
 if __name__ == "__main__":
-    # The same event loop as kvbaton's (--event-loop, uvloop by default), so that the floor
-    # and the router differ only by what the router does.
+    # kvbaton's event loop (uvloop by default): the floor differs only by the router's work.
     loop = event_loop_factory(sys.argv[4] if len(sys.argv) > 4 else "uvloop")
     with asyncio.Runner(loop_factory=loop) as runner:
         redis_url = sys.argv[5] if len(sys.argv) > 5 else None

@@ -1,5 +1,5 @@
 """4. What the session store costs per turn: round trips (a short MONITOR sample, outside the
-timed runs), server time (INFO commandstats deltas of the timed runs), loopback RTT."""
+timed runs), server time (INFO commandstats deltas of section 1's timed runs), loopback RTT."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
 
+from bench.screen import Screen, Table
 from bench.stack import LoadGen
-from bench.stats import pct
+from bench.stats import fmt, pct
 from harness.stack import Stack
 
 _LINE = re.compile(r'^\d+\.\d+ \[\d+ ([^\]]+)\] "([^"]+)"')
@@ -66,35 +67,23 @@ def parse_monitor(text: str) -> tuple[Counter[str], Counter[str]]:
 def monitor_sample(st: Stack, lg: LoadGen, router_index: int) -> dict[str, Any]:
     """Round trips per turn: 4 conversations x 3 non-streaming turns through one router."""
     assert st.redis_url is not None
-    spec = {
-        "kind": "conversations",
-        "target": {"mode": "router", "urls": [st.routers[router_index].url]},
-        "n": 4,
-        "turns": 3,
-        "concurrency": 4,
-        "stream": False,
-        "system_words": (200, 200),
-        "user_words": (20, 20),
-        "output_tokens": (16, 16),
-        "jitter_s": 0.0,
-        "seed": 99,
-        "deadline_s": 60.0,
-    }
+    spec: dict[str, Any] = {"kind": "conversations", "n": 4, "turns": 3, "concurrency": 4}
+    spec.update(target={"mode": "router", "urls": [st.routers[router_index].url]})
+    spec.update(stream=False, system_words=(200, 200), user_words=(20, 20), jitter_s=0.0)
+    spec.update(output_tokens=(16, 16), seed=99, deadline_s=60.0)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "monitor.txt"
         with monitor(st.redis_url, path):
             r = lg.run(spec, timeout=90.0)
         top, inner = parse_monitor(path.read_text(errors="replace"))
-    turns = sum(1 for t in r["turns"] if t["ok"])
-    first = sum(1 for t in r["turns"] if t["ok"] and t["turn"] == 1)
-    hits = sum(1 for t in r["turns"] if t["ok"] and t["reuse"].startswith("hit"))
+    ok = [t for t in r["turns"] if t["ok"]]
     return {
-        "turns": turns,
-        "first_turns": first,
-        "hits": hits,
+        "turns": len(ok),
+        "first_turns": sum(1 for t in ok if t["turn"] == 1),
+        "hits": sum(1 for t in ok if t["reuse"].startswith("hit")),
         "top": dict(top),
         "inner": dict(inner),
-        "round_trips_per_turn": sum(top.values()) / turns if turns else None,
+        "round_trips_per_turn": sum(top.values()) / len(ok) if ok else None,
     }
 
 
@@ -136,123 +125,41 @@ def rtt(url: str, n: int = 500) -> dict[str, float]:
     return asyncio.run(_rtt(url, n))
 
 
-async def _history_cost(url: str, n: int, sizes: tuple[int, ...]) -> dict[str, float]:
-    """The history lookup (one MGET of k candidate keys, one of them set) and the index write
-    (SET PX), through the router's own store on a real redis-server."""
-    from sessions.keys import history_key
-    from sessions.redis_store import RedisSessionStore
-
-    store = RedisSessionStore(url, timeout=1.0)
-    out: dict[str, float] = {}
-    try:
-        keys = [history_key("bench", f"{i:032x}") for i in range(max(sizes))]
-        await store.index_history(keys[0], "3 h-" + "0" * 32, 60.0)
-        for k in sizes:
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                await store.find_history(keys[:k][::-1])
-                times.append(time.perf_counter() - t0)
-            out[f"lookup_{k}_50_us"] = pct(times, 50) * 1e6
-            out[f"lookup_{k}_99_us"] = pct(times, 99) * 1e6
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await store.index_history(keys[1], "5 h-" + "1" * 32, 60.0)
-            times.append(time.perf_counter() - t0)
-        out["index_50_us"], out["index_99_us"] = pct(times, 50) * 1e6, pct(times, 99) * 1e6
-    finally:
-        await store.close()
-    return out
-
-
-def history_cost(
-    url: str, n: int = 500, sizes: tuple[int, ...] = (1, 4, 16, 64, 256)
-) -> dict[str, float]:
-    """Per-turn cost of history sessions: the lookup by candidate count, and the index write."""
-    return asyncio.run(_history_cost(url, n, sizes))
-
-
-async def _server_usec(client: aioredis.Redis, command: str) -> tuple[float, float]:
-    """(calls, usec) of one command so far (INFO commandstats)."""
-    stats = await client.info("commandstats")
-    entry = stats.get(f"cmdstat_{command}", {})
-    return float(entry.get("calls", 0)), float(entry.get("usec", 0))
-
-
-async def _pin_note_cost(url: str, n: int, sizes: tuple[int, ...]) -> dict[str, float]:
-    """The commit with its pin note (one COMMIT_NOTED) of a handle of k blocks on D: a first
-    turn (k blocks new to the member) and the next turn of the same conversation on the same D
-    (those k blocks and 16 more), as the client waits for it (p50) and as Redis spends on it
-    (INFO commandstats: the script's microseconds per call, which block every other client)."""
-    from sessions.keys import (
-        conversation_key,
-        pin_blocks_key,
-        pin_held_key,
-        pin_sizes_key,
-        pins_key,
-    )
-    from sessions.model import PinSize, SessionState
-    from sessions.redis_store import RedisSessionStore
-    from sessions.store import PinNote
-
-    store = RedisSessionStore(url, timeout=5.0)
-    raw = aioredis.Redis.from_url(url)
-    decode = "http://bench-pins:8200"
-    out: dict[str, float] = {}
-    try:
-        for k in sizes:
-            names = [f"0:{b}" for b in range(1, k + 17)]
-            first, following = " ".join(names[:k]), " ".join(names)
-            notes = (
-                ("first", 0, PinNote(decode, 1.0, PinSize(k, 16 * k, first))),
-                ("next", 1, PinNote(decode, 2.0, PinSize(k + 16, 16 * k + 256, following))),
-            )
-            keys = [conversation_key("bench", f"pins-{k}-{i}") for i in range(n)]
-            for label, turn, note in notes:
-                state = SessionState(turn=turn + 1, decode=decode)
-                await store.commit(keys[0] + "-warm", state, turn, 60.0, note)  # loads the script
-                times = []
-                calls, usec = await _server_usec(raw, "evalsha")
-                for key in keys:
-                    t0 = time.perf_counter()
-                    await store.commit(key, state, turn, 60.0, note)
-                    times.append(time.perf_counter() - t0)
-                calls2, usec2 = await _server_usec(raw, "evalsha")
-                out[f"{label}_{k}_50_us"] = pct(times, 50) * 1e6
-                out[f"{label}_{k}_server_us"] = (usec2 - usec) / max(calls2 - calls, 1)
-            index = pins_key(decode)
-            beside = (pin_sizes_key(decode), pin_held_key(decode), pin_blocks_key(decode))
-            await raw.delete(*keys, keys[0] + "-warm", index, *beside)
-    finally:
-        await store.close()
-        await raw.aclose()
-    return out
-
-
-def pin_note_cost(
-    url: str, n: int = 100, sizes: tuple[int, ...] = (0, 16, 128, 1024, 8192)
-) -> dict[str, float]:
-    """What the pin note adds to the commit, by the handle's blocks (0: no blocks named)."""
-    return asyncio.run(_pin_note_cost(url, n, sizes))
-
-
 def top_level(sample: dict[str, Any]) -> set[str]:
     names = set(sample.get("top", {}))
     return names | set(SCRIPT_COMMANDS)
 
 
-def main() -> None:
-    """`python -m bench.redis_cost`: the history lookup's and the pin note's cost on a private
-    redis-server."""
-    import json
-
-    from harness.procs import redis_server
-
-    with redis_server() as (url, _, _):
-        out = {"rtt": rtt(url), "history": history_cost(url), "pin_note": pin_note_cost(url)}
-        print(json.dumps(out, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+def screen(res: dict[str, Any]) -> Screen:
+    """Section 4 from section 1's results: the MONITOR samples, server time, round trip."""
+    rows = []
+    for mode, sample in res.get("monitor", {}).items():
+        n = max(1, sample["turns"])
+        sent = ", ".join(f"{k} {v / n:.2f}" for k, v in sorted(sample["top"].items()))
+        trips, inner = (
+            fmt(sample["round_trips_per_turn"]),
+            fmt(sum(sample["inner"].values()) / n, 1),
+        )
+        rows.append([mode, f"{sample['turns']} ({sample['hits']} hits)", trips, sent, inner])
+    head = ["router", "turns", "round trips/turn", "sent per turn", "commands in scripts/turn"]
+    top = top_level(res.get("monitor", {}).get("reuse", {}))
+    usec = [per_turn(c["redis_delta"], c["turns"], top) for c in res.get("cells", [])]
+    known = [u["server_usec_per_turn"] for u in usec if u] or [float("nan")]
+    answer = [
+        f"A turn takes {rows[0][2] if rows else 'n/a'} round trips; Redis spends "
+        f"{fmt(min(known), 0)}-{fmt(max(known), 0)} us of server time per first turn in "
+        "section 1's timed runs."
+    ]
+    if (rtt := res.get("redis_rtt")) and rows:
+        wait = float(rows[0][2]) * rtt["script_50_us"] / 1000
+        answer.append(
+            f"A one-command EVALSHA round trip takes {fmt(rtt['script_50_us'], 0)} us p50 "
+            f"({fmt(rtt['script_99_us'], 0)} p99) on loopback: about {fmt(wait)} ms of waiting "
+            "per turn."
+        )
+    question = (
+        "How many Redis round trips and how much Redis time does a turn cost? redis-cli "
+        "MONITOR on 4 conversations x 3 JSON turns (outside the timed runs), INFO "
+        "commandstats of section 1's runs, a redis-py client's loopback round trip."
+    )
+    return Screen("Redis cost per turn", question, [Table(head, rows)], answer)

@@ -20,7 +20,7 @@ def slope(at8: float, at128: float, us: float) -> dict[str, Any]:
 
 
 def test_an_arm_is_the_median_of_its_rounds() -> None:
-    got = overhead._median_slope(
+    got = overhead.median_tree(
         [slope(1.0, 4.0, 30.0), slope(3.0, 9.0, 50.0), slope(2.0, 5.0, 20.0)]
     )
     assert got["runs"]["8"] == {"cpu_ms_per_turn": 2.0, "events": 10.0}
@@ -31,8 +31,9 @@ def test_an_arm_is_the_median_of_its_rounds() -> None:
 def test_a_slope_that_could_not_be_taken_is_left_out_of_the_median() -> None:
     none = slope(1.0, 1.0, 0.0)
     none["us_per_chunk_at"]["128"] = None
-    assert overhead._median_slope([none, slope(1.0, 2.0, 40.0)])["us_per_chunk"] == 40.0
-    assert overhead._median([None, None]) is None
+    got = overhead.median_tree([none, slope(1.0, 2.0, 40.0)])
+    assert got["us_per_chunk_at"]["128"] == 40.0
+    assert overhead.median_tree([None, None]) is None
 
 
 def test_the_target_uses_each_configurations_own_floor_and_paired_difference() -> None:
