@@ -1,13 +1,7 @@
-"""2, hits: how many hit-path turns one router core serves.
-
-Section 1's hit path (bench/hitpath.py: zero-cost engines that keep D's KV, conversations of
-`hit_turns` turns with ids, so 4 of every 5 turns are hits) driven closed-loop at a few
-concurrencies, the router pinned to CPU 1 and the engines, redis-server and the load generator
-to CPU 0, as section 2's first-turn sweeps. Per level: turns/s, the router's share of its core,
-its CPU per turn, and the ceiling of a fully busy core at that CPU per turn. Where the router's
-core is not busy, the other core (engines and load generator) was the limit: the ceiling is
-then the figure for the router, and says so.
-"""
+"""2, hits: how many hit-path turns one router core serves: section 1's hit path (bench/
+hitpath.py) closed loop at a few concurrencies, the router pinned as in section 2's sweeps.
+Per level: turns/s, latency, the router's share of its core, its CPU per turn and the
+ceiling of a fully busy core at that CPU per turn."""
 
 from __future__ import annotations
 
@@ -17,6 +11,7 @@ from typing import Any
 from bench import hitpath
 from bench.plan import Plan
 from bench.stack import LoadGen, reset_caches, tree_cpu_seconds
+from bench.stats import pct
 from bench.throughput import pinned
 
 Tick = Callable[[str], None]
@@ -57,6 +52,8 @@ def level(clients: int, res: dict[str, Any], cpu_s: float) -> dict[str, Any]:
         "hits": sum(1 for t in ok if t["turn"] > 1 and t.get("reuse") == "hit"),
         "later": sum(1 for t in ok if t["turn"] > 1),
         "turns_s": len(ok) / wall,
+        "p50_ms": pct([t["latency"] for t in ok], 50) * 1000.0,
+        "p99_ms": pct([t["latency"] for t in ok], 99) * 1000.0,
         "router_cpu_util": cpu_s / wall,
         "cpu_ms_per_turn": cpu_ms,
         "ceiling_turns_s": 1000.0 / cpu_ms if cpu_ms else None,
