@@ -1,8 +1,5 @@
-"""5. Where the router's CPU goes: py-spy samples of the router process under load.
-
-py-spy (a pip package) attaches to the running router; idle samples (the event loop waiting)
-are dropped, so the shares are of the router's busy time.
-"""
+"""5. Where the router's CPU goes: py-spy samples of the router process under load, the
+idle ones (the event loop waiting in epoll) dropped: shares of the router's busy time."""
 
 from __future__ import annotations
 
@@ -16,9 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import hitpath, overhead, workload
+from bench import hitpath, overhead
 from bench.plan import Plan
+from bench.screen import Screen, Table
 from bench.stack import LoadGen, reset_caches, router_cpu, start_stack
+from bench.stats import fmt
 from harness.stack import Stack
 
 Tick = Callable[[str], None]
@@ -82,82 +81,56 @@ def record(pid: int, seconds: float, path: Path) -> subprocess.Popen[bytes]:
 
 
 def parse(text: str) -> dict[str, Any]:
-    """Self (leaf) shares of functions, exclusive group shares, inclusive router functions."""
-    leaf: Counter[str] = Counter()
-    incl: Counter[str] = Counter()
+    """Busy and idle sample counts, and each group's exclusive share of the busy ones."""
     groups: Counter[str] = Counter()
-    total = idle = 0
+    idle = 0
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        n = int(count)
         frames = stack.split(";")
         if frames[-1].startswith(IDLE_LEAF):
-            idle += n  # the event loop blocked in epoll_wait: waiting, not working
-            continue
-        total += n
-        leaf[_short(frames[-1])] += n
-        groups[group_of(frames)] += n
-        mine = (
-            f
-            for f in frames
-            if frame_path(f) not in ENTRY
-            and (_in(frame_path(f), "router/") or _in(frame_path(f), "sessions/"))
-        )
-        for name in {_short(f) for f in mine}:
-            incl[name] += n
-    if not total:
-        return {"samples": 0, "idle": idle, "self": {}, "groups": {}, "inclusive_router": {}}
-    return {
-        "samples": total,
-        "idle": idle,
-        "self": {k: v / total for k, v in leaf.most_common(25)},
-        "groups": {k: v / total for k, v in groups.most_common()},
-        "inclusive_router": {k: v / total for k, v in incl.most_common(30)},
-    }
+            idle += int(count)  # the event loop blocked in epoll_wait: waiting, not working
+        else:
+            groups[group_of(frames)] += int(count)
+    total = sum(groups.values())
+    shares = {k: v / total for k, v in groups.most_common()}
+    return {"samples": total, "idle": idle, "groups": shares}
 
 
-def _short(frame: str) -> str:
-    """'func (path/to/pkg/mod.py:12)' -> 'func (pkg/mod.py)'."""
-    name, _, where = frame.partition(" (")
-    path = where.rstrip(")").rsplit(":", 1)[0]
-    parts = path.split("/")
-    return f"{name} ({'/'.join(parts[-2:])})"
-
-
-PROFILES = (
-    # label, paced D, streaming, max_tokens, clients
-    ("json", False, False, 16, 16),
-    ("stream", False, True, 128, 16),
-    ("stream-paced", True, True, 128, 32),
-)
+# label, paced D, streaming, max_tokens, clients
+PROFILES: tuple[tuple[str, bool, bool, int, int], ...] = (("json", False, False, 16, 16),)
+PROFILES += (("stream", False, True, 128, 16), ("stream-paced", True, True, 128, 32))
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for paced in (False, True):
-        with start_stack(
-            prefill_args=[overhead.P_ARGS],
-            decode_args=[[*overhead.D_ARGS, *(overhead.PACED if paced else [])]],
-            router_args=[[]],
-            name="profile",
-        ) as st:
+        engines: dict[str, Any] = {"prefill_args": [overhead.P_ARGS], "router_args": [[]]}
+        d_args = [*overhead.D_ARGS, *(overhead.PACED if paced else [])]
+        with start_stack(**engines, decode_args=[d_args], name="profile") as st:
             for label, p, stream, tokens, clients in PROFILES:
                 if p == paced:
                     tick(f"profile {label}")
-                    out[label] = profile_load(plan, st, lg, stream, tokens, clients)
-                    out[label]["paced"] = paced
-    tick("profile hits")
-    out["hits"] = profile_hits(plan, lg)
+                    # More requests than fit: the deadline ends the job.
+                    job = dict(concurrency=clients, count=int(plan.profile_s * 5000), warmup=0)
+                    target = overhead.via_router(st)
+                    spec = overhead.closed_job(target, stream=stream, seed=3, **job)
+                    spec["max_tokens"] = tokens
+                    out[label] = spied(plan, st, lg, spec)
+    tick("profile hits")  # the hit path's conversations, 16 at a time, JSON
+    with hitpath.hit_stack("profile-hits") as st:
+        spec = hitpath.job(plan, st.routers[0].url, stream=False, clients=16, rnd=9, ids=True)
+        spec["n"] = int(plan.profile_s * 2000)
+        out["hits"] = spied(plan, st, lg, spec)
     return out
 
 
-def spied(
-    plan: Plan, st: Stack, lg: LoadGen, spec: dict[str, Any]
-) -> tuple[dict[str, Any], float, dict[str, Any]]:
-    """Run the load generator's job with py-spy on the stack's router for plan.profile_s:
-    (the job's result, the router's CPU seconds meanwhile, the parsed profile)."""
+def spied(plan: Plan, st: Stack, lg: LoadGen, spec: dict[str, Any]) -> dict[str, Any]:
+    """The job run for plan.profile_s with py-spy on the stack's router: the parsed profile,
+    the turns answered (hits among them) and the router's CPU per turn."""
+    spec["deadline_s"] = plan.profile_s + 1.5
+    reset_caches(st)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "profile.txt"
         cpu0 = router_cpu(st)
@@ -171,54 +144,43 @@ def spied(
                 spy.kill()
                 spy.wait(5)
         cpu = router_cpu(st) - cpu0
-        text = path.read_text() if path.exists() else ""
-    return r, cpu, parse(text)
+        out = parse(path.read_text() if path.exists() else "")
+    if "turns" in r:  # conversations: per turn
+        ok = [t for t in r["turns"] if t["ok"]]
+        sent, out["turns"] = len(r["turns"]), len(ok)
+        out["hits"] = sum(1 for t in ok if t["reuse"] == "hit")
+    else:
+        sent, out["turns"], out["events"] = r["sent"], r["ok"], sum(r["events"])
+    out["cpu_ms_per_turn"] = cpu / max(1, sent) * 1000.0
+    return out
 
 
-def profile_hits(plan: Plan, lg: LoadGen, clients: int = 16) -> dict[str, Any]:
-    """py-spy on the router while `clients` conversations at a time run JSON turns on the
-    hit path's stack: every turn after a conversation's first claims, tokenizes, verifies
-    and commits."""
-    with hitpath.hit_stack("profile-hits") as st:
-        spec = hitpath.job(plan, st.routers[0].url, stream=False, clients=clients, rnd=9, ids=True)
-        spec.update(n=int(plan.profile_s * 2000), deadline_s=plan.profile_s + 1.5)
-        r, cpu, result = spied(plan, st, lg, spec)
-    turns = r["turns"]
-    ok = [t for t in turns if t["ok"]]
-    result.update(
-        turns=len(ok),
-        hits=sum(1 for t in ok if t["reuse"] == "hit"),
-        max_tokens=workload.NONSTREAM_TOKENS,
-        clients=clients,
-        seconds=plan.profile_s,
-        cpu_ms_per_turn=cpu / max(1, len(turns)) * 1000.0,
-        events=0,
-    )
-    return result
+TITLES = {"json": "JSON", "stream": "stream", "stream-paced": "stream, paced D", "hits": "hits"}
 
 
-def profile_load(
-    plan: Plan, st: Stack, lg: LoadGen, stream: bool, tokens: int, clients: int
-) -> dict[str, Any]:
-    """py-spy on the router while `clients` clients keep it busy for plan.profile_s seconds."""
-    spec = overhead.closed_job(
-        overhead.via_router(st),
-        stream=stream,
-        concurrency=clients,
-        count=int(plan.profile_s * 5000),  # more than fits: the deadline ends the job
-        warmup=0,
-        seed=3,
-    )
-    spec.update(max_tokens=tokens, deadline_s=plan.profile_s + 1.5)
-    reset_caches(st)
-    r, cpu, result = spied(plan, st, lg, spec)
-    events = sum(r["events"])
-    result.update(
-        turns=r["ok"],
-        max_tokens=tokens,
-        clients=clients,
-        seconds=plan.profile_s,
-        cpu_ms_per_turn=cpu / max(1, r["sent"]) * 1000.0,
-        events=events,
-    )
-    return result
+def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
+    """Section 5: per load, the share of the router's busy samples by group, its CPU."""
+    labels = list(res)
+    groups = [g for g, _ in GROUPS] + [IDLE_GROUP]
+    rows = [
+        [g, *(f"{res[x]['groups'].get(g, 0.0) * 100:.0f}%" for x in labels)]
+        for g in groups
+        if any(res[x]["groups"].get(g) for x in labels)
+    ]
+    rows.append(["router CPU ms/turn", *(fmt(res[x]["cpu_ms_per_turn"], 3) for x in labels)])
+    rows.append(["busy samples", *(str(res[x]["samples"]) for x in labels)])
+    tops = [
+        f"{TITLES.get(x, x)}: {top} ({share * 100:.0f}%)"
+        for x in labels
+        for top, share in list(res[x]["groups"].items())[:1]
+    ]
+    return [
+        Screen(
+            title="Profile",
+            question="Where does the router's CPU go? py-spy (200 Hz) on the router while "
+            "clients keep it busy; each busy sample is charged to the innermost frame of a "
+            "known package, idle samples in epoll_wait left out.",
+            tables=[Table(["share of busy samples", *(TITLES.get(x, x) for x in labels)], rows)],
+            answer=["The largest share, per load: " + "; ".join(tops) + "."],
+        )
+    ]
