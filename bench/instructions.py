@@ -1,31 +1,12 @@
 """Instructions per turn under callgrind: a lever's A/B that the machine's noise cannot hide.
 
-`python -m bench.instructions [--base REV] [--kind json|stream] [--conversations N]
-[--rounds R]` runs the hit path's conversations (section 1's stack: zero-cost simulators,
-kvbaton with the hit path's flags, 4 of every 5 turns hits, 1 client) through routers under
-`valgrind --tool=callgrind` and prints the user-space instructions each arm executed per
-turn, counted only while the measured conversations ran (instrumentation is switched on and
-off around them with callgrind_control). Arms: this checkout's router; with `--base REV`,
-the router of that commit (a temporary git worktree, removed after); and the work floor
-(bench/passthrough.py with Redis: the floor plus a hit's I/O, bare). Arms alternate, R
-rounds, each in a fresh process.
-
-`--kind chunk-0.33` (or `chunk-0.32`) counts instructions per relayed chunk instead:
-section 1's paced per-chunk stack (D sleeps 5 ms a token, so each chunk is its own read and
-write; D speaks that vLLM version's stream shapes), the default router, and the floor
-(bench/passthrough.py without Redis) in place of the work floor. Per arm, `--conversations`
-one-turn streams of 8 tokens and as many of 128, 4 at a time, each length counted on its
-own; the figure is the slope, (instructions per stream at 128 - at 8) / (events per stream
-at 128 - at 8), as `make bench` takes its CPU per chunk.
-
-CPU seconds on a shared 2-core VM vary by 10-30% between identical runs (measured: the same
-router gave 62-102 us per paced chunk in five rounds); instruction counts of the same code
-vary by 0.7% over 60 conversations (300 turns) and by up to 5% over 20 (a collection of the
-whole heap, or a background loop's tick, falls in the window or not).
-They leave out the kernel's work (reads, writes, wake-ups), which the router and the floor
-share, so they measure the router's own work; a lever that changes the syscalls is measured
-by `make bench` instead. The router's timeouts are raised: under callgrind it runs about 30
-times slower.
+`python -m bench.instructions [--base REV] [--kind json|stream|chunk-0.33|chunk-0.32]` counts
+the user-space instructions each arm executes per turn (json/stream: the hit path's
+conversations, 1 client) or per relayed paced chunk (chunk-*: the slope between streams of 8
+and 128 tokens, D speaking that vLLM version), only around the measured load. Arms, each a
+fresh process, alternate over R rounds: this checkout's router, `--base`'s (a temporary git
+worktree), the work floor (chunks: the floor). CPU seconds here vary 10-30% between identical
+runs, instruction counts 0.7% over 60 conversations; the kernel's work is left out.
 """
 
 from __future__ import annotations
@@ -39,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW = ["--store-timeout", "30", "--connect-timeout", "30", "--prefill-timeout", "60"]
 SLOW += ["--decode-first-byte-timeout", "60", "--decode-idle-timeout", "60"]
 SLOW += ["--health-interval", "3600"]
-READY_S = 300.0
+KINDS = ("json", "stream", "chunk-0.33", "chunk-0.32")
+CHUNK_LENGTHS = (8, 128)
 
 
 def available() -> bool:
@@ -75,130 +58,100 @@ def total_instructions(path: Path) -> int:
 def worktree(rev: str) -> Iterator[Path]:
     """A detached checkout of `rev` in a temporary folder, removed after."""
     folder = Path(tempfile.mkdtemp(prefix="kvbaton-base-"))
-    subprocess.run(
-        ["git", "worktree", "add", "--detach", "-f", str(folder), rev],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    git = ["git", "worktree"]
+    subprocess.run([*git, "add", "--detach", "-f", str(folder), rev], cwd=ROOT, check=True)
     try:
         yield folder
     finally:
-        subprocess.run(
-            ["git", "worktree", "remove", "--force", str(folder)], cwd=ROOT, capture_output=True
-        )
+        subprocess.run([*git, "remove", "--force", str(folder)], cwd=ROOT, capture_output=True)
         shutil.rmtree(folder, ignore_errors=True)
 
 
-class Arm:
-    """One process under callgrind (a router of some tree, or the work floor)."""
-
-    def __init__(self, name: str, module_argv: Sequence[str], cwd: Path, port: int) -> None:
-        self.name, self.argv, self.cwd, self.port = name, list(module_argv), cwd, port
-        self.url = f"http://127.0.0.1:{port}"
-
-    @contextlib.contextmanager
-    def running(self, out: Path) -> Iterator[subprocess.Popen[bytes]]:
-        argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
-        argv += [f"--callgrind-out-file={out}", sys.executable, "-m", *self.argv]
-        env = dict(os.environ, PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
-        with open(out.with_suffix(".log"), "wb") as log:
-            proc = subprocess.Popen(
-                argv, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        try:
-            wait_http(self.url + "/health", READY_S, proc)
-            yield proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def empty_store(redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
+@contextlib.contextmanager
+def callgrind(argv: Sequence[str], cwd: Path, port: int, out: Path) -> Iterator[int]:
+    """`python -m argv` under callgrind (instrumentation off) until the block ends; its pid."""
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+    env = dict(os.environ, PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
+    with open(out.with_suffix(".log"), "wb") as log:
+        proc = subprocess.Popen(
+            [*cmd, sys.executable, "-m", *argv], cwd=cwd, stdout=log, stderr=log, env=env
+        )
     try:
-        client.flushdb()
+        wait_http(f"http://127.0.0.1:{port}/health", 300.0, proc)
+        yield proc.pid
     finally:
-        client.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
-def _callgrind(action: str, pid: int) -> None:
+def _control(action: str, pid: int) -> None:
     subprocess.run(["callgrind_control", action, str(pid)], check=True, capture_output=True)
 
 
-def measure(
-    arm: Arm, lg: LoadGen, *, stream: bool, conversations: int, work: Path
-) -> dict[str, Any]:
-    """One fresh process of `arm`: a warm-up conversation, then `conversations` measured."""
-    slug = "".join(c if c.isalnum() else "-" for c in arm.name)
-    out = work / f"{slug}.{time.monotonic_ns()}.callgrind"
-    with arm.running(out) as proc:
-        lg.run(_job(arm.url, stream, 1, rnd=99), timeout=600)
-        _callgrind("--instr=on", proc.pid)
-        result = lg.run(_job(arm.url, stream, conversations, rnd=0), timeout=3600)
-        _callgrind("--instr=off", proc.pid)
-        _callgrind("--dump", proc.pid)
-    dumps = [p for p in work.glob(out.name + ".*") if p.suffix != ".log"]
-    if len(dumps) != 1:
-        raise RuntimeError(f"{arm.name}: expected one callgrind dump, found {dumps}")
-    turns = result["turns"]
-    failed = sum(1 for t in turns if not t["ok"])
-    reuse: dict[str, int] = {}
-    for t in turns:
-        if t["turn"] > 1:
-            reuse[t.get("reuse") or "-"] = reuse.get(t.get("reuse") or "-", 0) + 1
-    return {
-        "turns": len(turns),
-        "failed": failed,
-        "later_turns": reuse,
-        "instructions_per_turn": total_instructions(dumps[0]) / max(1, len(turns)),
-    }
-
-
-def _job(url: str, stream: bool, conversations: int, rnd: int) -> dict[str, Any]:
+def _conversations(url: str, stream: bool, n: int, rnd: int) -> dict[str, Any]:
     spec = hitpath.job(FULL, url, stream=stream, clients=1, rnd=rnd, ids=True)
-    spec.update(n=conversations, deadline_s=3000.0, request_timeout_s=300.0)
+    spec.update(n=n, deadline_s=3000.0, request_timeout_s=300.0)
     return spec
 
 
-CHUNK_LENGTHS = (8, 128)
-CHUNK_CONCURRENCY = 4
+def _streams(url: str, tokens: int, count: int) -> dict[str, Any]:
+    target = overhead.via_url(url)
+    spec = overhead.closed_job(target, stream=True, concurrency=4, count=count, warmup=0, seed=7)
+    spec.update(max_tokens=tokens, deadline_s=3000.0, request_timeout_s=300.0)
+    return spec
 
 
-def measure_chunks(arm: Arm, lg: LoadGen, *, streams: int, work: Path) -> dict[str, Any]:
-    """One fresh process of `arm`: a warm-up of each length, then `streams` one-turn streams of
-    CHUNK_LENGTHS tokens, each length's instructions dumped on its own. The result's
-    `instructions_per_turn` is the slope per chunk (the summary's figure)."""
-    slug = "".join(c if c.isalnum() else "-" for c in arm.name)
-    out = work / f"{slug}.{time.monotonic_ns()}.callgrind"
-    runs = []
-    with arm.running(out) as proc:
-        for tokens in CHUNK_LENGTHS:  # each length's code paths run once before the count
-            lg.run(_chunk_job(arm.url, tokens, CHUNK_CONCURRENCY), timeout=600)
-        _callgrind("--instr=on", proc.pid)
-        for tokens in CHUNK_LENGTHS:
-            runs.append(lg.run(_chunk_job(arm.url, tokens, streams), timeout=3600))
-            _callgrind("--dump", proc.pid)
-        _callgrind("--instr=off", proc.pid)
+Arm = tuple[str, list[str], Path, int]  # name, `python -m` argv, its tree, its port
+
+
+def measure(arm: Arm, lg: LoadGen, kind: str, n: int, work: Path) -> dict[str, Any]:
+    """One fresh process of the arm: a warm-up, then the measured load, dumped per job (one
+    for a turn's kind, one per stream length for a chunk's)."""
+    name, argv, cwd, port = arm
+    url = f"http://127.0.0.1:{port}"
+    chunks = kind.startswith("chunk-")
+    if chunks:
+        warm, jobs = ([_streams(url, t, k) for t in CHUNK_LENGTHS] for k in (4, n))
+    else:
+        warm = [_conversations(url, kind == "stream", 1, rnd=99)]
+        jobs = [_conversations(url, kind == "stream", n, rnd=0)]
+    out = work / f"{''.join(c if c.isalnum() else '-' for c in name)}.{time.monotonic_ns()}.cg"
+    with callgrind(argv, cwd, port, out) as pid:
+        for spec in warm:
+            lg.run(spec, timeout=600)
+        _control("--instr=on", pid)
+        runs = []
+        for spec in jobs:
+            runs.append(lg.run(spec, timeout=3600))
+            _control("--dump", pid)
+        _control("--instr=off", pid)
     dumps = sorted(
         (p for p in work.glob(out.name + ".*") if p.suffix != ".log"),
         key=lambda p: int(p.suffix[1:]),
     )
-    if len(dumps) != len(CHUNK_LENGTHS):
-        raise RuntimeError(f"{arm.name}: expected {len(CHUNK_LENGTHS)} dumps, found {dumps}")
-    per_stream = [
-        total_instructions(d) / max(1, r["sent"]) for d, r in zip(dumps, runs, strict=True)
-    ]
-    events = [sum(r["events"]) / max(1, len(r["events"])) for r in runs]
+    if len(dumps) != len(jobs):
+        raise RuntimeError(f"{name}: expected {len(jobs)} callgrind dumps, found {dumps}")
+    counts = [total_instructions(d) for d in dumps]
+    if chunks:
+        per_stream = [c / max(1, r["sent"]) for c, r in zip(counts, runs, strict=True)]
+        events = [sum(r["events"]) / max(1, len(r["events"])) for r in runs]
+        return {
+            "turns": sum(r["sent"] for r in runs),
+            "failed": sum(r["failed"] for r in runs),
+            "events": events,
+            "instructions_per_turn": chunk_slope(per_stream, events),
+        }
+    turns = runs[0]["turns"]
+    later = Counter(t.get("reuse") or "-" for t in turns if t["turn"] > 1)
     return {
-        "turns": sum(r["sent"] for r in runs),
-        "failed": sum(r["failed"] for r in runs),
-        "events": events,
-        "instructions_per_turn": chunk_slope(per_stream, events),
+        "turns": len(turns),
+        "failed": sum(1 for t in turns if not t["ok"]),
+        "later_turns": dict(later),
+        "instructions_per_turn": counts[0] / max(1, len(turns)),
     }
 
 
@@ -209,22 +162,6 @@ def chunk_slope(per_stream: Sequence[float], events: Sequence[float]) -> float:
     return (per_stream[-1] - per_stream[0]) / (events[-1] - events[0])
 
 
-def _chunk_job(url: str, tokens: int, count: int) -> dict[str, Any]:
-    spec = overhead.closed_job(
-        overhead.via_url(url),
-        stream=True,
-        concurrency=CHUNK_CONCURRENCY,
-        count=count,
-        warmup=0,
-        seed=7,
-    )
-    spec.update(max_tokens=tokens, deadline_s=3000.0, request_timeout_s=300.0)
-    return spec
-
-
-KINDS = ("json", "stream", "chunk-0.33", "chunk-0.32")
-
-
 def run(
     *, base: str | None, kind: str, conversations: int, rounds: int, floor: bool
 ) -> dict[str, list[dict[str, Any]]]:
@@ -232,8 +169,8 @@ def run(
     chunks = kind.startswith("chunk-")
     if chunks:
         version = ["--vllm-version", kind.removeprefix("chunk-")]
-        p_args, d_args = [*overhead.P_ARGS, *version], [*overhead.D_ARGS, *overhead.PACED]
-        d_args += version
+        p_args = [*overhead.P_ARGS, *version]
+        d_args = [*overhead.D_ARGS, *overhead.PACED, *version]
         router_args: list[str] = []
     else:
         p_args, d_args, router_args = hitpath.P_ARGS, hitpath.D_ARGS, hitpath.ROUTER_ARGS
@@ -247,50 +184,33 @@ def run(
         ):
             assert st.redis_url is not None
             p_url, d_url = st.ps[0].url, st.ds[0].url
-
-            def router(name: str, tree: Path) -> Arm:
-                port = free_port()
-                argv = serve_argv(
-                    [p_url], [d_url], *router_args, *SLOW, port=port, redis_url=st.redis_url
-                )
-                return Arm(name, argv, tree, port)
-
-            arms = [router("kvbaton", ROOT)]
+            trees = [("kvbaton", ROOT)]
             if base is not None:
-                arms.append(router(f"kvbaton at {base}", stack.enter_context(worktree(base))))
+                trees.append((f"kvbaton at {base}", stack.enter_context(worktree(base))))
+            arms: list[Arm] = []
+            for name, tree in trees:
+                port = free_port()
+                args = [*router_args, *SLOW]
+                argv = serve_argv([p_url], [d_url], *args, port=port, redis_url=st.redis_url)
+                arms.append((name, argv, tree, port))
             if floor:
                 port = free_port()
                 argv = ["bench.passthrough", str(port), p_url, d_url, "uvloop"]
-                arms.append(
-                    Arm("floor", argv, ROOT, port)
-                    if chunks
-                    else Arm("work floor", [*argv, st.redis_url], ROOT, port)
-                )
-            unit = "chunk" if chunks else "turn"
+                work_floor = ("work floor", [*argv, st.redis_url], ROOT, port)
+                arms.append(("floor", argv, ROOT, port) if chunks else work_floor)
             for rnd in range(rounds):
                 for arm in arms if rnd % 2 == 0 else arms[::-1]:
-                    # Every measurement starts on an empty store, as the first of a run did:
-                    # with the earlier ones' sessions and D's pin ledger left in it, the first
-                    # read ~1.5% under the same code's later ones (measured; emptied, the
-                    # same code's rounds agree within 0.6%).
-                    empty_store(st.redis_url)
-                    if chunks:
-                        r = measure_chunks(arm, lg, streams=conversations, work=Path(tmp))
-                        detail = f"events per stream {r['events']}"
-                    else:
-                        r = measure(
-                            arm,
-                            lg,
-                            stream=kind == "stream",
-                            conversations=conversations,
-                            work=Path(tmp),
-                        )
-                        detail = f"later turns {r['later_turns']}"
-                    results.setdefault(arm.name, []).append(r)
+                    # An empty store for each: with earlier sessions and D's pin ledger left in
+                    # it, the same code counted ~1.5% less (measured).
+                    client = redis.Redis.from_url(st.redis_url)
+                    client.flushdb()
+                    client.close()
+                    r = measure(arm, lg, kind, conversations, Path(tmp))
+                    results.setdefault(arm[0], []).append(r)
+                    what = f"{r['turns']} turns, {r['failed']} failed"
                     print(
-                        f"round {rnd + 1}: {arm.name}: {_figure(r['instructions_per_turn'])}"
-                        f" instructions per {unit} ({r['turns']} turns, {r['failed']} failed,"
-                        f" {detail})",
+                        f"round {rnd + 1}: {arm[0]}: {r['instructions_per_turn']:,.0f} per "
+                        f"{'chunk' if chunks else 'turn'} ({what})",
                         flush=True,
                     )
     finally:
@@ -298,28 +218,20 @@ def run(
     return results
 
 
-def _figure(instructions: float) -> str:
-    """Millions for a turn's count, thousands for a chunk's."""
-    if instructions >= 1e6:
-        return f"{instructions / 1e6:.3f} M"
-    return f"{instructions / 1e3:.1f} k"
-
-
 def summary(results: dict[str, list[dict[str, Any]]], unit: str = "turn") -> list[str]:
     """Per arm the median and range of instructions per turn (or chunk); each arm against
     the first, as a ratio and, per chunk, as the difference."""
     lines = []
     medians = {
-        arm: statistics.median(r["instructions_per_turn"] for r in rows)
-        for arm, rows in results.items()
+        a: statistics.median(r["instructions_per_turn"] for r in rs) for a, rs in results.items()
     }
     first = next(iter(medians.values()), 0.0)
     scale, suffix, digits = (1e3, "k", 1) if unit == "chunk" else (1e6, "M", 3)
-    for arm, rows in results.items():
+    for i, (arm, rows) in enumerate(results.items()):
         values = [r["instructions_per_turn"] / scale for r in rows]
         line = f"{arm}: {medians[arm] / scale:.{digits}f} {suffix} instructions per {unit}"
         line += f" (median of {len(values)}, {min(values):.{digits}f}-{max(values):.{digits}f})"
-        if arm != next(iter(results)) and medians[arm]:
+        if i and medians[arm]:
             line += f"; kvbaton is {first / medians[arm]:.3f}x this"
             if unit == "chunk":
                 line += f", {(first - medians[arm]) / scale:.{digits}f} {suffix} above it"
@@ -331,12 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__)
     ap.add_argument("--base", help="also measure the router of this commit (a git revision)")
     ap.add_argument("--kind", choices=KINDS, default="json")
-    ap.add_argument(
-        "--conversations",
-        type=int,
-        help="measured, 5 turns each (default 60); chunk kinds: streams of each length"
-        " (default 24)",
-    )
+    ap.add_argument("--conversations", type=int, help="default 60; chunk kinds: streams, 24")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-floor", action="store_true", help="leave the (work) floor out")
     args = ap.parse_args(argv)
@@ -344,13 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("python -m bench.instructions needs valgrind (Debian package valgrind)")
         return 2
     chunks = args.kind.startswith("chunk-")
-    conversations = args.conversations or (24 if chunks else 60)
+    n = args.conversations or (24 if chunks else 60)
     results = run(
-        base=args.base,
-        kind=args.kind,
-        conversations=conversations,
-        rounds=args.rounds,
-        floor=not args.no_floor,
+        base=args.base, kind=args.kind, conversations=n, rounds=args.rounds, floor=not args.no_floor
     )
     print("\n".join(summary(results, "chunk" if chunks else "turn")))
     return 0
