@@ -10,6 +10,7 @@ turn is the router's own work on hits.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -66,10 +67,9 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         contextlib.ExitStack() as exits,
     ):
         assert st.redis_url is not None
-        floor_app = exits.enter_context(passthrough(st.ps[0].url, st.ds[0].url, "hitpath-floor"))
-        work_app = exits.enter_context(
-            passthrough(st.ps[0].url, st.ds[0].url, "hitpath-work", st.redis_url)
-        )
+        p, d = st.ps[0].url, st.ds[0].url
+        floor_app = exits.enter_context(passthrough(p, d, "hitpath-floor"))
+        work_app = exits.enter_context(passthrough(p, d, "hitpath-work", st.redis_url))
         st.commands["floor"] = argv_of(floor_app.proc)
         st.commands["work floor"] = argv_of(work_app.proc)
         arms = {"floor": (floor_app.url, floor_app.proc.pid)}
@@ -94,29 +94,26 @@ def _cell(
     """kvbaton, the floor and the work floor (at 1 client also kvbaton on asyncio, at
     REFERENCE_CLIENTS vLLM's reference proxy where there is one) in alternating rounds, each
     round new conversations. `others`: each other arm's URL and process id."""
-    pids = {"kvbaton": st.routers[0].proc.pid}
-    arms = [("kvbaton", st.routers[0].url)]
-    for arm in ("floor", "work", "reference"):
-        if arm in others and (arm != "reference" or clients == REFERENCE_CLIENTS):
-            arms.append((arm, others[arm][0]))
-            pids[arm] = others[arm][1]
+    arms = {"kvbaton": (st.routers[0].url, st.routers[0].proc.pid)}
     if clients == 1:
-        pids["asyncio"] = st.routers[1].proc.pid
-        arms.insert(1, ("asyncio", st.routers[1].url))
-    turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm, _ in arms}
-    cpu = dict.fromkeys(turns, 0.0)
-    rounds = plan.hit_reference_rounds if "reference" in pids else plan.hit_rounds
+        arms["asyncio"] = (st.routers[1].url, st.routers[1].proc.pid)
+    arms |= {a: v for a, v in others.items() if a != "reference" or clients == REFERENCE_CLIENTS}
+    order = list(arms)
+    turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm in order}
+    cpu = dict.fromkeys(order, 0.0)
+    rounds = plan.hit_reference_rounds if "reference" in arms else plan.hit_rounds
     by_round: list[dict[str, Any]] = []  # each round's latencies, where the reference runs
     for rnd in range(rounds):
         this: dict[str, list[dict[str, Any]]] = {}
-        for arm, url in arms if rnd % 2 == 0 else arms[::-1]:
+        for arm in order if rnd % 2 == 0 else order[::-1]:
+            url, pid = arms[arm]
             reset_caches(st)
-            before = tree_cpu_seconds(pids[arm])
+            before = tree_cpu_seconds(pid)
             spec = job(plan, url, stream=False, clients=clients, rnd=rnd, ids=arm != "floor")
             this[arm] = lg.run(spec, timeout=240.0)["turns"]
             turns[arm] += this[arm]
-            cpu[arm] += tree_cpu_seconds(pids[arm]) - before
-        if "reference" in pids:
+            cpu[arm] += tree_cpu_seconds(pid) - before
+        if "reference" in arms:
             by_round.append({arm: _latency(rows) for arm, rows in this.items()})
     cell: dict[str, Any] = {"stream": False, "concurrency": clients, "rounds": rounds}
     if by_round:
@@ -126,7 +123,7 @@ def _cell(
         later = [t for t in good if t["turn"] > 1]
         cell[arm] = {
             **_latency(rows),
-            "reuse": {k: sum(1 for t in later if t["reuse"] == k) for k in _kinds(later)},
+            "reuse": dict(Counter(str(t["reuse"]) for t in later if t["reuse"])),
             "turns": len(rows),
             "failed": len(rows) - len(good),
             "cpu_ms_per_turn": cpu[arm] / max(1, len(rows)) * 1000.0,
@@ -135,8 +132,7 @@ def _cell(
 
 
 def _latency(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Latency of the answered first turns ("first") and later turns ("later"), as `own`
-    reads them: a cell's over all its rounds, or one round's."""
+    """Latency of the answered first turns ("first") and later turns ("later")."""
     good = [t for t in rows if t["ok"]]
     return {
         "first": summary_ms([t["latency"] for t in good if t["turn"] == 1]),
@@ -145,19 +141,14 @@ def _latency(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def round_ratios(cell: dict[str, Any], key: str) -> list[float]:
-    """`added_ratio` of each round alone (its own p50s) where the reference ran, leaving out
-    a round that has none (the reference no slower than the floor)."""
+    """`added_ratio` of each round alone where the reference ran (NaN ones left out)."""
     ratios = (added_ratio(r, key) for r in cell.get("by_round", []))
     return [x for x in ratios if x == x]
 
 
-def _kinds(rows: list[dict[str, Any]]) -> list[str]:
-    return sorted({str(t["reuse"]) for t in rows if t["reuse"]})
-
-
 def own(cell: dict[str, Any], key: str, floor: str = "floor", arm: str = "kvbaton") -> float:
-    """An arm (kvbaton, or "reference") minus a floor ("floor" or "work"), p50 ms, of first
-    turns ("first") or later turns ("later"); NaN for a cell without either."""
+    """An arm minus a floor ("floor" or "work"), p50 ms of "first" or "later" turns (NaN
+    without either)."""
     if floor not in cell or arm not in cell:
         return float("nan")
     return float(cell[arm][key]["p50"] - cell[floor][key]["p50"])
@@ -194,5 +185,5 @@ def answer(res: dict[str, Any] | None) -> str:
         return ""
     c, n = cells[0], cells[0]["concurrency"]
     k, f = c["kvbaton"]["cpu_ms_per_turn"], c["floor"]["cpu_ms_per_turn"]
-    more = f"{fmt(own(c, 'later'))} ms more and {fmt(k, 3)} vs {fmt(f, 3)} ms CPU"
+    more = f"{fmt(own(c, 'later'))} ms ({fmt(k, 3)} vs {fmt(f, 3)} ms CPU)"
     return f"; on hits at {n} client{'s' * (n != 1)} {more}"

@@ -65,14 +65,8 @@ def via_router(st: Stack, index: int = 0) -> dict[str, Any]:
 def closed_job(
     target: dict[str, Any], *, stream: bool, concurrency: int, count: int, warmup: int, seed: int
 ) -> dict[str, Any]:
-    job: dict[str, Any] = {
-        "kind": "closed",
-        "target": target,
-        "stream": stream,
-        "seed": seed,
-        "warmup": warmup,
-    }
-    job.update(concurrency=concurrency, count=count, deadline_s=180.0)
+    job: dict[str, Any] = {"kind": "closed", "target": target, "stream": stream, "seed": seed}
+    job.update(warmup=warmup, concurrency=concurrency, count=count, deadline_s=180.0)
     job.update(system_words=SYSTEM_WORDS, user_words=USER_WORDS)
     job["max_tokens"] = STREAM_TOKENS if stream else NONSTREAM_TOKENS
     return job
@@ -106,7 +100,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
                 st.commands["floor"] = argv_of(floor_app.proc)
                 for stream in (False, True):
                     for conc, count in plan.overhead_counts:
-                        cell = _cell(st, lg, plan, stats, stream, conc, count, tick, floor_app)
+                        cell = _cell(st, lg, plan, stats, floor_app, tick, stream, conc, count)
                         out["cells"].append(cell)
             out["monitor"]["reuse"] = redis_cost.monitor_sample(st, lg, 0)
             if no_reuse:
@@ -152,11 +146,11 @@ def _cell(
     lg: LoadGen,
     plan: Plan,
     stats: RedisStats,
+    floor_app: RouterProc,
+    tick: Tick,
     stream: bool,
     conc: int,
     count: int,
-    tick: Tick,
-    floor_app: RouterProc,
 ) -> dict[str, Any]:
     """Direct, kvbaton and the floor in `plan.overhead_rounds` rounds in alternating order
     (the machine's drift hits all alike); each arm's rounds pooled."""
@@ -179,10 +173,8 @@ def _cell(
                 cpu[arm] += used
                 for cmd, v in delta.items():
                     slot = redis_delta.setdefault(cmd, {"calls": 0.0, "usec": 0.0})
-                    slot["calls"], slot["usec"] = (
-                        slot["calls"] + v["calls"],
-                        slot["usec"] + v["usec"],
-                    )
+                    slot["calls"] += v["calls"]
+                    slot["usec"] += v["usec"]
             elif arm == "floor":
                 cpu[arm] += cpu_seconds(floor_app.proc.pid) - floor0
     for arm, r in pooled.items():
@@ -313,16 +305,16 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
     k, f = c["kvbaton"]["latency"], c["floor"]["latency"]
     n = c["concurrency"]
     answer = [
-        f"On a first JSON turn at {n} client{'s' * (n != 1)} kvbaton costs "
-        f"{fmt(k['p50'] - f['p50'])} ms p50 more than the floor and "
-        f"{fmt(c['router_cpu_ms_per_turn'], 3)} vs {fmt(c['floor_cpu_ms_per_turn'], 3)} ms CPU"
-        f"{hitpath.answer(res.get('hit_path'))}."
+        f"On a first JSON turn at {n} client{'s' * (n != 1)} kvbaton is "
+        f"{fmt(k['p50'] - f['p50'])} ms p50 above the floor ({fmt(c['router_cpu_ms_per_turn'], 3)}"
+        f" vs {fmt(c['floor_cpu_ms_per_turn'], 3)} ms CPU){hitpath.answer(res.get('hit_path'))}."
     ]
     if "stock, paced" in res["chunk_cpu"]:
         stock = res["chunk_cpu"]["stock, paced"]
         answer.append(
-            f"A paced chunk costs it {_us(stock['above_floor_us'])} us of CPU above the "
-            f"floor's {_us(stock['floor']['us_per_chunk'])} us (medians of alternating rounds)."
+            f"Per paced chunk (stock) kvbaton spends {_us(stock['us_per_chunk'])} us of CPU, the "
+            f"floor {_us(stock['floor']['us_per_chunk'])}: {_us(stock['above_floor_us'])} us "
+            "above it (the median of alternating rounds' differences)."
         )
     question = (
         "What does kvbaton add to a turn and to a streamed chunk? The same seeded requests on "

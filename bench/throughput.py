@@ -57,12 +57,9 @@ WORKERS: tuple[tuple[str, list[str]], ...] = (("1 worker", []), ("2 workers", ["
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out: dict[str, Any] = {"pinned": False, "sweeps": {}, "workers": {}}
-    with start_stack(
-        prefill_args=[overhead.P_ARGS],
-        decode_args=[overhead.D_ARGS],
-        router_args=[[], *(args for _, args in WORKERS)],
-        name="throughput",
-    ) as st:
+    engines: dict[str, Any] = {"prefill_args": [overhead.P_ARGS], "decode_args": [overhead.D_ARGS]}
+    routers = [[], *(args for _, args in WORKERS)]
+    with start_stack(**engines, router_args=routers, name="throughput") as st:
         with pinned(st.routers[0].proc.pid, st, lg) as ok:
             out["pinned"] = ok
             out["sweeps"] = sweeps(st, 0, lg, plan, tick, "")
@@ -73,10 +70,8 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
 
 def sweeps(st: Stack, index: int, lg: LoadGen, plan: Plan, tick: Tick, label: str) -> Any:
     """The JSON and the streaming sweep against router `index`."""
-    return {
-        ("stream" if stream else "json"): sweep(st, index, lg, plan, stream, tick, label)
-        for stream in (False, True)
-    }
+    kinds = {"json": False, "stream": True}
+    return {k: sweep(st, index, lg, plan, stream, tick, label) for k, stream in kinds.items()}
 
 
 def sweep(
@@ -88,8 +83,7 @@ def sweep(
     for _ in range(plan.sweep_steps):
         tick(f"throughput {label}{'stream' if stream else 'json'} {rate:.0f}/s")
         step = _step(st, index, lg, plan, stream, rate)
-        if base_p99 is None:
-            base_p99 = step["p99_ms"]
+        base_p99 = step["p99_ms"] if base_p99 is None else base_p99
         limit = max(min(base_p99 * HOLD_P99_FACTOR, base_p99 + HOLD_P99_FLOOR_MS), 1.0)
         step["holds"] = _holds(step, limit)
         if not step["holds"]:

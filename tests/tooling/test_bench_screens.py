@@ -85,9 +85,9 @@ def test_router_overhead_and_redis_screens() -> None:
     answer = check(first, 30)
     assert first.plot == "bench-overhead.png"
     # kvbaton - floor at p50 on the first JSON cell, CPU against the floor's, the hits' own
-    assert "3.25 ms p50 more than the floor and 2.500 vs 1.250 ms CPU" in answer
-    assert "on hits at 1 client 2.50 ms more and 3.000 vs 1.500 ms CPU" in answer
-    assert "7.5 us of CPU above the floor's 77.0 us" in answer
+    assert "3.25 ms p50 above the floor (2.500 vs 1.250 ms CPU)" in answer
+    assert "on hits at 1 client 2.50 ms (3.000 vs 1.500 ms CPU)" in answer
+    assert "spends 84.0 us of CPU, the floor 77.0: 7.5 us above it" in answer
     turns, chunks = first.tables
     assert turns.rows[0][2:4] == ["5.00 / 7.50 / 10.75", "3.25 / 3.00"]
     assert turns.rows[-1][0].startswith("hits") and turns.rows[-1][3] == "2.50 / 10.00"
