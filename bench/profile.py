@@ -22,13 +22,10 @@ from harness.stack import Stack
 
 Tick = Callable[[str], None]
 
-# Each sample is charged to the innermost frame of a known group (stdlib frames such as
-# asyncio's socket writes are charged to their caller); the shares add up to 100%.
+# A sample is charged to the innermost frame of a known group (a stdlib frame such as
+# asyncio's socket write to its caller); the shares add up to 100%.
 GROUPS = (
-    (
-        "SSE relay and capture (router/turn/sse.py, strip.py)",
-        ("router/turn/sse.py", "router/turn/strip.py"),
-    ),
+    ("SSE relay, capture (sse.py, strip.py)", ("router/turn/sse.py", "router/turn/strip.py")),
     ("session store client (redis-py)", ("redis/",)),
     ("session model, digests (sessions/)", ("sessions/",)),
     ("router turn logic (other router/ modules)", ("router/",)),
@@ -48,17 +45,10 @@ def frame_path(frame: str) -> str:
     return frame.rpartition(" (")[2].rstrip(")").rsplit(":", 1)[0]
 
 
-def _in(path: str, prefix: str) -> bool:
-    return path.startswith(prefix) or f"/{prefix}" in path
-
-
 def group_of(frames: list[str]) -> str:
-    for frame in reversed(frames):
-        path = frame_path(frame)
-        if path in ENTRY:
-            continue
+    for path in (frame_path(f) for f in reversed(frames)):
         for group, prefixes in GROUPS:
-            if any(_in(path, prefix) for prefix in prefixes):
+            if path not in ENTRY and any(f"/{p}" in f"/{path}" for p in prefixes):
                 return group
     return IDLE_GROUP
 
@@ -70,14 +60,6 @@ def py_spy() -> str | None:
 
 def available() -> bool:
     return py_spy() is not None
-
-
-def record(pid: int, seconds: float, path: Path) -> subprocess.Popen[bytes]:
-    exe = py_spy()
-    assert exe is not None
-    argv = [exe, "record", "-p", str(pid), "--duration", str(int(seconds))]
-    argv += ["--rate", "200", "--format", "raw", "--nonblocking", "-o", str(path)]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def parse(text: str) -> dict[str, Any]:
@@ -134,7 +116,11 @@ def spied(plan: Plan, st: Stack, lg: LoadGen, spec: dict[str, Any]) -> dict[str,
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "profile.txt"
         cpu0 = router_cpu(st)
-        spy = record(st.routers[0].proc.pid, plan.profile_s, path)
+        argv = [str(py_spy()), "record", "-p", str(st.routers[0].proc.pid), "-o", str(path)]
+        argv += ["--duration", str(int(plan.profile_s)), "--rate", "200", "--format", "raw"]
+        spy = subprocess.Popen(
+            [*argv, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
         try:
             time.sleep(0.5)
             r = lg.run(spec, timeout=plan.profile_s + 60.0)
