@@ -47,6 +47,7 @@ CHUNK_VARIANTS: tuple[tuple[str, list[str], list[str]], ...] = (
 # Long streams: CPU per chunk 1,000 and 16,000 tokens into a stream, D at the plan's pace.
 LONG_MODEL = ["--max-model-len", "20000"]
 LONG_TOKENS = (1000, 16000)
+Engines = tuple[list[str], list[str], list[str]]  # P's, D's and the router's arguments
 
 
 def direct(st: Stack) -> dict[str, Any]:
@@ -88,11 +89,8 @@ def timed(
 def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"cells": [], "chunk_cpu": {}, "monitor": {}, "commands": {}}
     routers = [[], ["--no-reuse"]] if no_reuse else [[]]
-    engines: dict[str, Any] = {
-        "prefill_args": [[*P_ARGS, *V032]],
-        "decode_args": [[*D_ARGS, *V032]],
-    }
-    with start_stack(**engines, router_args=routers, name="overhead") as st:
+    p, d = [[*P_ARGS, *V032]], [[*D_ARGS, *V032]]
+    with start_stack(prefill_args=p, decode_args=d, router_args=routers, name="overhead") as st:
         assert st.redis_url is not None
         stats = RedisStats(st.redis_url)
         try:
@@ -112,29 +110,30 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
         out["commands"]["stock"] = st.commands
     for name, d_extra, r_args in CHUNK_VARIANTS:
         version = V032 if V032[0] in d_extra else []  # P speaks D's connector version
-        engines = {
-            "prefill_args": [[*P_ARGS, *version]],
-            "decode_args": [[*D_ARGS, *PACED, *d_extra]],
-        }
-        out["chunk_cpu"][name] = _with_floor(engines, r_args, lg, plan, tick)
+        engines = ([*P_ARGS, *version], [*D_ARGS, *PACED, *d_extra], r_args)
+        out["chunk_cpu"][name] = _with_floor(engines, lg, plan, tick)
         out["commands"][f"chunks: {name}"] = out["chunk_cpu"][name].pop("commands")
     out["chunk_passthrough"] = out["chunk_cpu"]["stock, paced"]["floor"]
     # Long streams, each length's slope against 8-token streams (a turn's fixed cost left out).
     pace, n = plan.long_ms_per_token, plan.long_streams
     d_long = [*D_ARGS, *V032, *LONG_MODEL, "--decode-ms-per-token", str(pace)]
-    engines = {"prefill_args": [[*P_ARGS, *V032, *LONG_MODEL]], "decode_args": [d_long]}
     slope = {"lengths": (8, *LONG_TOKENS), "count": n, "concurrency": n}
-    out["chunk_long"] = _with_floor(engines, [], lg, plan, tick, **slope)
+    engines = ([*P_ARGS, *V032, *LONG_MODEL], d_long, [])
+    out["chunk_long"] = _with_floor(engines, lg, plan, tick, **slope)
     out["chunk_long"].update(streams=n, ms_per_token=pace)
     out["hit_path"] = hitpath.run(plan, lg, tick)
     return out
 
 
 def _with_floor(
-    engines: dict[str, Any], router: list[str], lg: LoadGen, plan: Plan, tick: Tick, **slope: Any
+    engines: Engines, lg: LoadGen, plan: Plan, tick: Tick, **slope: Any
 ) -> dict[str, Any]:
-    """`paired_slope` on a stack of its own with the floor on the same engines."""
-    with start_stack(**engines, router_args=[router], name="overhead-chunks") as st:
+    """`paired_slope` on a stack of its own (P's, D's and the router's arguments), with the
+    floor on the same engines."""
+    p, d, router = engines
+    with start_stack(
+        prefill_args=[p], decode_args=[d], router_args=[router], name="overhead-chunks"
+    ) as st:
         with passthrough(st.ps[0].url, st.ds[0].url, "chunks-floor") as app:
             out = paired_slope(st, lg, plan, tick, app, **slope)
         out["commands"] = st.commands
