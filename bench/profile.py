@@ -147,7 +147,8 @@ TITLES = {"json": "JSON", "stream": "stream", "stream-paced": "stream, paced D",
 def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
     """Section 5: per load, the share of the router's busy samples by group, its CPU."""
     labels = list(res)
-    groups = [g for g, _ in GROUPS] + [IDLE_GROUP]
+    found = (g for x in labels for g in res[x]["groups"])  # a label of an older run too
+    groups = dict.fromkeys([*(g for g, _ in GROUPS), IDLE_GROUP, *found])
     rows = [
         [g, *(f"{res[x]['groups'].get(g, 0.0) * 100:.0f}%" for x in labels)]
         for g in groups
