@@ -627,6 +627,10 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
     if kv:
         plans = ", ".join(f"{k} {v}" for k, v in sorted(kv["reuse"].items()))
         answer.append(f"- kvbaton's later turns on {first} by `X-KV-Reuse`: {plans or 'none'}.")
+    how: dict[str, str] = {}
+    for sc in scenarios.values():
+        how.update((n, arm["how"]) for n, arm in sc["arms"].items() if n not in how)
+    answer += ["", "The arms:", *(f"- {name}: {text}" for name, text in how.items())]
     return [
         Screen(
             "Side by side with other routers",
