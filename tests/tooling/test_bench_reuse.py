@@ -1,0 +1,54 @@
+"""Section 3's screen, built from made-up results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench import reuse
+from bench.plan import QUICK
+
+pytestmark = pytest.mark.unit
+
+
+def by_turn(*p50: float) -> dict[str, dict[str, float]]:
+    return {str(t): {"p50": v, "p90": v + 10} for t, v in enumerate(p50, 1)}
+
+
+def run(ttft_last: float, computed: float) -> dict[str, Any]:
+    return {
+        "ttft_by_turn": by_turn(90.0, 40.0, ttft_last),
+        "limit_by_turn": by_turn(80.0, 14.0, 14.0),
+        "turns": 24,
+        "turns_failed": 1,
+        "tokens": {"P": {"local_compute": computed, "local_cache_hit": 500.0}, "D": {}},
+    }
+
+
+def test_the_reuse_screen_has_a_row_per_run_and_names_the_last_turns() -> None:
+    res = {
+        "gpu": {"prefill_ms_per_token": 0.046, "decode_ms_per_token": 7.5},
+        "runs": {
+            "ample/a": run(21.0, 9665.0),
+            "ample/b": {"pending": "recorded by an older run"},
+            "ample/c": run(42.0, 16038.0),
+            "small/a": run(35.0, 9503.0),
+        },
+    }
+    (screen,) = reuse.screens(res, QUICK)
+    (table,) = screen.tables
+    assert all(len(row) == len(table.header) for row in table.rows)
+    assert [row[:2] for row in table.rows] == [
+        ["(a) kvbaton, reuse + affinity", "ample"],
+        ["(c) round robin, no reuse (toy proxy)", "ample"],
+        ["(a) kvbaton, reuse + affinity", "small"],
+    ]
+    assert table.rows[0][2:] == ["90", "21 / 31", "14", "9,665", "500", "0", "0", "24 (1)"]
+    assert screen.plot == "bench-ttft.png"
+    assert screen.answer == [
+        "Ample P cache, turn 3 p50 and tokens computed on P: (a) 21 ms, 9,665; (c) 42 ms, "
+        "16,038; (a) is 1.50x its limit.",
+        "Small P cache, turn 3 p50 and tokens computed on P: (a) 35 ms, 9,503; (a) is 2.50x "
+        "its limit.",
+    ]
