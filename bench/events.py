@@ -1,13 +1,8 @@
 """6. KV events: what following the engines' KV events costs the router.
 
-- Ingest: the router's own subscriber and index (router/engines/kv_events.py, kv_index.py) in
-  this process, fed over TCP by a ZMQ publisher in another process with vLLM's wire format
-  (topic, 8-byte seq, msgpack [ts, [BlockStored...], dp rank]); events and blocks applied per
-  second, and this process's CPU per block.
-- Per turn: the same multi-turn conversations (1 client, not streamed, so every turn after the
-  first is the hit path: claim, /tokenize, verify, token-ids P leg, commit) through two routers
-  on one stack, one reading both engines' KV events and one without, taking turns; latency p50
-  and p90 of turns 2.. per router. The engines publish either way.
+Ingest: the router's own subscriber and index in this process, fed over TCP by a ZMQ publisher
+in another with vLLM's wire format. Per turn: the same conversations through two routers on one
+stack, with and without --kv-events, taking turns (the engines publish either way).
 """
 
 from __future__ import annotations
@@ -18,23 +13,22 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from bench.plan import Plan
-from bench.stack import READY_TIMEOUT, LoadGen, start_stack
-from bench.stats import summary_ms
+from bench.screen import Screen, Table
+from bench.stack import LoadGen, another_router, start_stack
+from bench.stats import fmt, summary_ms
 from harness.procs import ROOT, free_port
-from harness.router import RouterProc, router
 from router.engines.kv_events import Source, Subscriber
 from router.engines.kv_index import EngineIndex
 
 Tick = Callable[[str], None]
 
-BLOCK = 16
 EVENTS_PER_BATCH = 64
 # The publisher: pre-encoded batches of BlockStored events (map-shaped, vLLM's newer form),
 # each block chained to the one before, sent as fast as ZMQ takes them after "go".
@@ -110,53 +104,13 @@ async def _subscribe(port: int, batches: int, go: Any) -> dict[str, Any]:
     return {
         "batches": sub.counts.batches,
         "sent_batches": batches,
-        "blocks": blocks,
-        "indexed": index.blocks,
         "gaps": sub.counts.gaps,
-        "wall_s": wall,
         "blocks_s": blocks / wall if wall else 0.0,
-        "events_s": sub.counts.batches / wall if wall else 0.0,
         "cpu_us_per_block": cpu * 1e6 / blocks if blocks else 0.0,
     }
 
 
-def _events_args(urls: list[str], ports: list[int]) -> list[str]:
-    return [
-        a
-        for u, p in zip(urls, ports, strict=True)
-        for a in ("--kv-events", f"{u}=tcp://127.0.0.1:{p}")
-    ]
-
-
-@contextlib.contextmanager
-def _stack(plan: Plan) -> Iterator[tuple[list[RouterProc], str]]:
-    """1 P and 1 D (zero cost, bidirectional, publishing KV events), two routers."""
-    ports = [free_port(), free_port()]
-    base = ["--bidirectional", "--max-model-len", str(plan.max_model_len)]
-    with start_stack(
-        prefill_args=[[*base, "--kv-events-port", str(ports[0])]],
-        decode_args=[[*base, "--kv-events-port", str(ports[1])]],
-        router_args=[],
-        name="events",
-    ) as st:
-        assert st.redis_url is not None
-        p, d = [st.ps[0].url], [st.ds[0].url]
-        with contextlib.ExitStack() as up:
-            routers = [
-                up.enter_context(
-                    router(
-                        p, d, *args, redis_url=st.redis_url, name=name, ready_timeout=READY_TIMEOUT
-                    )
-                )
-                for name, args in (
-                    ("events-off", []),
-                    ("events-on", _events_args([*p, *d], ports)),
-                )
-            ]
-            yield routers, st.redis_url
-
-
-def conversation_job(plan: Plan, url: str, rnd: int) -> dict[str, Any]:
+def job(plan: Plan, url: str, rnd: int) -> dict[str, Any]:
     return {
         "kind": "conversations",
         "target": {"mode": "router", "urls": [url]},
@@ -175,15 +129,30 @@ def conversation_job(plan: Plan, url: str, rnd: int) -> dict[str, Any]:
 
 
 def per_turn(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
+    """1 P and 1 D (zero cost, publishing KV events), a router without and one with
+    --kv-events on one Redis, taking turns."""
+    ports = [free_port(), free_port()]
+    base = ["--bidirectional", "--max-model-len", str(plan.max_model_len)]
     turns: dict[str, list[dict[str, Any]]] = {"events-off": [], "events-on": []}
-    with _stack(plan) as (routers, _):
+    with contextlib.ExitStack() as up:
+        st = up.enter_context(
+            start_stack(
+                prefill_args=[[*base, "--kv-events-port", str(ports[0])]],
+                decode_args=[[*base, "--kv-events-port", str(ports[1])]],
+                router_args=[[]],
+                name="events",
+            )
+        )
+        sims = [st.ps[0].url, st.ds[0].url]
+        args = [f"{u}=tcp://127.0.0.1:{p}" for u, p in zip(sims, ports, strict=True)]
+        on = up.enter_context(
+            another_router(st, "--kv-events", args[0], "--kv-events", args[1], name="events-on")
+        )
+        urls = dict(zip(turns, [st.url, on.url], strict=True))
         for rnd in range(plan.events_rounds):
-            order = routers if rnd % 2 == 0 else routers[::-1]
-            for r in order:
-                name = "events-on" if r is routers[1] else "events-off"
+            for name in list(turns) if rnd % 2 == 0 else list(turns)[::-1]:
                 tick(f"kv events: per turn, round {rnd + 1}, {name}")
-                out = lg.run(conversation_job(plan, r.url, rnd), timeout=200.0)
-                turns[name] += out["turns"]
+                turns[name] += lg.run(job(plan, urls[name], rnd), timeout=200.0)["turns"]
     result: dict[str, Any] = {}
     for name, rows in turns.items():
         later = [t for t in rows if t["turn"] > 1 and t["ok"]]
@@ -205,33 +174,26 @@ def steps(plan: Plan) -> int:
     return 1 + 2 * plan.events_rounds
 
 
-def section(r: dict[str, Any]) -> list[str]:
-    ing, pt = r["ingest"], r["per_turn"]
-    off, on = pt["events-off"], pt["events-on"]
-    added = on["later"]["p50"] - off["later"]["p50"]
-    lines = [
-        "## 6. KV events: what following them costs",
-        "",
-        "Ingest: one subscriber (the router's own code, in one process) fed"
-        f" {ing['sent_batches']:,} batches of {EVENTS_PER_BATCH} `BlockStored` events over TCP:"
-        f" applied {ing['batches']:,}"
-        f" ({ing['gaps']} gaps), **{ing['blocks_s']:,.0f} blocks/s** ({ing['events_s']:,.0f}"
-        f" batches/s), {ing['cpu_us_per_block']:.1f} us of CPU per block, {ing['indexed']:,}"
-        " blocks indexed.",
-        "",
-        "Per turn: the same conversations (1 client, not streamed, 16 output tokens) through two",
-        "routers on one stack (1 P, 1 D, zero-cost simulators publishing events), taking turns.",
-        "Turns 2.. are the hit path.",
-        "",
-        "| router | turn 1 p50 ms | turns 2.. p50 ms | turns 2.. p90 ms | turns 2.. outcomes "
-        "| failed |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, cell in (("without --kv-events", off), ("with --kv-events", on)):
-        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(cell["reuse"].items()))
-        lines.append(
-            f"| {name} | {cell['first']['p50']:.2f} | {cell['later']['p50']:.2f} |"
-            f" {cell['later']['p90']:.2f} | {outcomes} | {cell['failed']} |"
-        )
-    lines += ["", f"Added by reading events, turns 2.. p50: **{added:+.2f} ms**.", ""]
-    return lines
+def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
+    ing, cells = res["ingest"], res["per_turn"]
+    rows = []
+    for name, c in cells.items():
+        hits = sum(n for k, n in c["reuse"].items() if k.startswith("hit"))
+        later = f"{fmt(c['later']['p50'])} / {fmt(c['later']['p90'])}"
+        label = f"with{'' if name == 'events-on' else 'out'} --kv-events"
+        hit = f"{hits} of {c['later']['n']}"
+        rows.append([label, fmt(c["first"]["p50"]), later, hit, str(c["failed"])])
+    on, off = (cells[k]["later"]["p50"] for k in ("events-on", "events-off"))
+    header = ["router", "turn 1 p50 ms", "turns 2.. p50 / p90 ms", "turns 2.. hit", "failed"]
+    question = (
+        "What does following the engines' KV events cost: latency of the same conversations "
+        "(1 client, JSON) through two routers on one P and one D, taking turns, and one "
+        f"subscriber fed {ing['sent_batches']:,} batches of {EVENTS_PER_BATCH} blocks?"
+    )
+    answer = (
+        f"A hit turn's p50 is {fmt(on)} ms with events, {fmt(off)} ms without ({on - off:+.2f}"
+        f" ms); the subscriber applies {ing['blocks_s']:,.0f} blocks/s at "
+        f"{fmt(ing['cpu_us_per_block'], 1)} us CPU each ({ing['batches']:,} batches, "
+        f"{ing['gaps']} gaps)."
+    )
+    return [Screen("KV events", question, [Table(header, rows)], [answer])]
