@@ -1,7 +1,6 @@
-"""9. The handover (vllm#51919): TTFT per turn with first-token seeding and concurrent dispatch
-each off and on, on the same conversations. One stack per arm (1 P, 1 D, both offering the
-features, the cost model plus D's modelled handover: its admission and its first-token
-forward); the routers' flags turn the features off. The arms take turns, round by round."""
+"""9. The handover (vllm#51919): TTFT with first-token seeding and concurrent dispatch each off
+and on. One stack per arm (1 P, 1 D, both offering the features, the cost model plus D's
+modelled admission and first-token forward); the arms take turns, round by round."""
 
 from __future__ import annotations
 
@@ -10,11 +9,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from bench import overhead
 from bench.plan import Plan
+from bench.screen import Screen, Table
 from bench.stack import LoadGen, start_stack
-from bench.stats import summary_ms
-from harness.stack import Stack
+from bench.stats import fmt, summary_ms
 
 Tick = Callable[[str], None]
 
@@ -29,41 +27,28 @@ ARMS = {
     "concurrent": ("concurrent dispatch", ["--no-first-token-seeding"]),
     "both": ("both on", []),
 }
+HEADER = ["arm", "turn 1 p50 ms", "turns 2.. p50 / p90 ms", "saved vs off, turn 1 / 2..", "failed"]
 
 
 def steps(plan: Plan) -> int:
     return len(ARMS) * plan.conv_rounds
 
 
-def modelled_ms(plan: Plan) -> float:
-    """D's modelled handover the features remove: its admission and its token-1 forward."""
-    return ADMISSION_MS + plan.gpu.decode_ms_per_token
-
-
 def sim_args(plan: Plan) -> list[str]:
-    return [
-        *plan.gpu.sim_args(),
-        "--max-model-len",
-        str(plan.max_model_len),
-        "--num-blocks",
-        str(plan.ample_blocks),
-        "--bidirectional",
-        "--seed-first-token",
-        "--pd-kv-ready",
-        "--admission-ms",
-        str(ADMISSION_MS),
-        "--first-token-forward-ms",
-        str(plan.gpu.decode_ms_per_token),
-    ]
+    flags = (
+        f"--max-model-len {plan.max_model_len} --num-blocks {plan.ample_blocks} --bidirectional "
+        f"--seed-first-token --pd-kv-ready --admission-ms {ADMISSION_MS} "
+        f"--first-token-forward-ms {plan.gpu.decode_ms_per_token}"
+    )
+    return [*plan.gpu.sim_args(), *flags.split()]
 
 
-def job(plan: Plan, target: dict[str, Any], rnd: int) -> dict[str, Any]:
+def job(plan: Plan, url: str, rnd: int) -> dict[str, Any]:
     """Round rnd's conversations: the same for every arm; answers recorded to compare."""
-    n = max(4, plan.conv_n // plan.conv_rounds)
     return {
         "kind": "conversations",
-        "target": target,
-        "n": n,
+        "target": {"mode": "router", "urls": [url]},
+        "n": max(4, plan.conv_n // plan.conv_rounds),
         "turns": min(plan.conv_turns, 4),
         "concurrency": max(1, plan.conv_concurrency // 4),
         "system_words": plan.system_words,
@@ -79,11 +64,9 @@ def job(plan: Plan, target: dict[str, Any], rnd: int) -> dict[str, Any]:
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
-    commands: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        stacks: dict[str, Stack] = {}
-        for arm, (_, flags) in ARMS.items():
-            stacks[arm] = stack.enter_context(
+        stacks = {
+            arm: stack.enter_context(
                 start_stack(
                     prefill_args=[sim_args(plan)],
                     decode_args=[sim_args(plan)],
@@ -91,24 +74,25 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
                     name=f"handover-{arm}",
                 )
             )
-            commands[arm] = stacks[arm].commands
+            for arm, (_, flags) in ARMS.items()
+        }
         for rnd in range(plan.conv_rounds):
-            order = list(ARMS) if rnd % 2 == 0 else list(ARMS)[::-1]
-            for arm in order:
+            for arm in list(ARMS) if rnd % 2 == 0 else list(ARMS)[::-1]:
                 tick(f"handover, round {rnd + 1}, {arm}")
-                r = lg.run(job(plan, overhead.via_router(stacks[arm]), rnd), timeout=300.0)
+                r = lg.run(job(plan, stacks[arm].url, rnd), timeout=300.0)
                 turns[arm] += [dict(t, round=rnd) for t in r["turns"]]
     return {
-        "modelled_ms": modelled_ms(plan),
+        # D's modelled handover the features remove: its admission and its token-1 forward
+        "modelled_ms": ADMISSION_MS + plan.gpu.decode_ms_per_token,
         "admission_ms": ADMISSION_MS,
         "forward_ms": plan.gpu.decode_ms_per_token,
-        "arms": {arm: _summary(turns[arm]) for arm in ARMS},
-        "same_answers": _same_answers(turns),
-        "commands": commands,
+        "arms": {arm: summary(turns[arm]) for arm in ARMS},
+        "same_answers": same_answers(turns),
+        "commands": {arm: st.commands for arm, st in stacks.items()},
     }
 
 
-def _summary(turns: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(turns: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [t for t in turns if t["ok"]]
     return {
         "first": summary_ms([t["ttft"] for t in ok if t["turn"] == 1]),
@@ -118,59 +102,35 @@ def _summary(turns: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _key(t: dict[str, Any]) -> tuple[int, int, int]:
-    return t["round"], t["conv"], t["turn"]
-
-
-def _same_answers(turns: dict[str, list[dict[str, Any]]]) -> bool:
+def same_answers(turns: dict[str, list[dict[str, Any]]]) -> bool:
     """Whether every arm answered every turn, each as the baseline did."""
-    base = {_key(t): t.get("answer") for t in turns["off"] if t["ok"]}
-    if not base:
-        return False
-    for got in turns.values():
-        mine = {_key(t): t.get("answer") for t in got if t["ok"]}
-        if mine != base:
-            return False
-    return True
+    answers = {
+        arm: {(t["round"], t["conv"], t["turn"]): t.get("answer") for t in got if t["ok"]}
+        for arm, got in turns.items()
+    }
+    return bool(answers["off"]) and all(mine == answers["off"] for mine in answers.values())
 
 
-def section(r: dict[str, Any]) -> list[str]:
-    arms, need = r["arms"], r["modelled_ms"]
+def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
+    arms, need = res["arms"], res["modelled_ms"]
     off = arms["off"]
-    lines = [
-        "## 9. The handover: first-token seeding and concurrent dispatch (vllm#51919)",
-        "",
-        "The same conversations (up to 4 turns, 16-32 output tokens, streamed) through four "
-        "stacks of 1 P and 1 D that offer both features, each router with some turned off. "
-        f"D's modelled handover is its admission ({r['admission_ms']:.1f} ms, "
-        f"`--admission-ms`) plus its token-1 forward ({r['forward_ms']:.1f} ms, "
-        f"`--first-token-forward-ms`): **{need:.1f} ms**. Answers identical across arms: "
-        f"**{'yes' if r['same_answers'] else 'NO'}**.",
-        "",
-        "| arm | turn 1 p50 ms | turns 2.. p50 ms | turns 2.. p90 ms | saved vs off, turn 1 / "
-        "2.. (ms) | turns 2.. outcomes | failed |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for arm, (label, _) in ARMS.items():
-        cell = arms[arm]
-        saved = (
-            f"{off['first']['p50'] - cell['first']['p50']:+.1f} / "
-            f"{off['later']['p50'] - cell['later']['p50']:+.1f}"
-        )
-        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(cell["reuse"].items()))
-        lines.append(
-            f"| {label} | {cell['first']['p50']:.1f} | {cell['later']['p50']:.1f} |"
-            f" {cell['later']['p90']:.1f} | {saved} | {outcomes} | {cell['failed']} |"
-        )
-    both = arms["both"]
-    met = (
-        off["first"]["p50"] - both["first"]["p50"] >= need
-        and off["later"]["p50"] - both["later"]["p50"] >= need
+        c = arms[arm]
+        later = f"{fmt(c['later']['p50'], 1)} / {fmt(c['later']['p90'], 1)}"
+        saved = [off[k]["p50"] - c[k]["p50"] for k in ("first", "later")]
+        text = f"{saved[0]:+.1f} / {saved[1]:+.1f}"
+        rows.append([label, fmt(c["first"]["p50"], 1), later, text, str(c["failed"])])
+    question = (
+        "How much TTFT do first-token seeding and concurrent dispatch (vllm#51919) save: the "
+        "same conversations through four stacks of 1 P and 1 D offering both, each router "
+        f"with some off, D's modelled handover {need:.1f} ms (admission "
+        f"{res['admission_ms']:.1f} ms, token-1 forward {res['forward_ms']:.1f} ms)?"
     )
-    lines += [
-        "",
-        f"Both on saves at least D's modelled handover on first and later turns: "
-        f"**{'met' if met else 'not met'}**.",
-        "",
-    ]
-    return lines
+    saved = [off[k]["p50"] - arms["both"][k]["p50"] for k in ("first", "later")]
+    answer = (
+        f"Both on saves {saved[0]:.1f} ms p50 on turn 1 and {saved[1]:.1f} ms on later turns; "
+        f"both at least the modelled {need:.1f} ms: {'yes' if min(saved) >= need else 'no'}; "
+        f"answers identical across arms: {'yes' if res['same_answers'] else 'NO'}."
+    )
+    return [Screen("The handover", question, [Table(HEADER, rows)], [answer])]
