@@ -1,19 +1,8 @@
 """7. D's memory: what D's pinned handles do to its KV and to TTFT over time, releases on and off.
 
-With `bidirectional_kv_xfer`, D pins every finished turn's KV for the engine's
-`decoder_kv_blocks_ttl` (480 s, the default the simulators run here) unless a P reads it. The
-workload is an open arrival process: conversations arrive at a rate (Poisson), a share of them
-have one turn, the others several, with a client's think time between turns, and then they end
-without saying so (as most clients do). The same seeded arrivals go through two stacks, each with
-a fresh P and a small D under the H100/8B cost model: kvbaton as shipped (it releases at once
-what nobody will read: superseded, unsaved, ended; and, once D passes its high-water mark,
-those least likely to be read; a handle on a D with room is kept until --handle-ttl) and
-kvbaton with `--no-release-pins`. The arms cannot take turns on one D (its pins
-are the state measured), so they run one after the other; load and noise differ between them.
-A thread samples D's `/sim/state` twice a second: the share of its blocks pinned for P and its
-usage. Every turn is stamped with its start, and TTFT is summarized per window of time.
-The section's mixed workload and its faults build on this module: bench/pins_mixed.py and
-bench/pins_faults.py.
+D pins every finished turn's KV for the engine's 480 s TTL unless a P reads it. The same seeded
+arrivals go through kvbaton as shipped (it releases what nobody will read) and with
+`--no-release-pins`, one after the other on fresh engines (D's pins are the state measured).
 """
 
 from __future__ import annotations
@@ -22,15 +11,14 @@ import contextlib
 import threading
 import time
 import urllib.error
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from bench.plan import Plan
+from bench.screen import Screen, Table
 from bench.stack import LoadGen, start_stack
 from bench.stats import fmt, pct, summary_ms
 from harness.chat import get_json
-from harness.metrics import parse, scrape
 from harness.stack import Stack
 
 Tick = Callable[[str], None]
@@ -51,6 +39,7 @@ WORKLOAD: dict[str, Any] = {
     "stream": True,
 }
 SAMPLE_S = 0.5
+TITLE = "D's memory: pinned handles over time"
 # The answer of a later turn whose handle the router released before the turn came.
 RELEASED = "miss;reason=released"
 
@@ -73,14 +62,12 @@ def job(plan: Plan, url: str) -> dict[str, Any]:
 
 
 class Sampler:
-    """The D's pinned share and usage (all of them together), twice a second, on a thread,
-    while a job runs."""
+    """The share of the D's blocks pinned for P (all D together), twice a second, on a thread."""
 
     def __init__(self, *d_urls: str) -> None:
         self.urls = [url + "/sim/state" for url in d_urls]
         self.samples: list[dict[str, float]] = []
         self._stop = threading.Event()
-        self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> Sampler:
@@ -99,16 +86,8 @@ class Sampler:
             except (TimeoutError, urllib.error.URLError):
                 continue  # a D stalled on pins may not answer in time either
             total = sum(s["blocks"]["total"] for s in states)
-            pins = [p for s in states for p in decoder_pins(s)]
-            used = sum(s["blocks"]["usage"] * s["blocks"]["total"] for s in states)
-            self.samples.append(
-                {
-                    "t": time.perf_counter() - self._t0,
-                    "pinned": sum(len(p["block_ids"]) for p in pins) / total,
-                    "usage": used / total,
-                    "pins": float(len(pins)),
-                }
-            )
+            pinned = sum(len(p["block_ids"]) for s in states for p in decoder_pins(s))
+            self.samples.append({"t": time.perf_counter() - self._t0, "pinned": pinned / total})
 
 
 def decoder_pins(state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -117,50 +96,33 @@ def decoder_pins(state: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def windows(res: dict[str, Any], step: float) -> list[dict[str, Any]]:
-    """Per window of `step` seconds: the turns started in it (TTFT of those that answered,
-    how many failed; of the later ones, the hits and those lost to a release) and D's pinned
-    share and usage sampled in it."""
-    turns, samples = res["turns"], res["samples"]
-    end = max([t["start"] for t in turns] + [s["t"] for s in samples] + [0.0])
-    out = []
-    for i in range(int(end // step) + 1):
-        lo, hi = i * step, (i + 1) * step
-        ts = [t for t in turns if lo <= t["start"] < hi]
-        ss = [s for s in samples if lo <= s["t"] < hi]
-        out.append(
-            {
-                "t": lo,
-                "turns": len(ts),
-                "failed": sum(not t["ok"] for t in ts),
-                "hits": sum(t["turn"] > 1 and t["reuse"].startswith("hit") for t in ts),
-                "released": sum(t["turn"] > 1 and t["reuse"] == RELEASED for t in ts),
-                "ttft": summary_ms([t["ttft"] for t in ts if t["ok"]]),
-                "pinned_max": max((s["pinned"] for s in ss), default=float("nan")),
-                "usage_max": max((s["usage"] for s in ss), default=float("nan")),
-            }
-        )
-    return out
+    """TTFT of the turns started in each window of `step` seconds (bench/plots.py draws it)."""
+    turns = res["turns"]
+    end = max([t["start"] for t in turns] + [0.0])
+    return [
+        {
+            "t": i * step,
+            "ttft": summary_ms(
+                [t["ttft"] for t in turns if t["ok"] and i * step <= t["start"] < (i + 1) * step]
+            ),
+        }
+        for i in range(int(end // step) + 1)
+    ]
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
-    turns, samples = res["turns"], res["samples"]
+    turns, pinned = res["turns"], [s["pinned"] for s in res["samples"]]
     later = [t for t in turns if t["turn"] > 1 and t["ok"]]
-    pinned = [s["pinned"] for s in samples]
     return {
-        "conversations": res["conversations"],
         "turns": len(turns),
-        "ok": sum(t["ok"] for t in turns),
         "failed": sum(not t["ok"] for t in turns),
         "errors": sorted({t["error"] for t in turns if t["error"]})[:3],
         "ttft": summary_ms([t["ttft"] for t in turns if t["ok"]]),
         "later_turns": len(later),
         "later_hits": sum(t["reuse"].startswith("hit") for t in later),
-        "later_misses": dict(
-            Counter(t["reuse"] for t in later if not t["reuse"].startswith("hit"))
-        ),
+        "released": sum(t["reuse"] == RELEASED for t in later),
         "pinned_p50": pct(pinned, 50),
         "pinned_max": max(pinned, default=float("nan")),
-        "usage_max": max((s["usage"] for s in samples), default=float("nan")),
     }
 
 
@@ -181,98 +143,83 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     for name, flags in ARMS.items():
         tick(f"pins: {name}")
         with stack(plan, flags) as st:
-            out["arms"][name] = one_arm(plan, lg, st)
-            out["commands"][name] = commands(st)
+            spec = job(plan, st.url)
+            with Sampler(st.d.url) as sampler:
+                res = lg.run(spec, timeout=plan.pins_s + spec["drain_s"] + 60.0)
+            res["samples"] = sampler.samples
+            out["arms"][name] = {
+                "summary": summarize(res),
+                "windows": windows(res, plan.pins_window_s),
+                "series": sampler.samples,
+            }
+            out["commands"][name] = dict(st.commands)
     return out
 
 
-def one_arm(plan: Plan, lg: LoadGen, st: Stack) -> dict[str, Any]:
-    spec = job(plan, st.url)
-    with Sampler(st.ds[0].url) as sampler:
-        res = lg.run(spec, timeout=plan.pins_s + spec["drain_s"] + 60.0)
-    res["samples"] = sampler.samples
-    arm = {"summary": summarize(res), "windows": windows(res, plan.pins_window_s)}
-    arm["releases"] = releases(st.url)
-    arm["series"] = sampler.samples
-    return arm
-
-
-def releases(url: str) -> dict[str, int]:
-    """The router's releases by reason (kvbaton_pin_releases_total), the failed and dropped
-    ones by outcome."""
-    out: dict[str, int] = {}
-    for s in parse(scrape(url)):
-        if s.name == "kvbaton_pin_releases_total" and s.value:
-            outcome = s.labels["outcome"]
-            key = s.labels["reason"] if outcome == "released" else outcome
-            out[key] = out.get(key, 0) + int(s.value)
-    return out
-
-
-def commands(st: Stack) -> dict[str, list[str]]:
-    return dict(st.commands)
-
-
-def section(res: dict[str, Any], plan: Plan, png: str | None) -> list[str]:
-    arms = res["arms"]
-    lines = [
-        "## 7. D's memory: pinned handles over time",
-        "",
-        f"{plan.pins_rate:g} conversations/s arrive for {plan.pins_s:g} s (Poisson; "
-        f"{WORKLOAD['one_turn_share']:.0%} of one turn, the others "
-        f"{WORKLOAD['turns'][0]}-{WORKLOAD['turns'][1]} turns, {WORKLOAD['think_s']:g} s mean "
-        "think time between turns, system prompts of "
-        f"{WORKLOAD['system_words'][0]}-{WORKLOAD['system_words'][1]} tokens, streamed answers "
-        f"of {WORKLOAD['output_tokens'][0]}-{WORKLOAD['output_tokens'][1]} tokens), through "
-        f"one P and one D of {plan.pins_blocks:,} blocks with the engine's own 480 s pin TTL "
-        f"and the H100/8B cost model. A client gives up on a turn after {plan.pins_timeout_s:g} s. "
-        "The arms run one after the other on fresh engines (D's pins are the state measured, "
-        "so they cannot take turns on one D).",
-        "",
+def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
+    rows = {f"arrivals, {name}": arm["summary"] for name, arm in res["arms"].items()}
+    mixed = res.get("mixed") or {}
+    kinds = mixed.get("kinds", {})
+    rows |= {f"{kind}, releases on": k["summary"] for kind, k in kinds.items()}
+    header = ["workload, arm", "turns (failed)", "TTFT p50 / p99 ms", "later turns hit"]
+    header += ["lost to a release", "D pinned p50 / max"]
+    on, off = res["arms"]["releases on"]["summary"], res["arms"]["releases off"]["summary"]
+    lost = ", ".join(f"{kind} {k['summary']['released']}" for kind, k in kinds.items())
+    answer = [
+        f"Releases hold D's pinned share to {percent(on['pinned_max'])} at most (off: "
+        f"{percent(off['pinned_max'])}) and TTFT p99 to {fmt(on['ttft']['p99'], 0)} ms (off: "
+        f"{fmt(off['ttft']['p99'], 0)} ms); later turns lost to a release: {on['released']} of "
+        f"{on['later_turns']}{f', mixed {lost}' if lost else ''}."
     ]
-    if png:
-        lines += [f"![D's pinned share and TTFT p99 over time]({png})", ""]
-    lines += [
-        "| arm | turns | failed | TTFT p50 / p99 ms | later turns hit | D pinned p50 / max "
-        "| D usage max | releases (by reason) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, arm in arms.items():
-        s, rel = arm["summary"], arm["releases"]
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(rel.items()))
-        lines.append(
-            f"| {name} | {s['turns']} | {s['failed']} | {fmt(s['ttft']['p50'], 0)} / "
-            f"{fmt(s['ttft']['p99'], 0)} | {s['later_hits']} of {s['later_turns']} | "
-            f"{fmt(s['pinned_p50'])} / {fmt(s['pinned_max'])} | {fmt(s['usage_max'])} | "
-            f"{reasons or 'none'} |"
+    question = (
+        f"What do D's pinned handles do to its memory and to TTFT, with kvbaton's releases on "
+        f"and off: {plan.pins_rate:g} conversations/s for {plan.pins_s:g} s "
+        f"({WORKLOAD['one_turn_share']:.0%} of one turn, the others {WORKLOAD['turns'][0]}-"
+        f"{WORKLOAD['turns'][1]}) on a P and a D of {plan.pins_blocks:,} blocks, the arms one "
+        "after the other"
+    )
+    if mixed:
+        median = mixed["think"]["human"]["median_s"]
+        question += f", then bots (1-3 s between turns) and people (median {median:g} s) together"
+    table = Table(header, [_row(name, s) for name, s in rows.items()])
+    out = [Screen(TITLE, question + "?", [table], answer, "bench-pins.png")]
+    return out + ([fault_screen(res["faults"], plan)] if res.get("faults") else [])
+
+
+def percent(x: float) -> str:
+    return fmt(100 * x, 0) + "%"
+
+
+def _row(name: str, s: dict[str, Any]) -> list[str]:
+    ttft = f"{fmt(s['ttft']['p50'], 0)} / {fmt(s['ttft']['p99'], 0)}"
+    hits, pinned = f"{s['later_hits']} of {s['later_turns']}", [s["pinned_p50"], s["pinned_max"]]
+    pinned_text = " / ".join(map(percent, pinned))
+    return [name, f"{s['turns']} ({s['failed']})", ttft, hits, str(s["released"]), pinned_text]
+
+
+def _orphans(x: dict[str, Any]) -> str:
+    if x["orphans"] is None:
+        return f"n/a ({x['d_pins']} on D, not counted)"
+    return f"{x['orphans']} ({x['d_pins']} - {x['router_pins']})"
+
+
+def fault_screen(res: dict[str, Any], plan: Plan) -> Screen:
+    settle, rows, off = res["settle_s"], [], []
+    for name, a in res["arms"].items():
+        later = a["after_settle"]
+        ids = f"{later['unknown']} / {later['stale']}"
+        rows.append(
+            [name, f"{a['turns']} ({a['failed']})", _orphans(a["after"]), _orphans(later), ids]
         )
-    lines += ["", f"Per {res['window_s']:g} s window (turns started in it):", ""]
-    names = list(arms)
-    header = ["from s"]
-    for name in names:
-        header += [f"{name}: turns (failed)", "TTFT p50 / p99 ms", "D pinned max"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    rows = max(len(arms[n]["windows"]) for n in names)
-    for i in range(rows):
-        cells = [f"{i * res['window_s']:g}"]
-        for name in names:
-            ws = arms[name]["windows"]
-            if i >= len(ws):
-                cells += ["", "", ""]
-                continue
-            w = ws[i]
-            cells += [
-                f"{w['turns']} ({w['failed']})",
-                f"{fmt(w['ttft']['p50'], 0)} / {fmt(w['ttft']['p99'], 0)}",
-                fmt(w["pinned_max"]),
-            ]
-        lines.append("| " + " | ".join(cells) + " |")
-    for name in names:
-        s = arms[name]["summary"]
-        if s["later_misses"]:
-            misses = ", ".join(f"`{k}` {v}" for k, v in sorted(s["later_misses"].items()))
-            lines += ["", f"{name}, later turns that missed (X-KV-Reuse): {misses}"]
-        if s["errors"]:
-            lines += ["", f"{name}, failures seen: " + "; ".join(f"`{e}`" for e in s["errors"])]
-    lines.append("")
-    return lines
+        if later["orphans"] != 0:
+            off.append(f"{name}: {_orphans(later)}")
+    question = (
+        "Does every pin D holds stay known to the router through a fault: each fault on a "
+        f"fresh stack under {plan.pins_fault_convs} conversations, orphans = D's pins - the "
+        f"router's count after the load and {settle:g} s later (0 is the invariant), by id: "
+        "D's pins no index entry names / entries naming no pin?"
+    )
+    header = ["fault", "turns (failed)", "orphans after", f"{settle:g} s later", "by id"]
+    answer = f"{len(rows) - len(off)} of {len(rows)} faults end at 0 orphans {settle:g} s later"
+    answer += f"; {'; '.join(off)}." if off else "."
+    return Screen("D's memory after a fault", question, [Table(header, rows)], [answer])

@@ -1,5 +1,5 @@
-"""Section 7's mixed workload and faults: the load generator's think times, copies and mixed
-jobs, the fault injection, and the figures and tables made from their results."""
+"""Section 7: the load generator's think times, copies and mixed jobs, the fault injection,
+and the screens made from made-up results."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import pytest
 
 from bench import loadgen, pins, pins_faults, pins_mixed
 from bench.plan import FULL, QUICK
-from tests.tooling.markdown import tables
 
 pytestmark = pytest.mark.unit
 
@@ -78,13 +77,12 @@ def test_a_mixed_job_runs_every_kind_and_tags_its_turns(monkeypatch: pytest.Monk
     for kind, count in res["conversations"].items():
         firsts = [t for t in res["turns"] if t["group"] == kind and t["turn"] == 1]
         assert len(firsts) == count > 0
-    res["samples"] = [{"t": 0.1, "pinned": 0.25, "usage": 0.3, "pins": 4.0}]
-    kinds = pins_mixed.by_kind(res, 1.0)
+    res["samples"] = [{"t": 0.1, "pinned": 0.25}]
+    kinds = pins_mixed.by_kind(res)
     for arm in kinds.values():
         s = arm["summary"]
         assert s["later_hits"] + s["released"] == s["later_turns"]
-        assert sum(w["released"] for w in arm["windows"]) == s["released"]
-        assert sum(w["hits"] for w in arm["windows"]) == s["later_hits"]
+        assert s["pinned_max"] == 0.25
     thirds = sum(t["turn"] == 3 for t in res["turns"])
     assert sum(k["summary"]["released"] for k in kinds.values()) == thirds > 0
 
@@ -188,63 +186,68 @@ def _fault_arm(after: int | None, later: int | None, **fault: Any) -> dict[str, 
         counted = None if n is None else 130 - n
         return {"d_pins": 130, "router_pins": counted, "orphans": n, "unknown": 125, "stale": 0}
 
+    fired = {"fired": True, **fault}
     return {
-        "routers": 1,
         "turns": 24,
         "failed": 2,
-        "reuse": {"hit": 14, "miss": 8},
-        "fault": {"fired": True, **fault},
+        "fault": fired,
         "after": count(after),
         "after_settle": count(later),
     }
 
 
-def test_the_sections_render_rectangular_tables() -> None:
-    window = {"t": 0.0, "turns": 3, "hits": 1, "released": 1, "pinned_max": 0.2}
-    summary = {
-        "conversations": 4,
-        "turns": 9,
-        "failed": 0,
-        "later_turns": 5,
-        "later_hits": 3,
-        "released": 2,
-        "later_misses": {pins.RELEASED: 2},
+def _summary(turns: int, p99: float, released: int, pinned_max: float) -> dict[str, Any]:
+    return {
+        "turns": turns,
+        "failed": 1,
+        "ttft": {"p50": 20.0, "p99": p99},
+        "later_turns": 40,
+        "later_hits": 40 - released,
+        "released": released,
+        "pinned_p50": 0.5,
+        "pinned_max": pinned_max,
     }
-    mixed = {
-        "kinds": {
-            "scripted": {"summary": summary, "windows": [window, window]},
-            "human": {
-                "summary": {**summary, "released": 0, "later_misses": {}},
-                "windows": [window],
+
+
+def test_the_screens_show_the_arms_the_kinds_and_the_faults() -> None:
+    res: dict[str, Any] = {
+        "arms": {
+            "releases on": {"summary": _summary(73, 62.0, 5, 0.89)},
+            "releases off": {"summary": _summary(67, 2522.0, 0, 1.0)},
+        },
+        "mixed": {
+            "kinds": {k: {"summary": _summary(30, 47.0, 3, 0.9)} for k in pins_mixed.KINDS},
+            "think": {k: pins_mixed.think(QUICK, k) for k in pins_mixed.KINDS},
+        },
+        "faults": {
+            "settle_s": 5.0,
+            "arms": {
+                "Redis paused 3 s": _fault_arm(125, 125, paused_s=3.0),
+                "router killed mid-turn": _fault_arm(None, 0, d_running_at_kill=6),
             },
         },
-        "think": {k: pins_mixed.think(QUICK, k) for k in pins_mixed.KINDS},
-        "think_scale": QUICK.pins_think_scale,
-        "window_s": 6.0,
-        "series": [{"t": 0.5, "pinned": 0.1}, {"t": 1.0, "pinned": 0.3}],
-        "releases": {"idle": 3},
-        "release_after_s": 5.0,
     }
-    text = "\n".join(pins_mixed.section(mixed, QUICK))
-    assert "scales people's think times by 0.25" in text
-    assert "D pinned p50 / max: 0.10 / 0.30" in text and "idle 3" in text
-    faults = {
-        "settle_s": 5.0,
-        "arms": {
-            "Redis paused 3 s": _fault_arm(125, 125, paused_s=3.0),
-            "router killed mid-turn": _fault_arm(None, 0, d_running_at_kill=6),
-        },
-    }
-    text += "\n" + "\n".join(pins_faults.section(faults, QUICK))
-    found = tables(text)
-    assert len(found) == 3
-    for rows in found:
-        assert all(len(row) == len(rows[0]) for row in rows), rows
-    kinds, per_window, fault_rows = found
-    assert [r[0] for r in kinds[1:]] == ["scripted", "human"]
-    assert kinds[1][6] == "**2**" and kinds[2][6] == "0"
-    assert [r[3] for r in per_window[1:]] == ["3 / 1 / 1", ""]
-    assert fault_rows[1][3] == "**125** (130 - 5)"
-    assert fault_rows[1][5] == "125 / 0"
-    assert fault_rows[2][3].startswith("n/a") and "D ran 6 turns" in fault_rows[2][6]
-    assert pins_mixed.section(None, QUICK) == pins_faults.section(None, QUICK) == []
+    memory, faults = pins.screens(res, QUICK)
+    for screen in (memory, faults):
+        for table in screen.tables:
+            assert all(len(row) == len(table.header) for row in table.rows), table
+    rows = memory.tables[0].rows
+    assert [r[0] for r in rows] == [
+        "arrivals, releases on",
+        "arrivals, releases off",
+        "scripted, releases on",
+        "human, releases on",
+    ]
+    assert rows[0][1:] == ["73 (1)", "20 / 62", "35 of 40", "5", "50% / 89%"]
+    assert memory.plot == "bench-pins.png" and "median 5 s" in memory.question
+    assert "89% at most (off: 100%)" in memory.answer[0]
+    assert "62 ms (off: 2522 ms)" in memory.answer[0] and "5 of 40" in memory.answer[0]
+    assert "scripted 3, human 3" in memory.answer[0]
+    assert faults.tables[0].rows[0][2:] == ["125 (130 - 5)", "125 (130 - 5)", "125 / 0"]
+    assert faults.tables[0].rows[1][2].startswith("n/a")
+    assert faults.answer == [
+        "1 of 2 faults end at 0 orphans 5 s later; Redis paused 3 s: 125 (130 - 5)."
+    ]
+    # Without the mixed workload and the faults: one screen, the arms alone.
+    (alone,) = pins.screens({"arms": res["arms"]}, QUICK)
+    assert len(alone.tables[0].rows) == 2 and "mixed" not in alone.answer[0]
