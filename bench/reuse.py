@@ -181,15 +181,14 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
 
 
 def _answer(runs: dict[str, Any], cache: str, n: str) -> str:
-    """Turn n's TTFT p50 and P's computed tokens, reuse (a) beside (b) and (c)."""
-    said = []
-    for arm in ("a", "b", "c"):
-        if (r := runs.get(f"{cache}/{arm}")) is not None:
-            computed = r["tokens"]["P"].get("local_compute", 0)
-            said.append(f"({arm}) {fmt(r['ttft_by_turn'][n]['p50'], 0)} ms, {computed:,.0f}")
-    a = runs[f"{cache}/a"]
-    limit = a["ttft_by_turn"][n]["p50"] / a["limit_by_turn"][n]["p50"]
+    """Turn n's TTFT p50 and P's computed tokens: reuse (a) beside (b) and (c), the fastest."""
+    here = {arm: runs[f"{cache}/{arm}"] for arm in "abc" if f"{cache}/{arm}" in runs}
+    p50 = {arm: r["ttft_by_turn"][n]["p50"] for arm, r in here.items()}
+    ttft = ", ".join(f"({arm}) {fmt(v, 0)} ms" for arm, v in p50.items())
+    computed = " / ".join(f"{r['tokens']['P'].get('local_compute', 0):,.0f}" for r in here.values())
+    limit = p50["a"] / here["a"]["limit_by_turn"][n]["p50"]
+    fastest = min(p50, key=p50.__getitem__)
     return (
-        f"{cache.capitalize()} P cache, turn {n} p50 and tokens computed on P: "
-        f"{'; '.join(said)}; (a) is {fmt(limit)}x its limit."
+        f"{cache.capitalize()} P cache, turn {n} p50: {ttft}, fastest ({fastest}); tokens "
+        f"computed on P {computed}; (a) at {fmt(limit)}x its limit."
     )

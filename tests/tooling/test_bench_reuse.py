@@ -47,8 +47,8 @@ def test_the_reuse_screen_has_a_row_per_run_and_names_the_last_turns() -> None:
     assert table.rows[0][2:] == ["90", "21 / 31", "14", "9,665", "500", "0", "0", "24 (1)"]
     assert screen.plot == "bench-ttft.png"
     assert screen.answer == [
-        "Ample P cache, turn 3 p50 and tokens computed on P: (a) 21 ms, 9,665; (c) 42 ms, "
-        "16,038; (a) is 1.50x its limit.",
-        "Small P cache, turn 3 p50 and tokens computed on P: (a) 35 ms, 9,503; (a) is 2.50x "
-        "its limit.",
+        "Ample P cache, turn 3 p50: (a) 21 ms, (c) 42 ms, fastest (a); tokens computed on P "
+        "9,665 / 16,038; (a) at 1.50x its limit.",
+        "Small P cache, turn 3 p50: (a) 35 ms, fastest (a); tokens computed on P 9,503; (a) at "
+        "2.50x its limit.",
     ]
