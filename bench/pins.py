@@ -19,6 +19,7 @@ from bench.screen import Screen, Table
 from bench.stack import LoadGen, start_stack
 from bench.stats import fmt, pct, summary_ms
 from harness.chat import get_json
+from harness.metrics import parse, scrape
 from harness.stack import Stack
 
 Tick = Callable[[str], None]
@@ -115,6 +116,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     later = [t for t in turns if t["turn"] > 1 and t["ok"]]
     return {
         "turns": len(turns),
+        "ok": sum(t["ok"] for t in turns),
         "failed": sum(not t["ok"] for t in turns),
         "errors": sorted({t["error"] for t in turns if t["error"]})[:3],
         "ttft": summary_ms([t["ttft"] for t in turns if t["ok"]]),
@@ -151,8 +153,21 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
                 "summary": summarize(res),
                 "windows": windows(res, plan.pins_window_s),
                 "series": sampler.samples,
+                "releases": releases(st.url),
             }
             out["commands"][name] = dict(st.commands)
+    return out
+
+
+def releases(url: str) -> dict[str, int]:
+    """The router's releases by reason (kvbaton_pin_releases_total), the failed and dropped
+    ones by outcome."""
+    out: dict[str, int] = {}
+    for s in parse(scrape(url)):
+        if s.name == "kvbaton_pin_releases_total" and s.value:
+            outcome = s.labels["outcome"]
+            key = s.labels["reason"] if outcome == "released" else outcome
+            out[key] = out.get(key, 0) + int(s.value)
     return out
 
 
@@ -165,11 +180,13 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
     header += ["lost to a release", "D pinned p50 / max"]
     on, off = res["arms"]["releases on"]["summary"], res["arms"]["releases off"]["summary"]
     lost = ", ".join(f"{kind} {k['summary']['released']}" for kind, k in kinds.items())
+    freed = {name: sum(arm["releases"].values()) for name, arm in res["arms"].items()}
     answer = [
-        f"Releases hold D's pinned share to {percent(on['pinned_max'])} at most (off: "
-        f"{percent(off['pinned_max'])}) and TTFT p99 to {fmt(on['ttft']['p99'], 0)} ms (off: "
-        f"{fmt(off['ttft']['p99'], 0)} ms); later turns lost to a release: {on['released']} of "
-        f"{on['later_turns']}{f', mixed {lost}' if lost else ''}."
+        f"Releases ({freed['releases on']} handles; off: {freed['releases off']}) hold D's "
+        f"pinned share to {percent(on['pinned_max'])} at most (off: {percent(off['pinned_max'])})"
+        f" and TTFT p99 to {fmt(on['ttft']['p99'], 0)} ms (off: {fmt(off['ttft']['p99'], 0)} ms).",
+        f"Later turns lost to a release: {on['released']} of {on['later_turns']}"
+        f"{f'; mixed workload: {lost}' if lost else ''}.",
     ]
     question = (
         f"What do D's pinned handles do to its memory and to TTFT, with kvbaton's releases on "

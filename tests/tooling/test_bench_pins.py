@@ -212,8 +212,11 @@ def _summary(turns: int, p99: float, released: int, pinned_max: float) -> dict[s
 def test_the_screens_show_the_arms_the_kinds_and_the_faults() -> None:
     res: dict[str, Any] = {
         "arms": {
-            "releases on": {"summary": _summary(73, 62.0, 5, 0.89)},
-            "releases off": {"summary": _summary(67, 2522.0, 0, 1.0)},
+            "releases on": {
+                "summary": _summary(73, 62.0, 5, 0.89),
+                "releases": {"pressure": 17, "ended": 3},
+            },
+            "releases off": {"summary": _summary(67, 2522.0, 0, 1.0), "releases": {}},
         },
         "mixed": {
             "kinds": {k: {"summary": _summary(30, 47.0, 3, 0.9)} for k in pins_mixed.KINDS},
@@ -240,9 +243,11 @@ def test_the_screens_show_the_arms_the_kinds_and_the_faults() -> None:
     ]
     assert rows[0][1:] == ["73 (1)", "20 / 62", "35 of 40", "5", "50% / 89%"]
     assert memory.plot == "bench-pins.png" and "median 5 s" in memory.question
-    assert "89% at most (off: 100%)" in memory.answer[0]
-    assert "62 ms (off: 2522 ms)" in memory.answer[0] and "5 of 40" in memory.answer[0]
-    assert "scripted 3, human 3" in memory.answer[0]
+    assert memory.answer == [
+        "Releases (20 handles; off: 0) hold D's pinned share to 89% at most (off: 100%) and "
+        "TTFT p99 to 62 ms (off: 2522 ms).",
+        "Later turns lost to a release: 5 of 40; mixed workload: scripted 3, human 3.",
+    ]
     assert faults.tables[0].rows[0][2:] == ["125 (130 - 5)", "125 (130 - 5)", "125 / 0"]
     assert faults.tables[0].rows[1][2].startswith("n/a")
     assert faults.answer == [
@@ -250,4 +255,7 @@ def test_the_screens_show_the_arms_the_kinds_and_the_faults() -> None:
     ]
     # Without the mixed workload and the faults: one screen, the arms alone.
     (alone,) = pins.screens({"arms": res["arms"]}, QUICK)
-    assert len(alone.tables[0].rows) == 2 and "mixed" not in alone.answer[0]
+    assert (
+        len(alone.tables[0].rows) == 2
+        and alone.answer[1] == "Later turns lost to a release: 5 of 40."
+    )
