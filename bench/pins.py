@@ -225,6 +225,8 @@ def fault_screen(res: dict[str, Any], plan: Plan) -> Screen:
     for name, a in res["arms"].items():
         later = a["after_settle"]
         ids = f"{later['unknown']} / {later['stale']}"
+        if "error" in a["fault"]:  # the fault never struck: its figures are a plain run's
+            name += f" (did not strike: {a['fault']['error']})"
         rows.append(
             [name, f"{a['turns']} ({a['failed']})", _orphans(a["after"]), _orphans(later), ids]
         )

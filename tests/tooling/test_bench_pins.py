@@ -250,6 +250,9 @@ def test_the_screens_show_the_arms_the_kinds_and_the_faults() -> None:
     ]
     assert faults.tables[0].rows[0][2:] == ["125 (130 - 5)", "125 (130 - 5)", "125 / 0"]
     assert faults.tables[0].rows[1][2].startswith("n/a")
+    res["faults"]["arms"]["Redis paused 3 s"]["fault"] = {"error": "OSError: gone"}
+    row = pins.screens(res, QUICK)[1].tables[0].rows[0]
+    assert row[0] == "Redis paused 3 s (did not strike: OSError: gone)"
     assert faults.answer == [
         "1 of 2 faults end at 0 orphans 5 s later; Redis paused 3 s: 125 (130 - 5)."
     ]
