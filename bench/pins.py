@@ -230,8 +230,8 @@ def fault_screen(res: dict[str, Any], plan: Plan) -> Screen:
         rows.append(
             [name, f"{a['turns']} ({a['failed']})", _orphans(a["after"]), _orphans(later), ids]
         )
-        if later["orphans"] != 0:
-            off.append(f"{name}: {_orphans(later)}")
+        if later["orphans"] != 0 or later["unknown"]:
+            off.append(f"{name}: {_orphans(later)}, {later['unknown']} pins no entry names")
     question = (
         "Does every pin D holds stay known to the router through a fault: each fault on a "
         f"fresh stack under {plan.pins_fault_convs} conversations, orphans = D's pins - the "
@@ -239,6 +239,6 @@ def fault_screen(res: dict[str, Any], plan: Plan) -> Screen:
         "D's pins no index entry names / entries naming no pin?"
     )
     header = ["fault", "turns (failed)", "orphans after", f"{settle:g} s later", "by id"]
-    answer = f"{len(rows) - len(off)} of {len(rows)} faults end at 0 orphans {settle:g} s later"
+    answer = f"{len(rows) - len(off)} of {len(rows)} faults end with no orphan {settle:g} s later"
     answer += f"; {'; '.join(off)}." if off else "."
     return Screen("D's memory after a fault", question, [Table(header, rows)], [answer])

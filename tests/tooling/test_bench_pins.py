@@ -254,7 +254,8 @@ def test_the_screens_show_the_arms_the_kinds_and_the_faults() -> None:
     row = pins.screens(res, QUICK)[1].tables[0].rows[0]
     assert row[0] == "Redis paused 3 s (did not strike: OSError: gone)"
     assert faults.answer == [
-        "1 of 2 faults end at 0 orphans 5 s later; Redis paused 3 s: 125 (130 - 5)."
+        "0 of 2 faults end with no orphan 5 s later; Redis paused 3 s: 125 (130 - 5), 125 "
+        "pins no entry names; router killed mid-turn: 0 (130 - 130), 125 pins no entry names."
     ]
     # Without the mixed workload and the faults: one screen, the arms alone.
     (alone,) = pins.screens({"arms": res["arms"]}, QUICK)
