@@ -109,7 +109,7 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
 def router_has_no_reuse() -> bool:
     """Whether `kvbaton serve` has the --no-reuse flag (affinity only, never a handle)."""
     out = subprocess.run(
-        [sys.executable, "-m", "router", "serve", "--help"],
+        [sys.executable, "-m", "router", "serve", "--help=all"],
         cwd=ROOT,
         capture_output=True,
         text=True,
