@@ -561,7 +561,10 @@ def winners(scenarios: dict[str, Any]) -> list[str]:
     """Per scenario, the arm lowest at later-turn p50, and kvbaton's figures where it is not."""
     out = []
     for name, sc in scenarios.items():
-        later = {a: r["summary"]["ttft_later"] for a, r in sc["arms"].items()}
+        # the floor is not a router: its one P and one D serve every turn
+        later = {
+            a: r["summary"]["ttft_later"] for a, r in sc["arms"].items() if a != FLOOR_ARM.name
+        }
         best = min(later, key=lambda a: later[a]["p50"])
         b, mine = later[best], later.get(KVBATON)
         if best == KVBATON:

@@ -102,11 +102,9 @@ def test_quick_run_report_reads_at_a_glance(quick_run: Path) -> None:
 def test_quick_run_writes_every_part(quick_run: Path) -> None:
     report = (quick_run / "benchmarks.md").read_text()
     raw = results(quick_run)
-    # The hit path: conversations through kvbaton (turns 2.. hit) and through the floor.
+    # The hit path: JSON conversations through kvbaton (turns 2.. hit) and through the floor.
     hit_cells = raw["overhead"]["hit_path"]["cells"]
-    assert {(c["stream"], c["concurrency"]) for c in hit_cells} == {
-        (s, n) for s in (False, True) for n in (1, 16)
-    }
+    assert {(c["stream"], c["concurrency"]) for c in hit_cells} == {(False, 1), (False, 16)}
     for cell in hit_cells:
         assert cell["kvbaton"]["failed"] == cell["floor"]["failed"] == 0, cell
         assert set(cell["kvbaton"]["reuse"]) == {"hit"}, cell["kvbaton"]["reuse"]
@@ -194,7 +192,7 @@ def test_quick_run_hit_path_beside_the_reference_proxy(quick_run: Path) -> None:
     if not peer_venv.vllm_tree().exists():
         assert with_reference == [] and "the reference proxy's" not in report
         return
-    assert with_reference == [16, 16], with_reference
+    assert with_reference == [16], with_reference
     for cell in hit_cells["cells"]:
         if "reference" in cell:
             assert cell["reference"]["failed"] == 0 and cell["reference"]["turns"] > 0
@@ -234,7 +232,8 @@ def test_quick_run_side_by_side(quick_run: Path) -> None:
         # every answer compared, those it did not measure too
         assert s["compared"] == 12 and s["differ"] == 0, (name, s)
         assert 8 - s["unmeasured"] <= s["ttft_later"]["n"] <= 8 and s["goodput"] > 0, (name, s)
-    assert mt_arms["kvbaton"]["summary"]["pulled_from_d"] > 0
+    # (kvbaton's P reads D's KV only where a pull pays: the quick config's short answers are
+    # recomputed on the affinity P, whose prefix cache holds the rest; nothing to assert here)
     assert f"- {peers.FLOOR_ARM.name}: " in report  # among the arms, with how it runs
     # The floor's P took the benchmark's turns (its min_tokens left out, as kvbaton does):
     # P computed each prompt and D read it, D computed none.
