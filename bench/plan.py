@@ -12,20 +12,25 @@ class GpuProfile:
     prefill_ms_per_token: float = 0.046
     decode_ms_per_token: float = 7.5
     transfer_ms_per_block: float = 0.05
+    transfer_ms_per_pull: float = 0.5
+    pull_step_ms: float = 1.0
     block_size: int = 16
 
     def turn_limit_ms(self, prompt: int, reused: int) -> float:
         """The cost model's TTFT for a P/D turn of `prompt` tokens whose first `reused` are
         D's KV: P computes only the new tokens (at least the last one, as vLLM), the first
         token is decoded, and every block moves once (the reused ones D -> P, the new ones
-        P -> D). No queueing, no HTTP, no tokenizing. A P whose prefix cache holds part of
-        the conversation moves less, and a turn on D alone moves nothing."""
+        P -> D), each pull paying its fixed cost and the empty step that reports it on an
+        idle engine. No queueing, no HTTP, no tokenizing. A P whose prefix cache holds part
+        of the conversation moves less, and a turn on D alone moves nothing."""
         reused = min(reused, prompt - 1) // self.block_size * self.block_size
         new = prompt - reused
         blocks = reused // self.block_size + -(-new // self.block_size)
+        pulls = 2 if reused else 1
         return (
             new * self.prefill_ms_per_token
             + blocks * self.transfer_ms_per_block
+            + pulls * (self.transfer_ms_per_pull + self.pull_step_ms)
             + self.decode_ms_per_token
         )
 
@@ -37,6 +42,10 @@ class GpuProfile:
             str(self.decode_ms_per_token),
             "--transfer-ms-per-block",
             str(self.transfer_ms_per_block),
+            "--transfer-ms-per-pull",
+            str(self.transfer_ms_per_pull),
+            "--pull-step-ms",
+            str(self.pull_step_ms),
             "--block-size",
             str(self.block_size),
         ]
@@ -65,6 +74,19 @@ SOURCES = {
         "assumption (no published NIXL figure found for this model): Llama-3-8B KV is "
         "32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 128 KiB per token, 2 MiB per "
         "16-token block; over a 400 Gb/s RDMA NIC at ~40 GB/s that is 0.05 ms per block."
+    ),
+    "pull": (
+        "estimate (no published figure for a short read): building and posting one NIXL read, "
+        "polling its completion and D's free notification, beside its blocks. vllm#50913 "
+        "measured ~7 ms posts for 5k-token pulls at block size 16, i.e. ~0.02 ms per block: "
+        "the per-block cost carries a long pull, this fixed part a short one."
+    ),
+    "step": (
+        "estimate: on an idle engine the empty engine-core step (a scheduler pass and "
+        "`kv_connector_no_forward`, no forward) that reports a finished read before the "
+        "request is prefilled (vLLM's WAITING_FOR_REMOTE_KVS; docs/simulator.md). vllm#4261 "
+        "measured V0's scheduler iteration at 2-2.5 ms; V1's loop is leaner and vllm#35781 "
+        "cut the cost of parked requests. On a busy engine the running step reports it."
     ),
 }
 

@@ -112,6 +112,8 @@ def cost_model_lines(gpu: GpuProfile) -> list[str]:
         ["prefill", f"{gpu.prefill_ms_per_token:g} ms per token", SOURCES["prefill"]],
         ["decode", f"{gpu.decode_ms_per_token:g} ms per step", SOURCES["decode"]],
         ["transfer", f"{gpu.transfer_ms_per_block:g} ms per block", SOURCES["transfer"]],
+        ["a pull's fixed cost", f"{gpu.transfer_ms_per_pull:g} ms per pull", SOURCES["pull"]],
+        ["the step that reports a pull", f"{gpu.pull_step_ms:g} ms when idle", SOURCES["step"]],
     ]
     intro = (
         f"Every part's simulators run Llama-3-8B on one H100 as this model prices it (blocks of "
