@@ -156,8 +156,12 @@ def _check(settings: Settings) -> None:
     """What msgspec's types cannot say about the settings together."""
     if settings.handle_ttl <= 0 or settings.session_ttl < settings.handle_ttl:
         raise ConfigError("--handle-ttl must be > 0 and not above --session-ttl")
-    if min(settings.block_size, settings.min_reuse_tokens, settings.decode_local_max_tokens) < 0:
-        raise ConfigError("--block-size, --min-reuse-tokens, --decode-local-max-tokens: >= 0")
+    local = (settings.decode_local_max_tokens, settings.decode_local_idle_inflight)
+    if min(settings.block_size, settings.min_reuse_tokens, *local) < 0:
+        raise ConfigError(
+            "--block-size, --min-reuse-tokens, --decode-local-max-tokens, "
+            "--decode-local-idle-inflight: >= 0"
+        )
     if settings.release_after < 0 or not (
         0 < settings.pin_low_water <= settings.pin_high_water <= 1
     ):

@@ -46,8 +46,8 @@ class Services:
     # What each engine's prefix cache holds, from its KV events (None: no --kv-events).
     kv_events: KvEvents | None = None
     # Per conversation whose last turn here left a handle: that turn's P and the tokens of
-    # the handle it lacks (router/turn/early.py).
-    prefill_hints: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # the handle it lacks, and its D (router/turn/early.py).
+    prefill_hints: dict[str, tuple[str, int, str]] = field(default_factory=dict)
     # Releases handles nobody will read (None: the connector pins nothing, or --no-release-pins).
     releaser: Releaser | None = None
     gaps: Gaps = field(default_factory=Gaps)  # the measured time between turns

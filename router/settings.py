@@ -119,6 +119,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     at most this many runs on that D alone, no P leg (0: never)"""
     decode_local_max_inflight: Annotated[int, Flag(Group.REUSE)] = 16
     """the decode plan only while the previous D has fewer requests in flight than this"""
+    decode_local_idle_inflight: Annotated[int, Flag(Group.REUSE)] = 2
+    """the decode plan even when P could pull, while the previous D has fewer requests in flight
+    than this: its next step comes sooner than P's prefill and the handover would (0: only
+    when P is as crowded as --decode-local-max-inflight)"""
     prefill_token_ids: Annotated[bool, Flag(Group.REUSE)] = True
     """on a hit verified by P's /tokenize, send P those token ids on /v1/completions instead of
     the chat body: P does not render and tokenize the conversation again"""

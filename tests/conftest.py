@@ -59,9 +59,18 @@ def tier_of(path: Path) -> str:
     return TIER_BY_PATH[best]
 
 
+# The routers the tests start prefer a pull to the decode plan while P has room, even on an
+# idle D (shipped: --decode-local-idle-inflight 2, which would run most of the tests' later
+# turns on D alone): the tests of the pull see pulls. The tests of the rule name the flag.
+PULL_FIRST_ENV = {"KVBATON_DECODE_LOCAL_IDLE_INFLIGHT": "0"}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """In the main pytest process (not an xdist worker, which inherits it): this run's id,
-    which names its folder of process logs; the folders of runs that have ended go."""
+    which names its folder of process logs; the folders of runs that have ended go. Every
+    process the tests start gets PULL_FIRST_ENV unless the environment sets it already."""
+    for key, value in PULL_FIRST_ENV.items():
+        os.environ.setdefault(key, value)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ[RUN_ENV] = str(os.getpid())
         prune_logs()

@@ -69,6 +69,12 @@ class Instance:
     def usable(self) -> bool:
         return self.healthy and not self.draining
 
+    @property
+    def load(self) -> int:
+        """Requests in flight: this router's, or the engine's own count (every router's, as
+        of the last health read) when that is higher."""
+        return max(self.outstanding, self.engine_requests)
+
 
 @dataclass
 class Pool:

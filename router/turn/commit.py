@@ -112,7 +112,8 @@ async def _commit(turn: Turn, captured: Captured) -> tuple[CommitResult, bool]:
     p_inst = turn.prefill
     if ok and state.kv_transfer_params and p_inst is not None:
         kept = p_inst.reads.current(p_inst.ident.restarts).kept
-        early.remember(svc, key, p_inst.url, worth.lacking(state, p_inst.url, kept))
+        lacking = worth.lacking(state, p_inst.url, kept)
+        early.remember(svc, key, p_inst.url, lacking, state.decode)
     else:
         early.remember(svc, key, None)
     if ok and turn.claim.history_id:

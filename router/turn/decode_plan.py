@@ -1,5 +1,7 @@
 """The decode plan applied: what the previous D's prefix cache holds of the new prompt, and
-whether the turn runs there alone (`hit;via=decode`). router/turn/decide/plan.py decides."""
+whether the turn runs there alone (`hit;via=decode`). router/turn/decide/plan.py decides,
+from the state alone before the turn pays for anything (decide/lacks.py bounds what D lacks),
+or, where the state cannot bound it, from D's own rendering of the prompt."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import logging
 from router.engines.kv_index import held_tokens
 from router.engines.pool import Instance
 from router.turn.claim import prefix_verdict, prompt_token_ids
-from router.turn.decide import extends, plan, sendable
+from router.turn.decide import extends, lacks, plan, sendable
 from router.turn.outcomes import Found, Reason, Reuse, Via
 from router.turn.state import Turn
 from sessions import model as sm
@@ -22,8 +24,7 @@ NO_HANDLE_MADE = frozenset({Reason.STREAM_NO_KV_PARAMS, Reason.NO_KV_PARAMS, Rea
 
 
 def limits(turn: Turn) -> plan.Limits:
-    s = turn.svc.settings
-    return plan.Limits(s.decode_local_max_tokens, s.decode_local_max_inflight)
+    return plan.limits_of(turn.svc.settings)
 
 
 def _candidate(turn: Turn, source: Instance | None) -> bool:
@@ -43,15 +44,35 @@ def _candidate(turn: Turn, source: Instance | None) -> bool:
         # Asked only when it can matter: it hashes the conversation again.
         prefix_mismatch=lambda: prefix_verdict(turn.inc, state) is extends.Prefix.MISMATCH,
         d_usable=source.usable and sendable.decode_blocker(source, state) is None,
-        d_inflight=d_load(source),
+        d_inflight=source.load,
     )
     return plan.candidate(seen, limits(turn))
 
 
-def d_load(inst: Instance) -> int:
-    """D's requests in flight: this router's, or the engine's own count (every router's, as
-    of the last health read) when that is higher."""
-    return max(inst.outstanding, inst.engine_requests)
+def by_state(turn: Turn, source: Instance | None, p_inst: Instance) -> tuple[Instance | None, bool]:
+    """(the previous D, if the decode plan is chosen from the state alone; whether the choice
+    is made). Before the P leg's /tokenize, the verification and the claim's early /tokenize:
+    a turn that runs on D alone pays for none of them. Not made: the state cannot bound what
+    D lacks (decode_here decides after the verification)."""
+    if not _candidate(turn, source):
+        return None, True
+    assert source is not None and turn.claim.state is not None
+    est = lacks.estimate(turn.inc, turn.claim.state)
+    if est is None:
+        return None, False
+    inputs = plan.Inputs(
+        new_tokens=est.new,
+        d_holds=est.holds,
+        handle=turn.claim.reuse.pulls,
+        d_inflight=source.load,
+        p_inflight=p_inst.outstanding,
+    )
+    if plan.choose(inputs, limits(turn)) is not plan.Plan.DECODE:
+        return None, True
+    if turn.early is not None:
+        turn.early.cancel()  # P's /tokenize sent during the claim: nothing needs it now
+    _take(turn, source, est.holds, est.new)
+    return source, True
 
 
 async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> Instance | None:
@@ -78,21 +99,27 @@ async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> 
     if index is not None:  # D's KV events: what it still holds (nothing evicted since)
         holds = min(holds, held_tokens(index, tokens))
     inputs = plan.Inputs(
-        prompt_tokens=len(tokens),
+        new_tokens=len(tokens) - holds,
         d_holds=holds,
         handle=claim.reuse.pulls,
-        d_inflight=d_load(source),
+        d_inflight=source.load,
         p_inflight=p_inst.outstanding,
     )
     if plan.choose(inputs, limits(turn)) is not plan.Plan.DECODE:
         return None
-    found = Found.HISTORY if claim.history_id else None
+    _take(turn, source, holds, len(tokens) - holds)
+    return source
+
+
+def _take(turn: Turn, source: Instance, holds: int, new: int) -> None:
+    """The claim says `hit;via=decode` and carries no handle (it is released after the turn)."""
+    found = Found.HISTORY if turn.claim.history_id else None
     turn.rejudge(Reuse.hit(holds, Via.DECODE, found), drop_handle=True)
     log.info(
-        "turn %s: decode plan on %s (holds %d of %d prompt tokens)",
+        "turn %s: decode plan on %s (it holds %d tokens, lacks %d or fewer; %d in flight)",
         turn.request_id,
         source.url,
         holds,
-        len(tokens),
+        new,
+        source.load,
     )
-    return source

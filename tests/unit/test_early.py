@@ -73,6 +73,21 @@ async def test_only_after_a_turn_that_left_a_handle_to_its_p() -> None:
     assert await _started(svc, _inc(HISTORY)) is None  # that P is gone: no guess
 
 
+@pytest.mark.parametrize(
+    ("d_inflight", "idle_inflight", "asked"),
+    [(0, 2, False), (1, 2, False), (2, 2, True), (0, 0, True)],
+    ids=["idle", "nearly-idle", "busy", "pull-first"],
+)
+async def test_not_when_the_turn_most_likely_runs_on_an_idle_d(
+    d_inflight: int, idle_inflight: int, asked: bool
+) -> None:
+    svc = _svc(decode_local_idle_inflight=idle_inflight)
+    (d,) = svc.pool.instances("decode")
+    d.outstanding = d_inflight
+    early.remember(svc, conversation_key("default", "c"), "http://p1", 0, "http://d")
+    assert (await _started(svc, _inc(HISTORY)) is not None) is asked
+
+
 def test_hints_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(early, "MAX_HINTS", 3)
     svc = _svc()
@@ -80,7 +95,11 @@ def test_hints_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None
         early.remember(svc, key, f"http://{key}")
     early.remember(svc, "a", "http://a2")  # a is the newest now
     early.remember(svc, "d", "http://d")
-    assert svc.prefill_hints == {"c": ("http://c", 0), "a": ("http://a2", 0), "d": ("http://d", 0)}
+    assert svc.prefill_hints == {
+        "c": ("http://c", 0, ""),
+        "a": ("http://a2", 0, ""),
+        "d": ("http://d", 0, ""),
+    }
     early.remember(svc, None, "http://x")  # a turn without a session key
     assert len(svc.prefill_hints) == 3
 

@@ -22,7 +22,10 @@ P1, P2, D1, D2 = "http://p1", "http://p2", "http://d1", "http://d2"
 
 
 def services(engines: FakeEngines, **settings: Any) -> Services:
-    """P1, P2, D1 and D2 behind `engines`; `settings` override the Settings."""
+    """P1, P2, D1 and D2 behind `engines`; `settings` override the Settings. A pull is
+    preferred to the decode plan while P has room, even on an idle D, unless `settings` say
+    otherwise (as the e2e tests' routers: tests/conftest.py's PULL_FIRST_ENV)."""
+    settings.setdefault("decode_local_idle_inflight", 0)
     config = Settings(
         prefill=(P1, P2), decode=(D1, D2), block_size=BLOCK, check_models=False, **settings
     )

@@ -35,13 +35,8 @@ async def serve(turn: Turn, on_prefilled: OnPrefilled | None = None) -> Response
     state = turn.claim.state
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
     source = svc.pool.find("decode", state.decode) if state is not None else None
-    if source is not None and turn.claim.params is not None:
-        p_inst = _reader(turn, source, p_inst)
-        worth.judge(turn, p_inst)  # before P's /tokenize: a pull P would skip is not made
-    turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, turn.early)
-    kv_aware.check_handle(turn, p_inst, source)
+    p_inst, local = await _place(turn, source, p_inst)
     failed: list[str] = []
-    local = await decode_plan.decode_here(turn, source, p_inst)
     if local is not None:
         try:
             return await decode(turn, local, None)
@@ -81,6 +76,27 @@ async def serve(turn: Turn, on_prefilled: OnPrefilled | None = None) -> Response
                 turn.miss(Reason.DECODE_RETRIED)
             # P's params may be what D failed on (forged or stale): another P if there is one.
             p_inst = _pick_other(svc, "prefill", prefilled.instance)
+
+
+async def _place(
+    turn: Turn, source: Instance | None, p_inst: Instance
+) -> tuple[Instance, Instance | None]:
+    """The turn's P, and the previous D when the turn runs there alone (the decode plan:
+    chosen first, from the state alone, so that such a turn pays for nothing else; else
+    after the verification, when the state could not bound what D lacks)."""
+    if source is not None and turn.claim.params is not None:
+        p_inst = _reader(turn, source, p_inst)
+    local, decided = decode_plan.by_state(turn, source, p_inst)
+    if local is not None:
+        return p_inst, local
+    if source is not None and turn.claim.params is not None:
+        worth.judge(turn, p_inst)  # before P's /tokenize: a pull P would skip is not made
+    svc = turn.svc
+    turn.claim = await verify(svc, turn.inc, turn.claim, p_inst.url, turn.request_id, turn.early)
+    kv_aware.check_handle(turn, p_inst, source)
+    if not decided:
+        local = await decode_plan.decode_here(turn, source, p_inst)
+    return p_inst, local
 
 
 def _note_handle_result(turn: Turn, sent: Instance | None, prefilled: Prefilled) -> None:

@@ -5,13 +5,16 @@ what its prefix cache lacks) and recompute (an ordinary P/D turn).
 Why these rules (docs/architecture.md, *Per-turn placement*):
 - The decode plan puts prefill work into D's decode batch, so it is taken only when that
   work is small (`--decode-local-max-tokens` new tokens) and D is not crowded
-  (`--decode-local-max-inflight` requests in flight there, counted by this router).
-- With a verified handle and a P that has room, the pull keeps all prefill work on P: the
-  decode batch of the other conversations on D is not slowed. The decode plan then still
-  wins when P is as crowded as the limit.
-- What D holds of the new prompt is known from D's own rendering of it: `/tokenize` for
-  chat and completions, `/v1/responses/render` for Responses (a D that does not serve it is
-  never given the decode plan for a Responses turn: nothing says what it holds).
+  (`--decode-local-max-inflight` requests in flight there).
+- On an idle D (`--decode-local-idle-inflight`) the decode plan wins even when P could pull:
+  D's next step comes sooner than P's prefill and the handover to D would, and slows no
+  other conversation's stream. On a busier D a pull keeps the prefill work on P, so the
+  streams D is decoding are not slowed; the decode plan then still wins when P is as
+  crowded as the limit.
+- What D lacks of the new prompt is bounded from the state alone (decide/lacks.py: no
+  /tokenize); where the state cannot bound it, D's own rendering says (`/tokenize`, or
+  `/v1/responses/render` for Responses: a D that does not serve it is never given the
+  decode plan for a Responses turn).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+
+from router.config import Settings
 
 
 class Plan(StrEnum):
@@ -31,20 +36,32 @@ class Plan(StrEnum):
 class Limits:
     max_tokens: int  # --decode-local-max-tokens (0: never the decode plan)
     max_inflight: int  # --decode-local-max-inflight
+    idle_inflight: int = 0  # --decode-local-idle-inflight (0: P crowded only)
 
 
 @dataclass(frozen=True)
 class Inputs:
-    prompt_tokens: int  # the new prompt's tokens (0: not known)
-    d_holds: int  # of those, the leading ones verified in the previous D's prefix cache
+    new_tokens: int  # the prompt's tokens the previous D's prefix cache lacks (at most)
+    d_holds: int  # the prompt's leading tokens in that cache
     handle: bool  # a verified handle may be pulled by P
     d_inflight: int  # requests this router has in flight on the previous D
     p_inflight: int  # ... and on the chosen P
 
 
+def limits_of(s: Settings) -> Limits:
+    return Limits(
+        s.decode_local_max_tokens, s.decode_local_max_inflight, s.decode_local_idle_inflight
+    )
+
+
 def d_has_room(d_inflight: int, limits: Limits) -> bool:
     """Whether the decode plan is possible at all (checked before any /tokenize is spent)."""
     return limits.max_tokens > 0 and d_inflight < limits.max_inflight
+
+
+def d_idle(d_inflight: int, limits: Limits) -> bool:
+    """Whether D is idle enough that its next step comes before a pull's would."""
+    return d_inflight < min(limits.idle_inflight, limits.max_inflight)
 
 
 @dataclass(frozen=True)
@@ -82,9 +99,10 @@ def choose(c: Inputs, limits: Limits) -> Plan:
     fallback = Plan.PULL if c.handle else Plan.RECOMPUTE
     if not d_has_room(c.d_inflight, limits):
         return fallback
-    new = c.prompt_tokens - c.d_holds
-    if c.d_holds <= 0 or new <= 0 or new > limits.max_tokens:
+    if c.d_holds <= 0 or c.new_tokens <= 0 or c.new_tokens > limits.max_tokens:
         return fallback
+    if d_idle(c.d_inflight, limits):
+        return Plan.DECODE  # its next step is the turn's first token: no prefill, no handover
     if c.handle and c.p_inflight < limits.max_inflight:
-        return Plan.PULL  # P has room: keep the prefill off D's decode batch
+        return Plan.PULL  # P has room: keep the prefill off the streams D is decoding
     return Plan.DECODE
