@@ -34,8 +34,10 @@ VIA_MEANINGS: dict[Via, str] = {
     "its `kv_recompute_threshold`, 64 by default, and recomputed); the reused tokens are "
     "what P's cache held",
     Via.DECODE: "the decode plan: the whole turn went to the previous D, whose prefix cache "
-    "holds the verified prefix; no P leg, nothing moved, D computed only the new tokens "
-    "(`--decode-local-max-tokens`)",
+    "holds the conversation (what it lacks bounded from the session's state, or verified by "
+    "its `/tokenize`); no P leg, nothing moved, D computed only the new tokens "
+    "(`--decode-local-max-tokens`), while it was idle (`--decode-local-idle-inflight`) or no "
+    "pull was possible; the reused tokens are the full blocks it held",
     Via.STORE: "`--kv-connector store`: P reported this many cached prompt tokens "
     "(`usage.prompt_tokens_details.cached_tokens`), found in the shared store or its own "
     "prefix cache (vLLM's per-request count does not say which; its "
