@@ -44,11 +44,12 @@ class Inputs:
     new_tokens: int  # the prompt's tokens the previous D's prefix cache lacks (at most)
     d_holds: int  # the prompt's leading tokens in that cache
     handle: bool  # a verified handle may be pulled by P
-    d_inflight: int  # requests this router has in flight on the previous D
-    p_inflight: int  # ... and on the chosen P
+    d_inflight: int  # requests in flight on the previous D (this router's, or D's own count)
+    p_inflight: int  # ... and this router's on the chosen P
 
 
 def limits_of(s: Settings) -> Limits:
+    """The decode plan's limits, as the settings say."""
     return Limits(
         s.decode_local_max_tokens, s.decode_local_max_inflight, s.decode_local_idle_inflight
     )
@@ -66,7 +67,7 @@ def d_idle(d_inflight: int, limits: Limits) -> bool:
 
 @dataclass(frozen=True)
 class Seen:
-    """What the turn knows before it asks D's /tokenize for the decode plan."""
+    """What the turn knows before anything is paid for the decode plan."""
 
     reuse_on: bool  # --reuse
     connector_allows: bool  # the connector's capability (store: every turn needs its P leg)
