@@ -48,6 +48,12 @@ def by_source(stack: Stack, source: str) -> float:
     return sum(metric(d.url, name, source=source) for d in stack.ds)
 
 
+def tokenize_calls(stack: Stack) -> float:
+    """/tokenize requests the router's engines answered (the reference's are the test's)."""
+    urls = [stack.p.url, *(d.url for d in stack.ds)]
+    return sum(metric(u, "http_requests_total", handler="/tokenize") for u in urls)
+
+
 def prompt_len(url: str, messages: list[Message]) -> int:
     body = {"model": MODEL, "messages": messages, "add_generation_prompt": True}
     reply = post(url + "/tokenize", body)
@@ -73,6 +79,7 @@ def test_a_streamed_chat_on_stock_engines_reuses_its_history_every_turn(stock: S
         p_calls = sum(p_route_calls(stock.p.url))
         hit0, computed0 = by_source(stock, "local_cache_hit"), by_source(stock, "local_compute")
         pulled0 = by_source(stock, "external_kv_transfer")
+        asked = tokenize_calls(stock)
         answer, reuse, _ = chat_turn(api, messages, stream=True, cid=cid)
         assert answer == reference_chat(stock, messages, 24), turn
         hit = by_source(stock, "local_cache_hit") - hit0
@@ -83,6 +90,8 @@ def test_a_streamed_chat_on_stock_engines_reuses_its_history_every_turn(stock: S
             assert reuse == "hit;via=decode", turn
             assert sum(p_route_calls(stock.p.url)) == p_calls, "no P leg"
             assert by_source(stock, "external_kv_transfer") == pulled0, "nothing moved"
+            # Decided from the session's state: D's /tokenize is not asked (issue 49).
+            assert tokenize_calls(stock) == asked, "no /tokenize"
             # D's prefix cache held every full block of what it computed last turn; it
             # computed only the rest: the new message and the template's tokens.
             cached = min(held, n_prompt - 1) // BLOCK * BLOCK
