@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from harness.procs import free_port, output_until
+from tests.conftest import PULL_FIRST_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("README.md", "docs/operations.md")
@@ -70,11 +71,14 @@ def test_the_examples_aimed_at_the_demo_are_marked() -> None:
 
 @pytest.fixture(scope="module")
 def demo_env() -> Iterator[dict[str, str]]:
-    """A serving demo, and the environment its export line gives."""
+    """A serving demo, and the environment its export line gives. The demo runs as shipped
+    (not with the tests' PULL_FIRST_ENV): the examples show what a reader gets."""
     port = free_port()
+    shipped = {k: v for k, v in os.environ.items() if k not in PULL_FIRST_ENV}
     proc = subprocess.Popen(
         [sys.executable, "-m", "router", "demo", "--port", str(port)],
         cwd=ROOT,
+        env=shipped,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
