@@ -500,11 +500,12 @@ def _read_wait(rounds: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _reuse(turns: list[dict[str, Any]]) -> dict[str, int]:
+    """Later turns by `X-KV-Reuse`, its plan kept: `hit;via=decode` apart from a pull's `hit`."""
     out: dict[str, int] = {}
     for t in turns:
         if t["turn"] > 1 and t["reuse"]:
-            word = t["reuse"].split(";")[0]
-            out[word] = out.get(word, 0) + 1
+            outcome = ";".join(t["reuse"].split(";")[:2])
+            out[outcome] = out.get(outcome, 0) + 1
     return out
 
 
