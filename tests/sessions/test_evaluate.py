@@ -16,6 +16,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from harness.waiting import timeout_scale
 from sessions import connect
 from sessions.evaluate import evaluate, pool_of
 from sessions.redis_store import turn_retry
@@ -137,11 +138,18 @@ async def test_a_server_that_drops_the_script_is_tried_as_the_client_retries(
         await server.wait_closed()
 
 
+# Busy for ARGV[2] microseconds, then ARGV[1].
+BUSY = SLOW.replace("> 200000", "> tonumber(ARGV[2])")
+
+
 async def test_a_cancelled_call_leaves_no_reply_for_the_next(client: aioredis.Redis) -> None:
     pool = pool_of(client)
-    slow, echo = client.register_script(SLOW), client.register_script(ECHO)
+    busy, echo = client.register_script(BUSY), client.register_script(ECHO)
     await evaluate(pool, echo, ["k"], ["warm", "up"])
-    call = asyncio.create_task(evaluate(pool, slow, ["k"], ["late"]))
+    await evaluate(pool, busy, ["k"], ["loaded", "0"])  # the script cached: one EVALSHA below
+    # Busy long enough that a loaded machine's event loop cancels it before its reply.
+    micros = int(200_000 * timeout_scale())
+    call = asyncio.create_task(evaluate(pool, busy, ["k"], ["late", str(micros)]))
     await asyncio.sleep(0.05)  # sent; the server is busy with it
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
