@@ -271,7 +271,8 @@ def write(folder: Path, out: Path) -> Path:
     path = out / "benchmarks.md"
     path.write_text(report.render(parts))
     peers_part = next((p for p in parts if p.name == "peers"), None)
-    if peers_part is not None and out.resolve() == DOCS.resolve():
+    # README's table stays a full run's: a quick one (fewer arms and scenarios) never replaces it
+    if peers_part is not None and peers_part.plan is FULL and out.resolve() == DOCS.resolve():
         m = peers_part.meta
         source = f"the run of {m['date']} UTC (`{m['command']}`, commit {m['commit']})"
         headline.update(ROOT / "README.md", headline.lines(peers_part.results, source))
