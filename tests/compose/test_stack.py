@@ -150,12 +150,6 @@ class Stack:
         )
         return total(podman("exec", self.names[service], "python", "-c", get), name, **labels)
 
-    def pulled_by_p(self) -> float:
-        """Prompt tokens whose KV P read from another engine."""
-        return self.engine_metric(
-            "prefill-sim", "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-        )
-
 
 def serving(name: str, url: str, timeout: float = 60) -> None:
     """The container answers url with 200; it must not exit meanwhile (its logs say why)."""
@@ -371,12 +365,11 @@ class TestDefaultStack:
     def test_a_conversation_hits_from_turn_two_with_exact_answers(
         self, default_stack: Stack, reference: str
     ) -> None:
-        before = default_stack.pulled_by_p()
-        # The streamed turn reads the handle of the one before: stock vLLM streams none of
-        # its own, and neither do these simulators (docs/architecture.md).
+        # As shipped, an idle D runs a later turn alone (`hit;via=decode`, its own prefix
+        # cache); a busier one has P pull its KV (`hit`). Either way the answers are exact.
         _, reuses = conversation(default_stack, reference, 3, stream_last=True)
-        assert reuses == ["miss;reason=no-session", "hit", "hit"]
-        assert default_stack.pulled_by_p() > before, "P read no KV from D"
+        assert reuses[0] == "miss;reason=no-session", reuses
+        assert all(r in ("hit", "hit;via=decode") for r in reuses[1:]), reuses
 
     def test_the_session_is_signed_and_readable_with_redis_cli(
         self, default_stack: Stack, reference: str
@@ -389,7 +382,9 @@ class TestDefaultStack:
         assert fields["turn"] == "2", fields
         assert fields["prefill"] == "http://prefill-sim:8100"
         assert fields["decode"] == "http://decode-sim:8200"
-        assert json.loads(fields["kv_transfer_params"])["remote_engine_id"] == "decode-sim"
+        # a decode-plan turn leaves no handle; a pulled one D's
+        if fields["kv_transfer_params"]:
+            assert json.loads(fields["kv_transfer_params"])["remote_engine_id"] == "decode-sim"
         assert fields["mac"], "the routers sign sessions (KVBATON_SESSION_SECRET)"
         assert 0 < int(default_stack.redis_cli("TTL", keys[0])) <= 3600
 
