@@ -44,7 +44,7 @@ from bench import pins, vllm_multiturn
 from bench.peer_venv import PEERS_VENV, VLLM_TREE_ENV, vllm_copy, vllm_router
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, by_source, read_wait, start_stack, tree_cpu_seconds
+from bench.stack import LoadGen, by_source, start_stack, tree_cpu_seconds
 from bench.stats import fmt, summary_ms
 from harness.procs import free_port, log_file, redis_server, stop, wait_http
 from harness.stack import Stack
@@ -416,20 +416,16 @@ def one(
                 res = arrivals(plan, lg, sc, arm, url, st)
         cpu = tree_cpu_seconds(proc.pid) - cpu0
         tokens: dict[str, dict[str, float]] = {"P": {}, "D": {}}
-        waits: dict[str, float] = {}  # P's reads of D's KV (not D's of P's)
         for role, sims in (("P", st.ps), ("D", st.ds)):
             for sim in sims:
                 if sim.proc.poll() is not None:
                     continue  # the D this scenario killed
                 for source, n in by_source(sim.url).items():
                     tokens[role][source] = tokens[role].get(source, 0.0) + n
-                for key, n in read_wait(sim.url).items() if role == "P" else ():
-                    waits[key] = waits.get(key, 0.0) + n
         return {
             **res,
             "cpu_s": cpu,
             "tokens": tokens,
-            "p_read_wait": waits,
             "pinned_max": max((s["pinned"] for s in sampler.samples), default=0.0),
         }, dict(st.commands)
 
@@ -473,7 +469,6 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         "cpu_ms_per_turn": 1000 * sum(r["cpu_s"] for r in rounds) / max(1, len(turns)),
         "pinned_max": max((r["pinned_max"] for r in rounds), default=0.0),
         "reuse": _reuse(ok),
-        "p_read_wait": _read_wait([r.get("p_read_wait", {}) for r in rounds]),
     }
 
 
@@ -482,21 +477,6 @@ def router_cpu(arms: dict[str, Any]) -> tuple[float | None, float | None, float 
     for an arm that did not run)."""
     cpu = {name: arm["summary"]["cpu_ms_per_turn"] for name, arm in arms.items()}
     return cpu.get(ARMS[0].name), cpu.get(ARMS[2].name), cpu.get(FLOOR_ARM.name)
-
-
-def _read_wait(rounds: list[dict[str, float]]) -> dict[str, float]:
-    """P's side-channel reads over the rounds: how many, their mean wall time and the bucket
-    bound under which 90% of them finished (ms)."""
-    total: dict[str, float] = {}
-    for r in rounds:
-        for key, n in r.items():
-            total[key] = total.get(key, 0.0) + n
-    count = total.get("count", 0.0)
-    if not count:
-        return {"reads": 0.0}
-    bounds = sorted((float(k[3:]), n) for k, n in total.items() if k.startswith("le="))
-    p90 = next((b for b, n in bounds if n >= 0.9 * count), float("inf"))
-    return {"reads": count, "mean_ms": 1000 * total["sum"] / count, "p90_under_ms": 1000 * p90}
 
 
 def _reuse(turns: list[dict[str, Any]]) -> dict[str, int]:

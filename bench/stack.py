@@ -92,23 +92,6 @@ def pin(pid: int, cpus: set[int] | None) -> bool:
     return ok
 
 
-def read_wait(url: str) -> dict[str, float]:
-    """vllm_sim:kv_read_wait_seconds of one instance (the wall time of its side-channel reads
-    per pull, answered by the other engine's event loop): {"le=<bound>": cumulative count,
-    "sum": seconds, "count": reads}."""
-    found: dict[str, float] = {}
-    for key, value in samples(url).items():
-        if key.startswith("vllm_sim:kv_read_wait_seconds_bucket{"):
-            match = re.search(r'le="([^"]+)"', key)
-            if match:
-                found[f"le={match.group(1)}"] = value
-        elif key.startswith("vllm_sim:kv_read_wait_seconds_sum{"):
-            found["sum"] = value
-        elif key.startswith("vllm_sim:kv_read_wait_seconds_count{"):
-            found["count"] = value
-    return found
-
-
 def by_source(url: str) -> dict[str, float]:
     """vllm:prompt_tokens_by_source_total per source on one instance."""
     found: dict[str, float] = {}

@@ -118,19 +118,6 @@ def test_headline_says_where_kvbaton_is_not_ahead(tmp_path: Path) -> None:
     assert not headline.update(readme, block)
 
 
-def test_p_read_wait_over_rounds() -> None:
-    """Two rounds' histograms of P's side-channel reads: the count, the mean and the bucket
-    under which 90% finished."""
-    one = {"le=0.001": 1.0, "le=0.002": 8.0, "le=0.005": 10.0, "le=+Inf": 10.0}
-    two = {"le=0.001": 0.0, "le=0.002": 0.0, "le=0.005": 5.0, "le=+Inf": 10.0}
-    first, second = {**one, "sum": 0.015, "count": 10.0}, {**two, "sum": 0.5, "count": 10.0}
-    wait = peers._read_wait([first, second])
-    assert wait == {"reads": 20.0, "mean_ms": pytest.approx(25.75), "p90_under_ms": float("inf")}
-    wait = peers._read_wait([first])
-    assert wait["p90_under_ms"] == pytest.approx(5.0)  # 8 of 10 under 2 ms: not 90%
-    assert peers._read_wait([{}, {}]) == {"reads": 0.0}
-
-
 def test_the_floor_runs_on_the_multiturn_benchmark_alone() -> None:
     for plan in (FULL, QUICK):
         assert peers.FLOOR_ARM in peers.chosen(plan)[1]
