@@ -267,6 +267,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.decode_ahead = _Counter(
+            "kvbaton_decode_ahead",
+            "D legs sent beside the claim (a turn on D alone), by whether the turn used them",
+            ["outcome"],
+            registry=r,
+        )
         self.handover_fallbacks = _Counter(
             "kvbaton_handover_fallbacks",
             "D requests sent beside P that did not get P's params, by reason",

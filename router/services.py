@@ -6,21 +6,28 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.config import Settings
 from router.connectors.base import Connector
-from router.engines.client import EngineClient
+from router.engines.client import EngineClient, EngineStream
 from router.engines.kv_watch import KvEvents
-from router.engines.pool import Pool
+from router.engines.pool import Instance, Pool
 from router.engines.release import Gaps, Releaser
 from router.engines.spent import Spent
 from router.metrics import Metrics
 from sessions.guard import StoreGuard
+from sessions.model import SessionState
 from sessions.responses_store import MemoryResponseStore, ResponseStore
 from sessions.store import SessionStore
+
+# Opens a D leg (Services, D, API, body, request id, headers): the connectors' D leg
+# (router/connectors/legs/decode.py), given to the turn, which may not import a connector.
+DecodeOpener = Callable[
+    ["Services", Instance, str, dict[str, Any], str, dict[str, str]], Awaitable[EngineStream]
+]
 
 # StoreGuard lives with the store it guards (sessions/guard.py); the router imports it here.
 __all__ = ["Services", "StoreGuard"]
@@ -48,6 +55,10 @@ class Services:
     # Per conversation whose last turn here left a handle: that turn's P and the tokens of
     # the handle it lacks, and its D (router/turn/early.py).
     prefill_hints: dict[str, tuple[str, int, str]] = field(default_factory=dict)
+    # Per conversation, the state this process committed last (router/turn/ahead.py: D's leg
+    # sent beside the claim), and how a D leg is opened (None: never beside the claim).
+    last_states: dict[str, SessionState] = field(default_factory=dict)
+    open_decode: DecodeOpener | None = None
     # Releases handles nobody will read (None: the connector pins nothing, or --no-release-pins).
     releaser: Releaser | None = None
     gaps: Gaps = field(default_factory=Gaps)  # the measured time between turns

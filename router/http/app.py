@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from router.config import Settings
+from router.connectors.legs.decode import send as send_decode
 from router.connectors.select import select
 from router.engines.client import Upstream
 from router.engines.dns import DnsExpander, Resolver, SystemResolver
@@ -235,6 +236,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
         connector = select(settings)
         svc = Services(settings, upstream, pool, backend.store, guard, metrics, connector)
         svc.responses = backend.responses
+        svc.open_decode = send_decode  # the turn sends D's leg beside the claim with it
         engine_urls = (*settings.prefill, *settings.decode)
         svc.kv_events = KvEvents(
             parse_sources(

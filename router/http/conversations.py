@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from router.errors import BadRequest, NotFound, Unavailable
 from router.services import Services
-from router.turn import pins
+from router.turn import ahead, pins
 from router.turn.run import new_request_id
 from router.turn.tenant import tenant_of_headers, validate_conversation_id
 from sessions.keys import conversation_key
@@ -27,6 +27,7 @@ async def delete(request: Request) -> Response:
         key = conversation_key(tenant, conversation_id)
     except ValueError as exc:
         raise BadRequest(str(exc), param="conversation_id") from None
+    ahead.remember(svc, key, None)  # no D leg beside a later claim: the state is gone
     try:
         state = await pins.end(svc, key)
     except StoreError as exc:

@@ -12,7 +12,7 @@ from typing import Any
 
 from router.engines.versions import registration_generation
 from router.tracing import span
-from router.turn import aim, early, history, pins, responses_keep, worth
+from router.turn import ahead, aim, early, history, pins, responses_keep, worth
 from router.turn.capture import Captured
 from router.turn.decide import keep
 from router.turn.incoming import Incoming
@@ -110,6 +110,7 @@ async def _commit(turn: Turn, captured: Captured) -> tuple[CommitResult, bool]:
         pins.note_committed(turn, note)
     # The next turn's P /tokenize goes out early only after a turn that left a handle.
     p_inst = turn.prefill
+    ahead.remember(svc, key, state if ok else None)
     if ok and state.kv_transfer_params and p_inst is not None:
         kept = p_inst.reads.current(p_inst.ident.restarts).kept
         lacking = worth.lacking(state, p_inst.url, kept)

@@ -9,11 +9,14 @@ import logging
 
 from router.engines.kv_index import held_tokens
 from router.engines.pool import Instance
+from router.services import Services
 from router.turn.claim import prefix_verdict, prompt_token_ids
 from router.turn.decide import extends, lacks, plan, sendable
+from router.turn.incoming import Incoming
 from router.turn.outcomes import Found, Reason, Reuse, Via
 from router.turn.state import Turn
 from sessions import model as sm
+from sessions.model import SessionState
 
 log = logging.getLogger("kvbaton.reuse")
 
@@ -21,6 +24,12 @@ log = logging.getLogger("kvbaton.reuse")
 # other reason (an edited history, another turn in flight, a failed or expired handle) keeps
 # its P/D turn and its diagnosis.
 NO_HANDLE_MADE = frozenset({Reason.STREAM_NO_KV_PARAMS, Reason.NO_KV_PARAMS, Reason.DECODE_LOCAL})
+
+
+def _load(turn: Turn, inst: Instance) -> int:
+    """`inst.load` without the turn's own D request sent beside the claim (turn/ahead.py)."""
+    own = turn.ahead.counted(inst) if turn.ahead is not None else 0
+    return max(inst.outstanding - own, inst.engine_requests)
 
 
 def limits(turn: Turn) -> plan.Limits:
@@ -44,9 +53,31 @@ def _candidate(turn: Turn, source: Instance | None) -> bool:
         # Asked only when it can matter: it hashes the conversation again.
         prefix_mismatch=lambda: prefix_verdict(turn.inc, state) is extends.Prefix.MISMATCH,
         d_usable=source.usable and sendable.decode_blocker(source, state) is None,
-        d_inflight=source.load,
+        d_inflight=_load(turn, source),
     )
     return plan.candidate(seen, limits(turn))
+
+
+def ahead(svc: Services, inc: Incoming, state: SessionState) -> Instance | None:
+    """The previous D when this process's last state for the conversation says the turn will
+    run there alone, on an idle D (turn/ahead.py sends D's leg beside the claim). Only what
+    by_state would choose from the claimed state without a handle or P in the picture: a
+    turn that the claim makes something else cancels the request."""
+    settings = svc.settings
+    if not (settings.reuse and svc.connector.caps.decode_plan) or not state.decode:
+        return None
+    if inc.api == "completions" and not isinstance(inc.prompt, str):
+        return None  # token ids: what D holds is checked against the block digests
+    d = svc.pool.find("decode", state.decode)
+    limits = plan.limits_of(settings)
+    if d is None or not d.usable or sendable.decode_blocker(d, state) is not None:
+        return None
+    if not (plan.d_has_room(d.load, limits) and plan.d_idle(d.load, limits)):
+        return None
+    est = lacks.estimate(inc, state)
+    if est is None or est.holds <= 0 or not 0 < est.new <= limits.max_tokens:
+        return None
+    return d
 
 
 def by_state(turn: Turn, source: Instance | None, p_inst: Instance) -> tuple[Instance | None, bool]:
@@ -64,7 +95,7 @@ def by_state(turn: Turn, source: Instance | None, p_inst: Instance) -> tuple[Ins
         new_tokens=est.new,
         d_holds=est.holds,
         handle=turn.claim.reuse.pulls,
-        d_inflight=source.load,
+        d_inflight=_load(turn, source),
         p_inflight=p_inst.outstanding,
     )
     if plan.choose(inputs, limits(turn)) is not plan.Plan.DECODE:
@@ -102,7 +133,7 @@ async def decode_here(turn: Turn, source: Instance | None, p_inst: Instance) -> 
         new_tokens=len(tokens) - holds,
         d_holds=holds,
         handle=claim.reuse.pulls,
-        d_inflight=source.load,
+        d_inflight=_load(turn, source),
         p_inflight=p_inst.outstanding,
     )
     if plan.choose(inputs, limits(turn)) is not plan.Plan.DECODE:
@@ -121,5 +152,5 @@ def _take(turn: Turn, source: Instance, holds: int, new: int) -> None:
         source.url,
         holds,
         new,
-        source.load,
+        _load(turn, source),
     )

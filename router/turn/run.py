@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from router.errors import EngineReply
 from router.services import Services
-from router.turn import early, pins
+from router.turn import ahead, early, pins
 from router.turn.claim import claim
 from router.turn.commit import abort
 from router.turn.incoming import Incoming
@@ -27,14 +27,16 @@ def new_request_id() -> str:
 async def run_turn(svc: Services, inc: Incoming, request_id: str) -> Response:
     """Serve one client request through P and D; the response may still be streaming."""
     started = time.monotonic()
-    tokens = early.start(svc, inc, request_id)  # overlaps the claim's wait
+    sent = ahead.start(svc, inc, request_id)  # D's leg beside the claim, if it runs there
+    tokens = early.start(svc, inc, request_id) if sent is None else None  # ... or P's ids
     try:
         found = await claim(svc, inc, request_id)
     except BaseException:
         if tokens is not None:
             tokens.cancel()
+        ahead.end(svc, sent)
         raise
-    turn = Turn(svc, inc, request_id, found, started, early=tokens)
+    turn = Turn(svc, inc, request_id, found, started, early=tokens, ahead=sent)
     pins.measure_gap(turn)
     try:
         return await svc.connector.serve(turn)
@@ -53,3 +55,4 @@ async def run_turn(svc: Services, inc: Incoming, request_id: str) -> Response:
     finally:
         if tokens is not None:
             tokens.cancel()  # a turn that did not need them (done: nothing happens)
+        ahead.end(svc, sent)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from router.engines import ranks
+from router.engines.client import EngineStream
 from router.engines.pool import Instance
 from router.services import Services
 from router.tracing import past_span
@@ -14,6 +16,18 @@ from router.turn.early import EarlyTokens
 from router.turn.incoming import Incoming
 from router.turn.outcomes import Reason, Reuse
 from sessions.model import SessionState
+
+
+class SentAhead(Protocol):
+    """D's leg sent beside the claim (router/turn/ahead.py's Ahead)."""
+
+    def counted(self, inst: Instance) -> int: ...
+
+    async def take(
+        self, d: Instance, headers: dict[str, str], want_token_ids: bool
+    ) -> EngineStream | None: ...
+
+    def cancel(self) -> None: ...
 
 
 @dataclass
@@ -36,6 +50,7 @@ class Turn:
     # The X-Request-Id of both legs when it is not request_id (MoRI-IO's addressed id).
     leg_id: str = ""
     early: EarlyTokens | None = None  # P's /tokenize sent during the claim (turn/early.py)
+    ahead: SentAhead | None = None  # D's leg sent beside the claim (turn/ahead.py)
     handle_sent: bool = False  # the claimed handle reached a P (read, or D notified)
     settled: bool = False  # the end of the turn ran: D's new handle is committed or released
     committed: SessionState | None = None  # the state this turn's commit wrote, if it did
@@ -55,20 +70,8 @@ class Turn:
             self.claim = replace(self.claim, reuse=reuse)
 
     def leg_headers(self, inst: Instance) -> dict[str, str]:
-        """The headers of a leg to `inst`: the client's forwarded ones, and the conversation's
-        data-parallel rank on an engine that runs several (engines/ranks.py)."""
-        state = self.claim.state
-        previous = -1
-        if state is not None and inst.url == (
-            state.prefill if inst.role == "prefill" else state.decode
-        ):
-            previous = state.prefill_rank if inst.role == "prefill" else state.decode_rank
-        size = ranks.size_of(self.svc.settings.data_parallel_size, inst)
-        rank = ranks.choose(inst, size, previous)
-        self.ranks[inst.role] = rank
-        headers = dict(self.inc.forward_headers)
-        if rank >= 0:
-            headers[ranks.HEADER] = str(rank)
+        """The headers of a leg to `inst` (`leg_headers`), its rank kept for the commit."""
+        headers, self.ranks[inst.role] = leg_headers(self.svc, self.inc, self.claim.state, inst)
         return headers
 
     def headers(self) -> dict[str, str]:
@@ -92,3 +95,21 @@ class Turn:
                 took = self.first_byte - self.handover_at
                 self.svc.metrics.handover.labels(self.handover_mode).observe(took)
                 past_span("kvbaton.handover", took, mode=self.handover_mode)
+
+
+def leg_headers(
+    svc: Services, inc: Incoming, state: SessionState | None, inst: Instance
+) -> tuple[dict[str, str], int]:
+    """The headers of a leg to `inst`: the client's forwarded ones, and the conversation's
+    data-parallel rank on an engine that runs several (engines/ranks.py); and that rank."""
+    previous = -1
+    if state is not None and inst.url == (
+        state.prefill if inst.role == "prefill" else state.decode
+    ):
+        previous = state.prefill_rank if inst.role == "prefill" else state.decode_rank
+    size = ranks.size_of(svc.settings.data_parallel_size, inst)
+    rank = ranks.choose(inst, size, previous)
+    headers = dict(inc.forward_headers)
+    if rank >= 0:
+        headers[ranks.HEADER] = str(rank)
+    return headers, rank

@@ -1,6 +1,7 @@
 """A TCP proxy in front of a redis-server that delays one command when told to: the next
-client write holding `word` (e.g. EVALSHA) is held back `delay` seconds, every other byte
-passes at once. One slow Redis call, as a loaded machine or a busy server makes one."""
+client write holding `word` (e.g. EVALSHA) is held back `delay` seconds, or until released
+(`hold_next`), every other byte passes at once. One slow Redis call, as a loaded machine or a
+busy server makes one."""
 
 from __future__ import annotations
 
@@ -20,10 +21,19 @@ class SlowRedis:
     delay: float = 0.0
     delayed: int = 0  # commands held back so far
     armed: threading.Event = field(default_factory=threading.Event)
+    # Set while a held command waits for `released` (hold_next), cleared once it passes.
+    holding: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event | None = None
 
     def delay_next(self, delay: float, word: bytes = b"EVALSHA") -> None:
-        self.delay, self.word = delay, word
+        self.delay, self.word, self.released = delay, word, None
         self.armed.set()
+
+    def hold_next(self, word: bytes) -> threading.Event:
+        """Hold the next write holding `word` until the returned event is set."""
+        self.word, self.released = word, threading.Event()
+        self.armed.set()
+        return self.released
 
     async def _pipe(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: bool
@@ -33,11 +43,20 @@ class SlowRedis:
                 if up and self.armed.is_set() and self.word in data:
                     self.armed.clear()
                     self.delayed += 1
-                    await asyncio.sleep(self.delay)
+                    await self._wait()
                 writer.write(data)
                 await writer.drain()
         with contextlib.suppress(Exception):
             writer.close()
+
+    async def _wait(self) -> None:
+        released = self.released
+        if released is None:
+            await asyncio.sleep(self.delay)
+            return
+        self.holding.set()
+        await asyncio.to_thread(released.wait, 300)  # a test thread sets it
+        self.holding.clear()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -25,6 +25,7 @@ from router.errors import (
     sse_error_event,
 )
 from router.relay import RelayResponse
+from router.services import Services
 from router.tracing import span
 from router.turn.capture import TERMINAL_NAMES
 from router.turn.commit import abort, finish
@@ -44,18 +45,39 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
     svc, inc = turn.svc, turn.inc
     kv = svc.connector.decode_params(params)
     body = decode_body(inc.body, kv, return_token_ids=turn.want_token_ids, api=inc.api)
-    url = d_inst.url + PATHS[inc.api]
+    try:
+        return await send(
+            svc, d_inst, inc.api, body, turn.leg_id or turn.request_id, turn.leg_headers(d_inst)
+        )
+    except EngineReply:
+        # D refused before reading P's blocks: P would keep them for its kv_lease_duration; a
+        # D request that reads them frees them now. (A request D got and the client cancels
+        # is D's to give back: vLLM notifies P of a request aborted before its load.)
+        if svc.releaser is not None and turn.prefill is not None:
+            svc.releaser.submit_prefilled(params, turn.prefill.url)
+        raise
+
+
+async def send(
+    svc: Services,
+    d_inst: Instance,
+    api: str,
+    body: dict[str, Any],
+    request_id: str,
+    headers: dict[str, str],
+) -> EngineStream:
+    """D's request, its status checked: an open answer, or EngineReply (D's 4xx) or
+    UpstreamFailure (anything else)."""
+    url = d_inst.url + PATHS[api]
     started = time.monotonic()
     outcome = LegOutcome.ERROR
     try:
         # In flight on D from the request on: a JSON answer comes whole, so for it the
         # open is the whole decode.
-        with span("kvbaton.decode", instance=d_inst.url, stream=inc.stream), svc.pool.busy(d_inst):
+        stream = bool(body.get("stream"))
+        with span("kvbaton.decode", instance=d_inst.url, stream=stream), svc.pool.busy(d_inst):
             resp = await svc.engines.open_stream(
-                url,
-                body,
-                request_id=turn.leg_id or turn.request_id,
-                extra_headers=turn.leg_headers(d_inst),
+                url, body, request_id=request_id, extra_headers=headers
             )
         if resp.status >= 500:
             text = await _read_error(resp)
@@ -69,13 +91,6 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
             raise EngineReply(resp.status, raw)
         outcome = LegOutcome.OK
         return resp
-    except EngineReply:
-        # D refused before reading P's blocks: P would keep them for its kv_lease_duration; a
-        # D request that reads them frees them now. (A request D got and the client cancels
-        # is D's to give back: vLLM notifies P of a request aborted before its load.)
-        if svc.releaser is not None and turn.prefill is not None:
-            svc.releaser.submit_prefilled(params, turn.prefill.url)
-        raise
     finally:
         svc.metrics.upstream.labels("decode", d_inst.url, outcome).observe(
             time.monotonic() - started
@@ -92,7 +107,23 @@ async def _read_error(resp: EngineStream) -> str:
 async def decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> Response:
     turn.decode = d_inst
     turn.want_token_ids = asks.token_ids(turn.svc.settings, turn.inc, d_inst.ident.streams_handles)
-    return await respond(turn, d_inst, await open_decode(turn, d_inst, params))
+    resp = await _sent_ahead(turn, d_inst) if params is None else None
+    if resp is None:
+        resp = await open_decode(turn, d_inst, params)
+    return await respond(turn, d_inst, resp)
+
+
+async def _sent_ahead(turn: Turn, d_inst: Instance) -> EngineStream | None:
+    """D's answer to the request sent beside the claim (router/turn/ahead.py), when it is the
+    one this turn sends; None: the turn sends its own (that one was cancelled)."""
+    ahead = turn.ahead
+    if ahead is None:
+        return None
+    headers = turn.leg_headers(d_inst)
+    if turn.leg_id:
+        ahead.cancel()  # sent under the request id, not this leg's
+        return None
+    return await ahead.take(d_inst, headers, turn.want_token_ids)
 
 
 async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:

@@ -36,6 +36,8 @@ async def serve(turn: Turn, on_prefilled: OnPrefilled | None = None) -> Response
     p_inst = svc.pool.pick("prefill", prefer=state.prefill if state else "")
     source = svc.pool.find("decode", state.decode) if state is not None else None
     p_inst, local = await _place(turn, source, p_inst)
+    if local is None and turn.ahead is not None:
+        turn.ahead.cancel()  # D's leg sent beside the claim: this turn is not on D alone
     failed: list[str] = []
     if local is not None:
         try:
