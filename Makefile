@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-unit test-component test-e2e lint typecheck check demo bench load clean
+.PHONY: install test test-unit test-component test-e2e lint typecheck check demo load bench clean
 
 $(STAMP): pyproject.toml
 	@echo "make install: $(VENV) with kvbaton and its dev tools (pip, about 40 s the first time)"
@@ -48,8 +48,8 @@ test-e2e: install
 # ruff, then the subjects of the commits after tools/check_commits.py's base (a shallow clone
 # without that commit skips it).
 lint: install
-	$(BIN)/ruff check router sessions vllm_sim tests bench harness tools
-	$(BIN)/ruff format --check router sessions vllm_sim tests bench harness tools
+	$(BIN)/ruff check router sessions vllm_sim tests bench harness tools loadtest
+	$(BIN)/ruff format --check router sessions vllm_sim tests bench harness tools loadtest
 	$(BIN)/python tools/check_commits.py
 
 typecheck: install
@@ -63,9 +63,9 @@ demo: install
 bench: install
 	$(BIN)/python -m bench $(ARGS)
 
-# The reliability load test (bench/load): `make load ARGS=--quick` for 40 x 3 turns.
+# The reliability load test (loadtest/): `make load ARGS=--quick` for 40 x 3 turns.
 load: install
-	$(BIN)/python -m bench.load $(ARGS)
+	$(BIN)/python -m loadtest $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage htmlcov

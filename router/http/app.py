@@ -277,7 +277,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> Starl
                 publisher = asyncio.create_task(metrics.published.every(PUBLISH_INTERVAL))
             # What start-up made lives as long as the process: moved out of the collector's
             # sight, so that its collections walk only what turns made since (1.5% fewer
-            # instructions per turn on hits, python -m bench.instructions).
+            # instructions per turn on hits, python -m tools.instructions).
             gc.collect()
             gc.freeze()
             yield

@@ -20,7 +20,7 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, Response]
     """Run `work` (the body is already read) in the request's task; cancel it if the client
     goes away first (499, which nobody sees). One watcher task per turn: a task of its own for
     the work and asyncio.wait over the two cost 1.2% more instructions per turn on JSON hits
-    (6.723 against 6.641 M, python -m bench.instructions)."""
+    (6.723 against 6.641 M, python -m tools.instructions)."""
     watch = Watch(request.receive)
     try:
         return await work

@@ -6,7 +6,7 @@ request head is complete) with a task that waits for the server's end or
 `keep_alive_timeout`, then closes the connection; a request's head cancels it, the response's
 end starts another. Per request that is two tasks made and one cancelled through two
 coroutines: 2.0% of the router's instructions per turn on JSON hits (6.441 against 6.572 M,
-medians of 3 alternating rounds of 300 turns, ranges apart: `python -m bench.instructions`).
+medians of 3 alternating rounds of 300 turns, ranges apart: `python -m tools.instructions`).
 `IdleTimer` arms one timer instead and closes the connection as Hypercorn's task would: when
 the timer fires, or at once when the server begins to shut down (its `terminated` event: idle
 connections must not hold the shutdown to its grace).

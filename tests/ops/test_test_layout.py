@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# bench and harness may not import a test module either.
-SCANNED = ("tests", "bench", "harness")
+# bench, loadtest, tools and harness may not import a test module either.
+SCANNED = ("tests", "bench", "loadtest", "tools", "harness")
 
 pytestmark = pytest.mark.unit
 

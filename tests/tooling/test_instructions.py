@@ -1,4 +1,4 @@
-"""bench/instructions.py: instructions per turn under callgrind, counted only around the
+"""tools/instructions.py: instructions per turn under callgrind, counted only around the
 measured conversations."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import instructions
+from tools import instructions
 
 
 def test_the_total_comes_from_the_totals_line(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from bench.load.cli import parse
-from bench.load.run import Plan, run_plan, start_stack
+from loadtest.cli import parse
+from loadtest.run import Plan, run_plan, start_stack
 
 
 @pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
 """Instructions per turn under callgrind: a lever's A/B that the machine's noise cannot hide.
 
-`python -m bench.instructions [--base REV] [--kind json|stream|chunk-0.33|chunk-0.32]` counts
+`python -m tools.instructions [--base REV] [--kind json|stream|chunk-0.33|chunk-0.32]` counts
 the user-space instructions each arm executes per turn (json/stream: the hit path's
 conversations, 1 client) or per relayed paced chunk (chunk-*: the slope between streams of 8
 and 128 tokens, D speaking that vLLM version), only around the measured load. Arms, each a
@@ -240,7 +240,7 @@ def summary(results: dict[str, list[dict[str, Any]]], unit: str = "turn") -> lis
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m tools.instructions", description=__doc__)
     ap.add_argument("--base", help="also measure the router of this commit (a git revision)")
     ap.add_argument("--kind", choices=KINDS, default="json")
     ap.add_argument("--conversations", type=int, help="default 60; chunk kinds: streams, 24")
@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-floor", action="store_true", help="leave the (work) floor out")
     args = ap.parse_args(argv)
     if not available():
-        print("python -m bench.instructions needs valgrind (Debian package valgrind)")
+        print("python -m tools.instructions needs valgrind (Debian package valgrind)")
         return 2
     chunks = args.kind.startswith("chunk-")
     n = args.conversations or (24 if chunks else 60)

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from bench.load.run import Plan, run
+from loadtest.run import Plan, run
 
 QUICK = {"conversations": 40, "turns": 3, "concurrency": 40}
 
@@ -15,7 +15,7 @@ QUICK = {"conversations": 40, "turns": 3, "concurrency": 40}
 def parse(argv: Sequence[str]) -> tuple[Plan, str | None]:
     defaults = Plan()
     parser = argparse.ArgumentParser(
-        prog="python -m bench.load",
+        prog="python -m loadtest",
         description="Concurrent multi-turn conversations through kvbaton (2 P, 2 D simulators, "
         "Redis, loopback only) with faults injected mid-run; every answer is compared with a "
         "from-scratch reference instance. Exits 1 unless failed, handles used twice and wrong "
