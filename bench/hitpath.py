@@ -31,8 +31,6 @@ D_ARGS += ["--decoder-kv-blocks-ttl", "60"]
 # Pull only: every turn takes P's leg as the floor's do (at 16 clients the decode plan would
 # run some on D alone, `hit;via=decode`).
 ROUTER_ARGS = ["--stream-kv-params", "--decode-local-max-tokens", "0"]
-# At 1 client also the same router on asyncio's loop (the default is uvloop).
-ASYNCIO_ARGS = [*ROUTER_ARGS, "--event-loop", "asyncio"]
 ENGINES: dict[str, Any] = {"prefill_args": [P_ARGS], "decode_args": [D_ARGS]}
 
 
@@ -62,10 +60,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     if REFERENCE_CLIENTS in plan.hit_clients:
         script = peers.vllm_proxy(peers.MULTITURN_PROXY, peers.PROXY_DEPS)
     out["reference"] = script is not None
-    with (
-        start_stack(**ENGINES, router_args=[ROUTER_ARGS, ASYNCIO_ARGS], name="hitpath") as st,
-        contextlib.ExitStack() as exits,
-    ):
+    with hit_stack("hitpath") as st, contextlib.ExitStack() as exits:
         assert st.redis_url is not None
         p, d = st.ps[0].url, st.ds[0].url
         floor_app = exits.enter_context(passthrough(p, d, "hitpath-floor"))
@@ -91,12 +86,10 @@ def steps(plan: Plan) -> int:
 def _cell(
     plan: Plan, st: Stack, lg: LoadGen, others: dict[str, tuple[str, int]], clients: int
 ) -> dict[str, Any]:
-    """kvbaton, the floor and the work floor (at 1 client also kvbaton on asyncio, at
-    REFERENCE_CLIENTS vLLM's reference proxy where there is one) in alternating rounds, each
-    round new conversations. `others`: each other arm's URL and process id."""
+    """kvbaton, the floor and the work floor (at REFERENCE_CLIENTS vLLM's reference proxy
+    too, where there is one) in alternating rounds, each round new conversations. `others`:
+    each other arm's URL and process id."""
     arms = {"kvbaton": (st.routers[0].url, st.routers[0].proc.pid)}
-    if clients == 1:
-        arms["asyncio"] = (st.routers[1].url, st.routers[1].proc.pid)
     arms |= {a: v for a, v in others.items() if a != "reference" or clients == REFERENCE_CLIENTS}
     order = list(arms)
     turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm in order}

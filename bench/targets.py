@@ -31,8 +31,7 @@ LIMIT_SLACK = 1.10  # TTFT p50 within 10 % of the cost model's limit
 def rows(results: dict[str, Any], plan: Plan) -> list[Row]:
     ov = results.get("overhead", {})
     out = [*own_rows(ov.get("hit_path")), *reference_rows(ov.get("hit_path"))]
-    out += [*cpu_rows(ov, plan), *loop_rows(ov.get("hit_path"))]
-    out += chunk_rows(ov)
+    out += [*cpu_rows(ov, plan), *chunk_rows(ov)]
     out += limit_rows(results.get("reuse"), plan)
     out += throughput_rows(results.get("throughput"))
     out += hit_rate_rows((results.get("throughput") or {}).get("hits"))
@@ -141,21 +140,6 @@ def cpu_rows(ov: dict[str, Any], plan: Plan) -> list[Row]:
                 )
             )
     return out
-
-
-def loop_rows(hit: dict[str, Any] | None) -> list[Row]:
-    c = _json_cell((hit or {}).get("cells", []))
-    if c is None or "asyncio" not in c:
-        return []
-    uv, aio = c["kvbaton"]["cpu_ms_per_turn"], c["asyncio"]["cpu_ms_per_turn"]
-    return [
-        (
-            "router CPU per turn on uvloop (the default) vs asyncio, JSON conversations",
-            "the same router with `--event-loop asyncio`, same rounds (*Router overhead*)",
-            f"{fmt(uv, 3)} vs {fmt(aio, 3)} ms: {fmt(_ratio(uv, aio))}x",
-            None,
-        )
-    ]
 
 
 def chunk_rows(ov: dict[str, Any]) -> list[Row]:

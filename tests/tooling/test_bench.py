@@ -108,9 +108,6 @@ def test_quick_run_writes_every_part(quick_run: Path) -> None:
     for cell in hit_cells:
         assert cell["kvbaton"]["failed"] == cell["floor"]["failed"] == 0, cell
         assert set(cell["kvbaton"]["reuse"]) == {"hit"}, cell["kvbaton"]["reuse"]
-        if cell["concurrency"] == 1:  # the same router on the standard library's loop too
-            assert cell["asyncio"]["failed"] == 0, cell
-            assert set(cell["asyncio"]["reuse"]) == {"hit"}, cell["asyncio"]["reuse"]
     # KV events: every published batch applied, and the hit path through both routers.
     ingest, per_turn = raw["events"]["ingest"], raw["events"]["per_turn"]
     assert ingest["batches"] == ingest["sent_batches"] > 0 and ingest["blocks_s"] > 0
@@ -262,7 +259,6 @@ def test_tables_are_rectangular_and_numbers_parse(quick_run: Path) -> None:
         "own added p50 on hits",
         "router CPU per first turn",
         "router CPU per turn on hits",
-        "uvloop (the default) vs asyncio",
         "per paced SSE chunk (stock, paced)",
         "1,000-token stream",
         "16,000-token stream",
