@@ -84,9 +84,10 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     """How many progress ticks the run will make (the bar's total)."""
     n = 0
     if "overhead" in parts:
-        # the cells; 4 chunk-cost configurations and the passthrough, 2 runs each; the Redis
-        # round trip and the bare relay; the long streams (8, 1,000 and 16,000 tokens)
-        n += len(plan.overhead_counts) * 2 + 5 * 2 + 2 + 1 + len(overhead.LONG_TOKENS)
+        # the cells, the Redis round trip; per round of the chunk cost, router and floor at
+        # 8 and 128 tokens, then at 8 and the long streams' lengths
+        n += len(plan.overhead_counts) * 2 + 1
+        n += plan.chunk_rounds * 2 * (3 + len(overhead.LONG_TOKENS))
         n += hitpath.steps(plan)
     if "throughput" in parts:
         n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps + hit_throughput.steps(plan)

@@ -33,17 +33,11 @@ Tick = Callable[[str], None]
 P_ARGS = ["--num-blocks", "65536"]
 D_ARGS = ["--bidirectional", "--decoder-kv-blocks-ttl", "2", "--sweep-interval", "0.5"]
 D_ARGS += ["--num-blocks", "65536"]
-# "stock" is vLLM 0.32's stream (no handle in it); "vllm 0.33", the simulator's default, has
-# a null kv_transfer_params in every content chunk and the handle on the finish chunk.
+# "stock" is vLLM 0.32's stream (no handle in it; the simulator's default, 0.33, has a null
+# kv_transfer_params in every content chunk and the handle on the finish chunk).
 V032 = ["--vllm-version", "0.32"]
 PACED = ["--decode-ms-per-token", "5"]  # as a GPU paces tokens: one SSE chunk per read
-SKVP = "--stream-kv-params"  # D streams its handle (PR #40186), the router cuts token ids
-# Per-chunk configurations: (name, D's extra arguments, the router's).
-CHUNK_VARIANTS: tuple[tuple[str, list[str], list[str]], ...] = (
-    ("stock, paced", V032, []),
-    ("stream-kv-params, paced", [*V032, SKVP], [SKVP]),
-    ("vllm 0.33, paced", [], []),
-)
+STOCK = "stock, paced"  # the per-chunk configuration: stock engines, D paced
 # Long streams: CPU per chunk 1,000 and 16,000 tokens into a stream, D at the plan's pace.
 LONG_MODEL = ["--max-model-len", "20000"]
 LONG_TOKENS = (1000, 16000)
@@ -108,12 +102,9 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
         finally:
             stats.close()
         out["commands"]["stock"] = st.commands
-    for name, d_extra, r_args in CHUNK_VARIANTS:
-        version = V032 if V032[0] in d_extra else []  # P speaks D's connector version
-        engines = ([*P_ARGS, *version], [*D_ARGS, *PACED, *d_extra], r_args)
-        out["chunk_cpu"][name] = _with_floor(engines, lg, plan, tick)
-        out["commands"][f"chunks: {name}"] = out["chunk_cpu"][name].pop("commands")
-    out["chunk_passthrough"] = out["chunk_cpu"]["stock, paced"]["floor"]
+    engines = ([*P_ARGS, *V032], [*D_ARGS, *PACED, *V032], [])
+    out["chunk_cpu"][STOCK] = _with_floor(engines, lg, plan, tick)
+    out["commands"][f"chunks: {STOCK}"] = out["chunk_cpu"][STOCK].pop("commands")
     # Long streams, each length's slope against 8-token streams (a turn's fixed cost left out).
     pace, n = plan.long_ms_per_token, plan.long_streams
     d_long = [*D_ARGS, *V032, *LONG_MODEL, "--decode-ms-per-token", str(pace)]
@@ -289,10 +280,9 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
         )
     head = ["turns", "clients", "p50 ms: direct / floor / kvbaton", "kvbaton - floor ms: p50 / p99"]
     turns = Table([*head, "CPU ms/turn: kvbaton / floor"], rows + hitpath.rows(res.get("hit_path")))
-    rows = []
-    for name, c in res["chunk_cpu"].items():
-        figures = (c["us_per_chunk"], c["floor"]["us_per_chunk"], c["above_floor_us"])
-        rows.append([name, *(_us(x) for x in figures)])
+    stock = res["chunk_cpu"][STOCK]
+    figures = (stock["us_per_chunk"], stock["floor"]["us_per_chunk"], stock["above_floor_us"])
+    rows = [[STOCK, *(_us(x) for x in figures)]]
     long = res.get("chunk_long")
     if long:
         how = f"D {long['ms_per_token']:g} ms/token" if long["ms_per_token"] else "unpaced"
@@ -306,15 +296,11 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
     answer = [
         f"On a first JSON turn at {n} client{'s' * (n != 1)} kvbaton is "
         f"{fmt(k['p50'] - f['p50'])} ms p50 above the floor ({fmt(c['router_cpu_ms_per_turn'], 3)}"
-        f" vs {fmt(c['floor_cpu_ms_per_turn'], 3)} ms CPU){hitpath.answer(res.get('hit_path'))}."
+        f" vs {fmt(c['floor_cpu_ms_per_turn'], 3)} ms CPU){hitpath.answer(res.get('hit_path'))}.",
+        f"Per paced chunk (stock) kvbaton spends {_us(stock['us_per_chunk'])} us of CPU, the "
+        f"floor {_us(stock['floor']['us_per_chunk'])}: {_us(stock['above_floor_us'])} us "
+        "above it (the median of alternating rounds' differences).",
     ]
-    if "stock, paced" in res["chunk_cpu"]:
-        stock = res["chunk_cpu"]["stock, paced"]
-        answer.append(
-            f"Per paced chunk (stock) kvbaton spends {_us(stock['us_per_chunk'])} us of CPU, the "
-            f"floor {_us(stock['floor']['us_per_chunk'])}: {_us(stock['above_floor_us'])} us "
-            "above it (the median of alternating rounds' differences)."
-        )
     question = (
         "What does kvbaton add to a turn and to a streamed chunk? The same seeded requests on "
         "zero-cost engines go straight to P and D (direct), through the floor (bench/"

@@ -143,60 +143,33 @@ def cpu_rows(ov: dict[str, Any], plan: Plan) -> list[Row]:
 
 
 def chunk_rows(ov: dict[str, Any]) -> list[Row]:
-    """Per paced configuration the router's CPU per chunk above the floor's: the median of
-    alternating rounds' differences on the same engines (bench/overhead.paired_slope)."""
-    out: list[Row] = []
-    for name in ("stock, paced", "stream-kv-params, paced", "vllm 0.33, paced"):
-        c = dict(ov.get("chunk_cpu", {}).get(name, {}))
-        if "floor" not in c and "us_per_chunk" in c and ov.get("chunk_passthrough"):
-            # results of a run before the paired rounds: one floor, measured once
-            c["floor"] = ov["chunk_passthrough"]
-            c["above_floor_us"] = c["us_per_chunk"] - c["floor"]["us_per_chunk"]
-        floor = c.get("floor", {}).get("us_per_chunk")
-        row = _above_floor(
-            floor, len(c.get("rounds", [])), c.get("above_floor_us"), c.get("us_per_chunk")
-        )
-        if row is None:
-            continue
-        ref, measured, above = row
-        target = f"router CPU per paced SSE chunk ({name}): <= {CHUNK_ABOVE_FLOOR_US:g} us above"
-        out.append((f"{target} the floor's", ref, measured, _ok(above, CHUNK_ABOVE_FLOOR_US)))
-    long = ov.get("chunk_long")
-    if long:
-        pace = long.get("ms_per_token", 0.0)
-        how = f"D paced {pace:g} ms/token" if pace else "D back to back (`--quick`)"
-        for n in overhead.LONG_TOKENS:
-            key = str(n)
-            row = _above_floor(
-                long.get("floor", {}).get("us_per_chunk_at", {}).get(key),
-                len(long.get("rounds", [])),
-                long.get("above_floor_us_at", {}).get(key),
-                long["us_per_chunk_at"].get(key),
-            )
-            if row is None:
-                continue
-            ref, measured, above = row
-            out.append(
-                (
-                    f"the same per chunk of a {n:,}-token stream",
-                    f"{ref} ({how})",
-                    measured,
-                    # unpaced chunks share reads: no match for the floor's paced ones
-                    _ok(above, CHUNK_ABOVE_FLOOR_US) if pace else None,
-                )
-            )
-    return out
+    """The router's CPU per paced chunk above the floor's on the same engines: the median of
+    alternating rounds' differences (bench/overhead.paired_slope)."""
+    bound = f"<= {CHUNK_ABOVE_FLOOR_US:g} us above the floor's"
+    stock = ov.get("chunk_cpu", {}).get(overhead.STOCK)
+    rows = [_chunk_row(f"router CPU per paced SSE chunk ({overhead.STOCK}): {bound}", stock, "128")]
+    long = ov.get("chunk_long") or {}
+    pace = long.get("ms_per_token", 0.0)
+    how = f" (D paced {pace:g} ms/token)" if pace else " (D back to back, `--quick`)"
+    for n in overhead.LONG_TOKENS:
+        target = f"the same per chunk of a {n:,}-token stream"
+        # unpaced chunks share reads: no match for the floor's paced ones
+        rows.append(_chunk_row(target, long, str(n), how, bounded=pace > 0))
+    return [row for row in rows if row is not None]
 
 
-def _above_floor(
-    floor: float | None, rounds: int, above: float | None, us: float | None
-) -> tuple[str, str, float] | None:
-    """(reference, measured, us above the floor) of one per-chunk row, or None."""
-    if above is None or us is None or floor is None:
+def _chunk_row(
+    target: str, c: dict[str, Any] | None, key: str, how: str = "", bounded: bool = True
+) -> Row | None:
+    """One per-chunk row of a paired slope at `key` tokens (None where it was not taken)."""
+    above = (c or {}).get("above_floor_us_at", {}).get(key)
+    if c is None or above is None:
         return None
-    ref = f"floor, the same chunks: {fmt(floor, 1)} us"
+    rounds = len(c["rounds"])
+    ref = f"floor, the same chunks: {fmt(c['floor']['us_per_chunk_at'][key], 1)} us"
     ref += f" (medians of {rounds} alternating rounds)" if rounds > 1 else ""
-    return ref, f"{fmt(us, 1)} us: {fmt(above, 1)} above", above
+    measured = f"{fmt(c['us_per_chunk_at'][key], 1)} us: {fmt(above, 1)} above"
+    return (target, ref + how, measured, _ok(above, CHUNK_ABOVE_FLOOR_US) if bounded else None)
 
 
 def limit_rows(res: dict[str, Any] | None, plan: Plan) -> list[Row]:

@@ -1,5 +1,5 @@
-"""The per-chunk figures of bench section 1: each paced configuration's router slope against
-the floor's measured on the same engines in alternating rounds."""
+"""The per-chunk figures of bench section 1: the router's slope against the floor's measured
+on the same engines in alternating rounds."""
 
 from __future__ import annotations
 
@@ -36,25 +36,40 @@ def test_a_slope_that_could_not_be_taken_is_left_out_of_the_median() -> None:
     assert overhead.median_tree([None, None]) is None
 
 
-def test_the_target_uses_each_configurations_own_floor_and_paired_difference() -> None:
+def test_the_target_rows_are_the_paired_differences_against_each_floor() -> None:
     # Round differences 6, 9, 12: the median 9 is under 10 us, although the router's median
     # (41) minus the floor's (30) is 11: drift between rounds moved both arms.
-    ov = {
-        "chunk_cpu": {
-            "vllm 0.33, paced": {
-                "us_per_chunk": 41.0,
-                "floor": {"us_per_chunk": 30.0},
-                "above_floor_us": 9.0,
-                "rounds": [{}, {}, {}],
-            },
-            # a run's results from before the paired rounds: the one floor it measured
-            "stock, paced": {"us_per_chunk": 50.0},
-        },
-        "chunk_passthrough": {"us_per_chunk": 35.0},
+    stock = {
+        "us_per_chunk_at": {"128": 41.0},
+        "floor": {"us_per_chunk_at": {"128": 30.0}},
+        "above_floor_us_at": {"128": 9.0},
+        "rounds": [{}, {}, {}],
     }
+    long = {
+        "ms_per_token": 1.0,
+        "us_per_chunk_at": {"1000": 50.0, "16000": 52.0},
+        "floor": {"us_per_chunk_at": {"1000": 35.0, "16000": 36.0}},
+        "above_floor_us_at": {"1000": 15.0, "16000": 16.0},
+        "rounds": [{}],
+    }
+    ov = {"chunk_cpu": {"stock, paced": stock}, "chunk_long": long}
     rows = {row[0]: row for row in targets.chunk_rows(ov)}
-    stock = rows["router CPU per paced SSE chunk (stock, paced): <= 10 us above the floor's"]
-    assert stock[1:] == ("floor, the same chunks: 35.0 us", "50.0 us: 15.0 above", False)
-    v033 = rows["router CPU per paced SSE chunk (vllm 0.33, paced): <= 10 us above the floor's"]
-    assert v033[1] == "floor, the same chunks: 30.0 us (medians of 3 alternating rounds)"
-    assert v033[2] == "41.0 us: 9.0 above" and v033[3] is True
+    assert rows["router CPU per paced SSE chunk (stock, paced): <= 10 us above the floor's"][
+        1:
+    ] == (
+        "floor, the same chunks: 30.0 us (medians of 3 alternating rounds)",
+        "41.0 us: 9.0 above",
+        True,
+    )
+    assert rows["the same per chunk of a 16,000-token stream"][1:] == (
+        "floor, the same chunks: 36.0 us (D paced 1 ms/token)",
+        "52.0 us: 16.0 above",
+        False,
+    )
+    # D back to back (the quick plan): a figure, no verdict; a slope not taken: no row.
+    long["ms_per_token"] = 0.0
+    del long["above_floor_us_at"]["1000"]
+    rows = {row[0]: row for row in targets.chunk_rows(ov)}
+    assert "the same per chunk of a 1,000-token stream" not in rows
+    assert rows["the same per chunk of a 16,000-token stream"][3] is None
+    assert targets.chunk_rows({}) == []
