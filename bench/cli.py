@@ -32,7 +32,6 @@ from bench import (
     events,
     handover,
     headline,
-    hit_throughput,
     hitpath,
     overhead,
     peers,
@@ -90,7 +89,7 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
         n += plan.chunk_rounds * 2 * (3 + len(overhead.LONG_TOKENS))
         n += hitpath.steps(plan)
     if "throughput" in parts:
-        n += 2 * (1 + len(throughput.WORKERS)) * plan.sweep_steps + hit_throughput.steps(plan)
+        n += throughput.steps(plan)
     if "reuse" in parts:
         arms = sum(len(reuse.arms_for(plan, cache, no_reuse)) for cache in reuse.CACHES)
         n += arms * plan.conv_rounds
@@ -215,10 +214,7 @@ class Progress:
 
 RUNS: dict[str, Callable[[Plan, LoadGen, Callable[[str], None], bool], dict[str, Any]]] = {
     "overhead": lambda plan, lg, tick, no_reuse: overhead.run(plan, lg, tick, no_reuse),
-    "throughput": lambda plan, lg, tick, no_reuse: {
-        **throughput.run(plan, lg, tick),
-        "hits": hit_throughput.run(plan, lg, tick),
-    },
+    "throughput": lambda plan, lg, tick, no_reuse: throughput.run(plan, lg, tick),
     "reuse": lambda plan, lg, tick, no_reuse: reuse.run(plan, lg, tick, no_reuse),
     "events": lambda plan, lg, tick, no_reuse: events.run(plan, lg, tick),
     "profile": lambda plan, lg, tick, no_reuse: profile.run(plan, lg, tick),

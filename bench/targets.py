@@ -213,20 +213,17 @@ def throughput_rows(res: dict[str, Any] | None) -> list[Row]:
         return []
     out: list[Row] = []
     where = "one core (router pinned)" if res.get("pinned") else "one router process (not pinned)"
-    groups = [(where, res.get("sweeps", {}))]
-    groups += [(label, s) for label, s in res.get("workers", {}).items() if "2" in label]
-    for label, sweeps in groups:
-        for name, sweep in sweeps.items():
-            kind = "streaming" if name == "stream" else "JSON"
-            out.append(
-                (
-                    f"turns/s, {label}, {kind} first turns",
-                    "figure with the CPU per turn that explains it (*Throughput*)",
-                    f"{fmt(sweep['sustained_turns_s'], 0)} turns/s at "
-                    f"{fmt(sweep['cpu_ms_per_turn'], 3)} ms CPU/turn",
-                    None,
-                )
+    for name, sweep in res.get("sweeps", {}).items():
+        kind = "streaming" if name == "stream" else "JSON"
+        out.append(
+            (
+                f"turns/s, {where}, {kind} first turns",
+                "figure with the CPU per turn that explains it (*Throughput*)",
+                f"{fmt(sweep['sustained_turns_s'], 0)} turns/s at "
+                f"{fmt(sweep['cpu_ms_per_turn'], 3)} ms CPU/turn",
+                None,
             )
+        )
     return out
 
 

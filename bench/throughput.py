@@ -1,8 +1,10 @@
-"""2. Throughput: the highest open-loop rate one router process sustains on one core (the
-router pinned to CPU 1, engines, redis-server and load generator on CPU 0), and, unpinned,
-what `--workers 2` changes. A step holds when >= 95% of the offered turns complete and p99
-stays under min(HOLD_P99_FACTOR x, HOLD_P99_FLOOR_MS ms +) the first step's; a step that does
-not is run once more, and the sweep stops at the first step that fails twice.
+"""2. Throughput: the highest open-loop rate of first turns one router process sustains on one
+core (the router pinned to CPU 1, engines, redis-server and load generator on CPU 0), and the
+hit path's conversations (bench/hitpath.py) closed loop against it at a few concurrencies.
+
+A step holds when >= 95% of the offered turns complete and p99 stays under
+min(HOLD_P99_FACTOR x, HOLD_P99_FLOOR_MS ms +) the first step's; a step that does not is run
+once more, and the sweep stops at the first step that fails twice.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bench import overhead, workload
+from bench import hitpath, overhead, workload
 from bench.plan import Plan
 from bench.screen import Screen, Table
 from bench.stack import LoadGen, pin, reset_caches, start_stack, tree_cpu_seconds
@@ -51,44 +53,37 @@ def pinned(router: int, st: Stack, lg: LoadGen) -> Iterator[bool]:
             pin(pid, None)
 
 
-# The unpinned comparison: (label, router arguments).
-WORKERS: tuple[tuple[str, list[str]], ...] = (("1 worker", []), ("2 workers", ["--workers", "2"]))
+def steps(plan: Plan) -> int:
+    return 2 * plan.sweep_steps + len(plan.hit_tput_clients)
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
-    out: dict[str, Any] = {"pinned": False, "sweeps": {}, "workers": {}}
+    out: dict[str, Any] = {"pinned": False, "sweeps": {}}
     engines: dict[str, Any] = {"prefill_args": [overhead.P_ARGS], "decode_args": [overhead.D_ARGS]}
-    routers = [[], *(args for _, args in WORKERS)]
-    with start_stack(**engines, router_args=routers, name="throughput") as st:
-        with pinned(st.routers[0].proc.pid, st, lg) as ok:
-            out["pinned"] = ok
-            out["sweeps"] = sweeps(st, 0, lg, plan, tick, "")
-        for i, (label, _) in enumerate(WORKERS, start=1):
-            out["workers"][label] = sweeps(st, i, lg, plan, tick, f"{label}, ")
+    with (
+        start_stack(**engines, router_args=[[]], name="throughput") as st,
+        pinned(st.routers[0].proc.pid, st, lg) as ok,
+    ):
+        out["pinned"] = ok
+        for kind, stream in (("json", False), ("stream", True)):
+            out["sweeps"][kind] = sweep(st, lg, plan, stream, tick)
+    out["hits"] = hit_levels(plan, lg, tick)
     return out
 
 
-def sweeps(st: Stack, index: int, lg: LoadGen, plan: Plan, tick: Tick, label: str) -> Any:
-    """The JSON and the streaming sweep against router `index`."""
-    kinds = {"json": False, "stream": True}
-    return {k: sweep(st, index, lg, plan, stream, tick, label) for k, stream in kinds.items()}
-
-
-def sweep(
-    st: Stack, index: int, lg: LoadGen, plan: Plan, stream: bool, tick: Tick, label: str = ""
-) -> dict[str, Any]:
+def sweep(st: Stack, lg: LoadGen, plan: Plan, stream: bool, tick: Tick) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     rate = plan.sweep_start
     base_p99 = None
     for _ in range(plan.sweep_steps):
-        tick(f"throughput {label}{'stream' if stream else 'json'} {rate:.0f}/s")
-        step = _step(st, index, lg, plan, stream, rate)
+        tick(f"throughput {'stream' if stream else 'json'} {rate:.0f}/s")
+        step = _step(st, lg, plan, stream, rate)
         base_p99 = step["p99_ms"] if base_p99 is None else base_p99
         limit = max(min(base_p99 * HOLD_P99_FACTOR, base_p99 + HOLD_P99_FLOOR_MS), 1.0)
         step["holds"] = _holds(step, limit)
         if not step["holds"]:
             # One tail spike (the engines' core is shared) must not end the sweep: retry once.
-            step = _step(st, index, lg, plan, stream, rate)
+            step = _step(st, lg, plan, stream, rate)
             step["holds"] = _holds(step, limit)
             step["retried"] = True
         steps.append(step)
@@ -113,16 +108,14 @@ def _holds(step: dict[str, Any], limit_ms: float) -> bool:
     return bool(step["completed_ratio"] >= 0.95 and step["p99_ms"] <= limit_ms)
 
 
-def _step(
-    st: Stack, index: int, lg: LoadGen, plan: Plan, stream: bool, rate: float
-) -> dict[str, Any]:
-    spec: dict[str, Any] = {"kind": "open", "target": overhead.via_router(st, index)}
+def _step(st: Stack, lg: LoadGen, plan: Plan, stream: bool, rate: float) -> dict[str, Any]:
+    spec: dict[str, Any] = {"kind": "open", "target": overhead.via_router(st)}
     spec.update(stream=stream, rate=rate, duration_s=plan.sweep_step_s, seed=int(rate))
     spec.update(max_inflight=1024, drain_s=15.0)
     spec.update(system_words=workload.SYSTEM_WORDS, user_words=workload.USER_WORDS)
     spec["max_tokens"] = STREAM_TOKENS if stream else workload.NONSTREAM_TOKENS
     reset_caches(st)
-    router = st.routers[index].proc.pid
+    router = st.routers[0].proc.pid
     cpu0 = tree_cpu_seconds(router)
     r = lg.run(spec, timeout=plan.sweep_step_s + 60.0)
     cpu = tree_cpu_seconds(router) - cpu0
@@ -141,15 +134,55 @@ def _step(
     }
 
 
+def hit_levels(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
+    """Per level of plan.hit_tput_clients, the hit path's conversations against the pinned
+    router: turns/s, latency, the router's share of its core and its CPU per turn."""
+    out: dict[str, Any] = {"pinned": False, "levels": [], "turns": plan.hit_turns}
+    with hitpath.hit_stack("hit-throughput") as st:
+        router = st.routers[0].proc.pid
+        with pinned(router, st, lg) as ok:
+            out["pinned"] = ok
+            for rnd, clients in enumerate(plan.hit_tput_clients):
+                tick(f"throughput hits c={clients}")
+                reset_caches(st)
+                spec = hitpath.job(plan, st.url, stream=False, clients=clients, rnd=rnd, ids=True)
+                spec.update(n=max(plan.hit_tput_convs, 2 * clients), deadline_s=600.0)
+                cpu0 = tree_cpu_seconds(router)
+                res = lg.run(spec, timeout=660.0)
+                out["levels"].append(level(clients, res, tree_cpu_seconds(router) - cpu0))
+    out["best"] = max(out["levels"], key=lambda x: x["turns_s"], default=None)
+    return out
+
+
+def level(clients: int, res: dict[str, Any], cpu_s: float) -> dict[str, Any]:
+    """A level's figures, with the ceiling of a fully busy core at its CPU per turn."""
+    turns = res["turns"]
+    ok = [t for t in turns if t["ok"]]
+    wall = res["wall_s"] or 1e-9
+    cpu_ms = cpu_s / max(1, len(turns)) * 1000.0
+    return {
+        "clients": clients,
+        "turns": len(turns),
+        "failed": len(turns) - len(ok),
+        "hits": sum(1 for t in ok if t["turn"] > 1 and t.get("reuse") == "hit"),
+        "later": sum(1 for t in ok if t["turn"] > 1),
+        "turns_s": len(ok) / wall,
+        "p50_ms": pct([t["latency"] for t in ok], 50) * 1000.0,
+        "p99_ms": pct([t["latency"] for t in ok], 99) * 1000.0,
+        "router_cpu_util": cpu_s / wall,
+        "cpu_ms_per_turn": cpu_ms,
+        "ceiling_turns_s": 1000.0 / cpu_ms if cpu_ms else None,
+    }
+
+
 def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
     """Section 2: per load, the rate held, its latency there and the router's CPU."""
     core = "1 core" if res["pinned"] else "1 process, not pinned"
     rows = []
-    for label, sweeps in [(core, res["sweeps"]), *res.get("workers", {}).items()]:
-        for kind, sw in sweeps.items():
-            load = f"first turns, {'stream' if kind == 'stream' else 'JSON'}, {label}"
-            figures = (sw["sustained_turns_s"], sw["cpu_ms_per_turn"], sw["ceiling_turns_s"])
-            rows.append(_row(load, sw["best"] or {}, *figures))
+    for kind, sw in res["sweeps"].items():
+        load = f"first turns, {'stream' if kind == 'stream' else 'JSON'}, {core}"
+        figures = (sw["sustained_turns_s"], sw["cpu_ms_per_turn"], sw["ceiling_turns_s"])
+        rows.append(_row(load, sw["best"] or {}, *figures))
     hits = res.get("hits") or {}
     where = core if hits.get("pinned") else "not pinned"
     for x in hits.get("levels", []):
@@ -163,13 +196,6 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
         f"turns/s (a busy core's ceiling at its CPU per turn: "
         f"{fmt(first['ceiling_turns_s'], 0)}){best_hits}."
     ]
-    workers = [sw["json"]["sustained_turns_s"] for sw in res.get("workers", {}).values()]
-    if len(workers) == 2:
-        answer.append(
-            f"Unpinned, `--workers 2` holds {fmt(workers[1], 0)} JSON turns/s against "
-            f"{fmt(workers[0], 0)} for one worker; under 100% router CPU the engines' core was "
-            "the limit."
-        )
     question = (
         "How many turns/s does one router process sustain? Open-loop sweeps of first turns (a "
         f"step holds at >= 95% completed and p99 <= min({HOLD_P99_FACTOR:g}x, "

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import hit_throughput, targets, throughput
+from bench import targets, throughput
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +21,7 @@ def turn(n: int, ok: bool = True, reuse: str | None = "hit") -> dict[str, Any]:
 
 def test_a_level_counts_turns_hits_and_the_cores_ceiling() -> None:
     turns = [turn(1), turn(2), turn(3, reuse="miss"), turn(1), turn(2, ok=False)]
-    x = hit_throughput.level(16, {"turns": turns, "wall_s": 0.5}, cpu_s=0.01)
+    x = throughput.level(16, {"turns": turns, "wall_s": 0.5}, cpu_s=0.01)
     assert (x["turns"], x["failed"], x["hits"], x["later"]) == (5, 1, 1, 2)
     assert x["turns_s"] == pytest.approx(8.0)  # 4 answered in 0.5 s
     assert x["router_cpu_util"] == pytest.approx(0.02)
