@@ -261,7 +261,7 @@ def test_tables_are_rectangular_and_numbers_parse(quick_run: Path) -> None:
         "16,000-token stream",
         "engines that stream their handle: within 10% of the limit",
         "stock engines: within 10% of the limit",
-        "turns/s, one core",
+        "hit turns/s, one core",
     ):
         assert what in named, what
     # The overhead's latencies and reuse's TTFT beside the cost model's limit are numbers.
