@@ -14,11 +14,10 @@ from bench.screen import Screen, Table
 from bench.stack import (
     LoadGen,
     RedisStats,
-    cpu_seconds,
     passthrough,
     reset_caches,
-    router_cpu,
     start_stack,
+    tree_cpu_seconds,
 )
 from bench.stats import fmt, summary_ms
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
@@ -41,7 +40,6 @@ STOCK = "stock, paced"  # the per-chunk configuration: stock engines, D paced
 # Long streams: CPU per chunk 1,000 and 16,000 tokens into a stream, D at the plan's pace.
 LONG_MODEL = ["--max-model-len", "20000"]
 LONG_TOKENS = (1000, 16000)
-Engines = tuple[list[str], list[str], list[str]]  # P's, D's and the router's arguments
 
 
 def direct(st: Stack) -> dict[str, Any]:
@@ -53,8 +51,8 @@ def via_url(url: str) -> dict[str, Any]:
     return {"mode": "router", "urls": [url]}
 
 
-def via_router(st: Stack, index: int = 0) -> dict[str, Any]:
-    return via_url(st.routers[index].url)
+def via_router(st: Stack) -> dict[str, Any]:
+    return via_url(st.routers[0].url)
 
 
 def closed_job(
@@ -68,15 +66,16 @@ def closed_job(
 
 
 def timed(
-    st: Stack, lg: LoadGen, spec: dict[str, Any], stats: RedisStats | None
+    st: Stack, lg: LoadGen, spec: dict[str, Any], pid: int | None, stats: RedisStats | None = None
 ) -> tuple[dict[str, Any], float, dict[str, Any]]:
-    """Run a job; also the router CPU seconds it cost and the Redis commandstats delta."""
+    """Run a job; also the CPU seconds process `pid` and its children used (0.0 without one)
+    and the Redis commandstats delta."""
     reset_caches(st)
     if stats is not None:
         stats.reset()
-    cpu0 = router_cpu(st)
+    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
     r = lg.run(spec, timeout=spec.get("deadline_s", 120.0) + 60.0)
-    cpu = router_cpu(st) - cpu0
+    cpu = tree_cpu_seconds(pid) - cpu0 if pid else 0.0
     return r, cpu, stats.read() if stats is not None else {}
 
 
@@ -102,29 +101,26 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
         finally:
             stats.close()
         out["commands"]["stock"] = st.commands
-    engines = ([*P_ARGS, *V032], [*D_ARGS, *PACED, *V032], [])
-    out["chunk_cpu"][STOCK] = _with_floor(engines, lg, plan, tick)
+    out["chunk_cpu"][STOCK] = _with_floor(
+        [*P_ARGS, *V032], [*D_ARGS, *PACED, *V032], lg, plan, tick
+    )
     out["commands"][f"chunks: {STOCK}"] = out["chunk_cpu"][STOCK].pop("commands")
     # Long streams, each length's slope against 8-token streams (a turn's fixed cost left out).
     pace, n = plan.long_ms_per_token, plan.long_streams
     d_long = [*D_ARGS, *V032, *LONG_MODEL, "--decode-ms-per-token", str(pace)]
     slope = {"lengths": (8, *LONG_TOKENS), "count": n, "concurrency": n}
-    engines = ([*P_ARGS, *V032, *LONG_MODEL], d_long, [])
-    out["chunk_long"] = _with_floor(engines, lg, plan, tick, **slope)
+    out["chunk_long"] = _with_floor([*P_ARGS, *V032, *LONG_MODEL], d_long, lg, plan, tick, **slope)
     out["chunk_long"].update(streams=n, ms_per_token=pace)
     out["hit_path"] = hitpath.run(plan, lg, tick)
     return out
 
 
 def _with_floor(
-    engines: Engines, lg: LoadGen, plan: Plan, tick: Tick, **slope: Any
+    p: list[str], d: list[str], lg: LoadGen, plan: Plan, tick: Tick, **slope: Any
 ) -> dict[str, Any]:
-    """`paired_slope` on a stack of its own (P's, D's and the router's arguments), with the
+    """`paired_slope` on a stack of its own (P's and D's arguments, a stock router), with the
     floor on the same engines."""
-    p, d, router = engines
-    with start_stack(
-        prefill_args=[p], decode_args=[d], router_args=[router], name="overhead-chunks"
-    ) as st:
+    with start_stack(prefill_args=[p], decode_args=[d], router_args=[[]], name="chunks") as st:
         with passthrough(st.ps[0].url, st.ds[0].url, "chunks-floor") as app:
             out = paired_slope(st, lg, plan, tick, app, **slope)
         out["commands"] = st.commands
@@ -147,26 +143,23 @@ def _cell(
     cell: dict[str, Any] = {"stream": stream, "concurrency": conc, "count": count}
     warmup = max(plan.overhead_warmup, conc)
     per_round = max(1, count // plan.overhead_rounds)
-    arms = [("direct", direct(st)), ("kvbaton", via_router(st)), ("floor", via_url(floor_app.url))]
+    arms = [("direct", direct(st), None), ("kvbaton", via_router(st), st.routers[0].proc.pid)]
+    arms.append(("floor", via_url(floor_app.url), floor_app.proc.pid))
     pooled: dict[str, dict[str, Any]] = {}
-    cpu = dict.fromkeys(("kvbaton", "floor"), 0.0)
+    cpu = dict.fromkeys(("direct", "kvbaton", "floor"), 0.0)
     redis_delta: dict[str, dict[str, float]] = {}
     tick(f"overhead {'stream' if stream else 'json'} c={conc}")
     for rnd in range(plan.overhead_rounds):
-        for arm, target in arms if rnd % 2 == 0 else arms[::-1]:
+        for arm, target, pid in arms if rnd % 2 == 0 else arms[::-1]:
             job = dict(concurrency=conc, count=per_round, warmup=warmup, seed=rnd)
             spec = closed_job(target, stream=stream, **job)
-            floor0 = cpu_seconds(floor_app.proc.pid)
-            r, used, delta = timed(st, lg, spec, stats if arm == "kvbaton" else None)
+            r, used, delta = timed(st, lg, spec, pid, stats if arm == "kvbaton" else None)
             pooled[arm] = merge(pooled.get(arm), r)
-            if arm == "kvbaton":
-                cpu[arm] += used
-                for cmd, v in delta.items():
-                    slot = redis_delta.setdefault(cmd, {"calls": 0.0, "usec": 0.0})
-                    slot["calls"] += v["calls"]
-                    slot["usec"] += v["usec"]
-            elif arm == "floor":
-                cpu[arm] += cpu_seconds(floor_app.proc.pid) - floor0
+            cpu[arm] += used
+            for cmd, v in delta.items():
+                slot = redis_delta.setdefault(cmd, {"calls": 0.0, "usec": 0.0})
+                slot["calls"] += v["calls"]
+                slot["usec"] += v["usec"]
     for arm, r in pooled.items():
         cell[arm] = {
             "latency": summary_ms(r["latency"]),
@@ -239,19 +232,16 @@ def chunk_slope(
     least 16 of the shortest, whose CPU per turn is the smallest reading)."""
     runs: dict[str, dict[str, float]] = {}
     count, warmup = (plan.chunk_runs // 3, 32) if count is None else (count, 0)
-    target = via_router(st) if floor_app is None else via_url(floor_app.url)
+    app = st.routers[0] if floor_app is None else floor_app
     for tokens in lengths:
         tick(f"chunk cost {tokens} tokens{'' if floor_app is None else ' (floor)'}")
         n = count if warmup or tokens != lengths[0] else max(count, 16)
         spec = closed_job(
-            target, stream=True, concurrency=concurrency, count=n, warmup=warmup, seed=7
+            via_url(app.url), stream=True, concurrency=concurrency, count=n, warmup=warmup, seed=7
         )
         spec["max_tokens"] = tokens
         spec["request_timeout_s"] = 60.0 + tokens / 100.0  # a paced 16,000 tokens: 16 s+
-        cpu0 = 0.0 if floor_app is None else cpu_seconds(floor_app.proc.pid)
-        r, cpu, _ = timed(st, lg, spec, None)
-        if floor_app is not None:
-            cpu = cpu_seconds(floor_app.proc.pid) - cpu0
+        r, cpu, _ = timed(st, lg, spec, app.proc.pid)
         events = sum(r["events"]) / max(1, len(r["events"]))
         runs[str(tokens)] = {"cpu_ms_per_turn": cpu / max(1, r["sent"]) * 1000.0, "events": events}
     base = runs[str(lengths[0])]

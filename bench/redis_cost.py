@@ -87,17 +87,10 @@ def monitor_sample(st: Stack, lg: LoadGen, router_index: int) -> dict[str, Any]:
     }
 
 
-def per_turn(delta: dict[str, dict[str, float]], turns: int, top: set[str]) -> dict[str, Any]:
-    """Calls and server microseconds per turn; `top` names the commands clients send."""
-    if not turns:
-        return {}
-    calls = {cmd: v["calls"] / turns for cmd, v in delta.items()}
-    client_usec = sum(v["usec"] for cmd, v in delta.items() if cmd in top)
-    return {
-        "calls_per_turn": calls,
-        "round_trips_per_turn": sum(v["calls"] for c, v in delta.items() if c in top) / turns,
-        "server_usec_per_turn": client_usec / turns,
-    }
+def server_usec(delta: dict[str, dict[str, float]], turns: int, top: set[str]) -> float | None:
+    """Server microseconds per turn of the commands clients send (`top`; a script's own
+    commands are inside its call's time)."""
+    return sum(v["usec"] for cmd, v in delta.items() if cmd in top) / turns if turns else None
 
 
 async def _rtt(url: str, n: int) -> dict[str, float]:
@@ -119,11 +112,6 @@ def rtt(url: str, n: int = 500) -> dict[str, float]:
     return asyncio.run(_rtt(url, n))
 
 
-def top_level(sample: dict[str, Any]) -> set[str]:
-    names = set(sample.get("top", {}))
-    return names | set(SCRIPT_COMMANDS)
-
-
 def screen(res: dict[str, Any]) -> Screen:
     """Section 4 from section 1's results: the MONITOR samples, server time, round trip."""
     rows = []
@@ -135,9 +123,9 @@ def screen(res: dict[str, Any]) -> Screen:
         turns = f"{sample['turns']} ({sample['hits']} hits)"
         rows.append([mode, turns, fmt(sample["round_trips_per_turn"]), sent, inner])
     head = ["router", "turns", "round trips/turn", "sent per turn", "commands in scripts/turn"]
-    top = top_level(monitor.get("reuse", {}))
-    usec = [per_turn(c["redis_delta"], c["turns"], top) for c in res.get("cells", [])]
-    known = [u["server_usec_per_turn"] for u in usec if u] or [float("nan")]
+    top = set(monitor.get("reuse", {}).get("top", {})) | set(SCRIPT_COMMANDS)
+    usec = [server_usec(c["redis_delta"], c["turns"], top) for c in res.get("cells", [])]
+    known = [u for u in usec if u is not None] or [float("nan")]
     answer = [
         f"A turn takes {rows[0][2] if rows else 'n/a'} round trips; Redis spends "
         f"{fmt(min(known), 0)}-{fmt(max(known), 0)} us of server time per first turn in "

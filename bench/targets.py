@@ -105,7 +105,7 @@ def own_rows(hit: dict[str, Any] | None) -> list[Row]:
 def cpu_rows(ov: dict[str, Any], plan: Plan) -> list[Row]:
     out: list[Row] = []
     first = _json_cell(ov.get("cells", []))
-    if first is not None and "floor_cpu_ms_per_turn" in first:
+    if first is not None:
         k, f = first["router_cpu_ms_per_turn"], first["floor_cpu_ms_per_turn"]
         x = _ratio(k, f)
         out.append(

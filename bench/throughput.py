@@ -144,12 +144,10 @@ def hit_levels(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
             out["pinned"] = ok
             for rnd, clients in enumerate(plan.hit_tput_clients):
                 tick(f"throughput hits c={clients}")
-                reset_caches(st)
                 spec = hitpath.job(plan, st.url, stream=False, clients=clients, rnd=rnd, ids=True)
                 spec.update(n=max(plan.hit_tput_convs, 2 * clients), deadline_s=600.0)
-                cpu0 = tree_cpu_seconds(router)
-                res = lg.run(spec, timeout=660.0)
-                out["levels"].append(level(clients, res, tree_cpu_seconds(router) - cpu0))
+                res, cpu_s, _ = overhead.timed(st, lg, spec, router)
+                out["levels"].append(level(clients, res, cpu_s))
     out["best"] = max(out["levels"], key=lambda x: x["turns_s"], default=None)
     return out
 
