@@ -1,11 +1,8 @@
-"""2. Throughput: the highest open-loop rate of first turns one router process sustains on one
-core (the router pinned to CPU 1, engines, redis-server and load generator on CPU 0), and the
-hit path's conversations (bench/hitpath.py) closed loop against it at a few concurrencies.
-
+"""2. Throughput of one router core (the router pinned to CPU 1, the rest on CPU 0): open-loop
+sweeps of first turns, and the hit path's conversations closed loop at a few concurrencies.
 A step holds when >= 95% of the offered turns complete and p99 stays under
 min(HOLD_P99_FACTOR x, HOLD_P99_FLOOR_MS ms +) the first step's; a step that does not is run
-once more, and the sweep stops at the first step that fails twice.
-"""
+once more, and the sweep stops at the first step that fails twice."""
 
 from __future__ import annotations
 
