@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from bench.screen import Screen, Table
 from bench.stack import LoadGen
 from bench.stats import fmt, pct
+from harness.procs import stop
 from harness.stack import Stack
 
 _LINE = re.compile(r'^\d+\.\d+ \[\d+ ([^\]]+)\] "([^"]+)"')
@@ -43,12 +44,7 @@ def monitor(redis_url: str, path: Path) -> Iterator[None]:
             yield
             time.sleep(0.3)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            stop(proc)
 
 
 def parse_monitor(text: str) -> tuple[Counter[str], Counter[str]]:

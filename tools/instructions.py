@@ -30,7 +30,7 @@ import redis
 from bench import hitpath, overhead
 from bench.plan import FULL
 from bench.stack import LoadGen, start_stack
-from harness.procs import free_port, wait_http
+from harness.procs import free_port, stop, wait_http
 from harness.router import serve_argv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,12 +80,7 @@ def callgrind(argv: Sequence[str], cwd: Path, port: int, out: Path) -> Iterator[
         wait_http(f"http://127.0.0.1:{port}/health", 300.0, proc)
         yield proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 60.0)
 
 
 def _control(action: str, pid: int) -> None:
