@@ -16,7 +16,7 @@ from typing import Any
 from bench import hitpath, overhead
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, reset_caches, router_cpu, start_stack
+from bench.stack import LoadGen, start_stack
 from bench.stats import fmt
 from harness.stack import Stack
 
@@ -112,10 +112,8 @@ def spied(plan: Plan, st: Stack, lg: LoadGen, spec: dict[str, Any]) -> dict[str,
     """The job run for plan.profile_s with py-spy on the stack's router: the parsed profile,
     the turns answered (hits among them) and the router's CPU per turn."""
     spec["deadline_s"] = plan.profile_s + 1.5
-    reset_caches(st)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "profile.txt"
-        cpu0 = router_cpu(st)
         argv = [str(py_spy()), "record", "-p", str(st.routers[0].proc.pid), "-o", str(path)]
         argv += ["--duration", str(int(plan.profile_s)), "--rate", "200", "--format", "raw"]
         spy = subprocess.Popen(
@@ -123,13 +121,12 @@ def spied(plan: Plan, st: Stack, lg: LoadGen, spec: dict[str, Any]) -> dict[str,
         )
         try:
             time.sleep(0.5)
-            r = lg.run(spec, timeout=plan.profile_s + 60.0)
+            r, cpu, _ = overhead.timed(st, lg, spec, st.routers[0].proc.pid)
             spy.wait(timeout=30)
         finally:
             if spy.poll() is None:
                 spy.kill()
                 spy.wait(5)
-        cpu = router_cpu(st) - cpu0
         out = parse(path.read_text() if path.exists() else "")
     if "turns" in r:  # conversations: per turn
         ok = [t for t in r["turns"] if t["ok"]]
