@@ -58,12 +58,9 @@ class Sample:
     """One client request as the client saw it (times in seconds from its start)."""
 
     ok: bool = False
-    status: int = 0
     latency: float = 0.0
     ttft: float = 0.0
-    span: float = 0.0  # first to last SSE event
     events: int = 0
-    gap_max: float = 0.0  # the longest wait between two SSE events after the first
     text: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     reuse: str = ""
@@ -78,7 +75,6 @@ def words(rng: random.Random, n: int) -> str:
 async def read_stream(resp: aiohttp.ClientResponse, sample: Sample, t0: float, parse: bool) -> None:
     """Time every SSE event; with parse, keep the content deltas and the usage."""
     held = b""
-    last = 0.0
     async for chunk in resp.content.iter_any():
         now = time.perf_counter() - t0
         held += chunk
@@ -89,13 +85,9 @@ async def read_stream(resp: aiohttp.ClientResponse, sample: Sample, t0: float, p
                 continue
             if sample.events == 0:
                 sample.ttft = now
-            else:
-                sample.gap_max = max(sample.gap_max, now - last)
-            last = now
             sample.events += 1
             if parse and part.startswith(b"data: {"):
                 _take(sample, part[6:])
-    sample.span = last - sample.ttft if sample.events else 0.0
 
 
 def _take(sample: Sample, data: bytes) -> None:
@@ -115,7 +107,6 @@ def _take(sample: Sample, data: bytes) -> None:
 async def read_reply(
     resp: aiohttp.ClientResponse, sample: Sample, t0: float, stream: bool, parse: bool
 ) -> None:
-    sample.status = resp.status
     sample.reuse = resp.headers.get("X-KV-Reuse", "")
     if resp.status != 200:
         sample.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
@@ -189,7 +180,6 @@ class DirectTarget(Target):
         async with s.post(next(self._p) + CHAT, data=_encode(p_body), headers=headers) as resp:
             raw = await resp.read()
             if resp.status != 200:
-                sample.status = resp.status
                 sample.error = f"P answered HTTP {resp.status}: {raw[:200]!r}"
                 sample.latency = time.perf_counter() - t0
                 return sample
@@ -214,7 +204,7 @@ def make_target(spec: dict[str, Any]) -> Target:
 def request_body(spec: dict[str, Any], index: int) -> dict[str, Any]:
     """The index-th request of a job: the same sequence for every target (seeded)."""
     rng = random.Random(spec.get("seed", 0) * 1_000_003 + index)
-    body: dict[str, Any] = {
+    return {
         "model": spec.get("model", "sim-model"),
         "messages": [
             {"role": "system", "content": words(rng, spec.get("system_words", 100))},
@@ -223,7 +213,6 @@ def request_body(spec: dict[str, Any], index: int) -> dict[str, Any]:
         "max_tokens": spec.get("max_tokens", 16),
         "stream": bool(spec.get("stream")),
     }
-    return body
 
 
 async def _guarded(
@@ -301,13 +290,10 @@ async def open_loop(spec: dict[str, Any]) -> dict[str, Any]:
             task = asyncio.create_task(one(s, body))
             inflight.add(task)
             task.add_done_callback(inflight.discard)
-        sent_wall = time.perf_counter() - t0
         if inflight:
             await _bounded(asyncio.gather(*inflight), deadline)
         wall = time.perf_counter() - t0
-    out = summarize(samples, wall, sent=n - shed)
-    out.update(offered=rate, shed=shed, send_wall_s=sent_wall)
-    return out
+    return summarize(samples, wall, sent=n - shed)
 
 
 async def _bounded(aw: Awaitable[Any], deadline: float) -> None:
@@ -327,16 +313,15 @@ async def conversations(spec: dict[str, Any]) -> dict[str, Any]:
     gate = asyncio.Semaphore(int(spec["concurrency"]))
     deadline = time.monotonic() + float(spec["deadline_s"])
     turns: list[dict[str, Any]] = []
-    use_ids = spec["target"]["mode"] == "router" and bool(spec.get("conversation_ids", True))
+    t0 = time.perf_counter()
 
     async def chat(s: aiohttp.ClientSession, c: int) -> None:
         rng = random.Random(spec.get("seed", 0) * 7919 + c)
         await asyncio.sleep(rng.uniform(0, float(spec.get("jitter_s", 0.5))))
         async with gate:
-            await run_conversation(s, target, spec, rng, c, turns, deadline, use_ids)
+            await run_conversation(s, target, spec, rng, c, turns, deadline, t0)
 
     async with _session(spec, int(spec["concurrency"]) + 8) as s:
-        t0 = time.perf_counter()
         await _bounded(asyncio.gather(*(chat(s, c) for c in range(int(spec["n"])))), deadline)
         wall = time.perf_counter() - t0
     return {"turns": turns, "wall_s": wall}
@@ -364,7 +349,7 @@ async def arrivals(spec: dict[str, Any]) -> dict[str, Any]:
             conv_spec = {**spec, "turns": 1 if one else rng.randint(*spec["turns"])}
             conv_rng = random.Random(spec.get("seed", 0) * 7919 + c)
             task = asyncio.create_task(
-                run_conversation(s, target, conv_spec, conv_rng, c, turns, deadline, True, t0)
+                run_conversation(s, target, conv_spec, conv_rng, c, turns, deadline, t0)
             )
             running.add(task)
             task.add_done_callback(running.discard)
@@ -412,21 +397,6 @@ def think_time(spec: dict[str, Any], rng: random.Random) -> float:
     return rng.lognormvariate(math.log(median), sigma)
 
 
-async def send_copies(
-    target: Target,
-    s: aiohttp.ClientSession,
-    body: dict[str, Any],
-    conv: str | None,
-    copies: int,
-) -> list[Sample]:
-    """The same turn sent `copies` times at once (a client's retries, duplicated requests)."""
-    if copies <= 1:
-        return [await _guarded(target, s, body, conv, True)]
-    return list(
-        await asyncio.gather(*(_guarded(target, s, body, conv, True) for _ in range(copies)))
-    )
-
-
 async def run_conversation(
     s: aiohttp.ClientSession,
     target: Target,
@@ -435,14 +405,15 @@ async def run_conversation(
     c: int,
     turns: list[dict[str, Any]],
     deadline: float,
-    use_ids: bool,
-    t0: float | None = None,
+    t0: float,
 ) -> None:
-    """One conversation's turns; with t0, each turn's record has its start from t0. A pause
-    (think_time) comes before every turn after the first; with `copies` > 1 each turn is sent
-    that many times at once (a record each, `copy` 0.., the first answer goes on)."""
+    """One conversation's turns, each recorded with its start from t0 and a digest of its
+    answer (to compare across arms). A pause (think_time) comes before every turn after the
+    first; with `copies` > 1 each turn is sent that many times at once (a record each, `copy`
+    0.., the first answer goes on)."""
     lo, hi = spec["system_words"]
     history: list[dict[str, Any]] = [{"role": "system", "content": words(rng, rng.randint(lo, hi))}]
+    use_ids = spec["target"]["mode"] == "router" and spec.get("conversation_ids", True)
     conv = f"bench-{spec.get('seed', 0)}-{c}-{uuid.uuid4().hex[:8]}" if use_ids else None
     copies = int(spec.get("copies", 1))
     for t in range(1, int(spec["turns"]) + 1):
@@ -451,7 +422,7 @@ async def run_conversation(
             await asyncio.sleep(pause)
         if time.monotonic() >= deadline:
             return
-        started = time.perf_counter() - t0 if t0 is not None else 0.0
+        started = time.perf_counter() - t0
         user = {"role": "user", "content": words(rng, rng.randint(*spec["user_words"]))}
         body: dict[str, Any] = {
             "model": spec.get("model", "sim-model"),
@@ -461,16 +432,12 @@ async def run_conversation(
         }
         if body["stream"]:
             body["stream_options"] = {"include_usage": True}
-        sent = await send_copies(target, s, body, conv, copies)
+        # the same turn `copies` times at once (a client's retries, duplicated requests)
+        sent = await asyncio.gather(*(_guarded(target, s, body, conv, True) for _ in range(copies)))
         for i, x in enumerate(sent):
-            record = {**_turn_record(c, t, x), "start": started}
+            turns.append({**_turn_record(c, t, x), "start": started})
             if copies > 1:
-                record["copy"] = i
-            if t0 is not None or spec.get("answers"):  # the answer, to compare across arms
-                record["answer"] = hashlib.blake2b(
-                    "".join(x.text).encode(), digest_size=8
-                ).hexdigest()
-            turns.append(record)
+                turns[-1]["copy"] = i
         sample = next((x for x in sent if x.ok), sent[0])
         if not sample.ok:
             return  # the history would no longer match what D holds
@@ -479,7 +446,6 @@ async def run_conversation(
 
 def _turn_record(c: int, t: int, x: Sample) -> dict[str, Any]:
     usage = x.usage or {}
-    details = usage.get("prompt_tokens_details") or {}
     return {
         "conv": c,
         "turn": t,
@@ -487,13 +453,10 @@ def _turn_record(c: int, t: int, x: Sample) -> dict[str, Any]:
         "ttft": x.ttft,
         "latency": x.latency,
         "prompt_tokens": usage.get("prompt_tokens", 0),
-        "cached_tokens": details.get("cached_tokens", 0) or 0,
         "completion_tokens": usage.get("completion_tokens", 0),
         "reuse": x.reuse,
         "error": x.error,
-        # Inter-token latency as this stream saw it: mean and worst gap between SSE events.
-        "itl": x.span / (x.events - 1) if x.events > 1 else 0.0,
-        "gap_max": x.gap_max,
+        "answer": hashlib.blake2b("".join(x.text).encode(), digest_size=8).hexdigest(),
     }
 
 
@@ -505,8 +468,6 @@ def summarize(samples: list[Sample], wall: float, sent: int) -> dict[str, Any]:
     return {
         "reuse": dict(reuse),
         "latency": [x.latency for x in good],
-        "ttft": [x.ttft for x in good],
-        "span": [x.span for x in good],
         "events": [x.events for x in good],
         "ok": len(good),
         "failed": len(errors),

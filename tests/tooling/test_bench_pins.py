@@ -61,7 +61,7 @@ class FakeTarget(loadgen.Target):
         reuse = "miss" if turn == 1 else "hit"
         if turn in self.released:
             reuse = pins.RELEASED
-        return loadgen.Sample(ok=True, status=200, text=[f"answer {turn}"], reuse=reuse)
+        return loadgen.Sample(ok=True, text=[f"answer {turn}"], reuse=reuse)
 
 
 def test_a_mixed_job_runs_every_kind_and_tags_its_turns(monkeypatch: pytest.MonkeyPatch) -> None:
