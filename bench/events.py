@@ -12,8 +12,6 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -21,13 +19,11 @@ import zmq.asyncio
 
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, another_router, start_stack
-from bench.stats import fmt, summary_ms
+from bench.stack import LoadGen, Tick, another_router, start_stack
+from bench.stats import fmt, turns_summary
 from harness.procs import ROOT, free_port
 from router.engines.kv_events import Source, Subscriber
 from router.engines.kv_index import EngineIndex
-
-Tick = Callable[[str], None]
 
 EVENTS_PER_BATCH = 64
 # The publisher: pre-encoded batches of BlockStored events (map-shaped, vLLM's newer form),
@@ -153,16 +149,7 @@ def per_turn(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
             for name in list(turns) if rnd % 2 == 0 else list(turns)[::-1]:
                 tick(f"kv events: per turn, round {rnd + 1}, {name}")
                 turns[name] += lg.run(job(plan, urls[name], rnd), timeout=200.0)["turns"]
-    result: dict[str, Any] = {}
-    for name, rows in turns.items():
-        later = [t for t in rows if t["turn"] > 1 and t["ok"]]
-        result[name] = {
-            "first": summary_ms([t["latency"] for t in rows if t["turn"] == 1 and t["ok"]]),
-            "later": summary_ms([t["latency"] for t in later]),
-            "reuse": dict(Counter(t["reuse"] for t in later)),
-            "failed": sum(1 for t in rows if not t["ok"]),
-        }
-    return result
+    return {name: turns_summary(rows, "latency") for name, rows in turns.items()}
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:

@@ -5,16 +5,12 @@ modelled admission and first-token forward); the arms take turns, round by round
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, start_stack
-from bench.stats import fmt, summary_ms
-
-Tick = Callable[[str], None]
+from bench.stack import LoadGen, Tick, start_stack
+from bench.stats import fmt, turns_summary
 
 # vllm#50913 measured ~197 ms p50 of handover on a 3P1D setup (API server, scheduler, a
 # forward for token 1) against ~29 ms of transfer; the simulator charges D's share of it as
@@ -44,7 +40,7 @@ def sim_args(plan: Plan) -> list[str]:
 
 
 def job(plan: Plan, url: str, rnd: int) -> dict[str, Any]:
-    """Round rnd's conversations: the same for every arm; answers recorded to compare."""
+    """Round rnd's conversations: the same for every arm."""
     return {
         "kind": "conversations",
         "target": {"mode": "router", "urls": [url]},
@@ -58,7 +54,6 @@ def job(plan: Plan, url: str, rnd: int) -> dict[str, Any]:
         "seed": 5200 + rnd,
         "deadline_s": 120.0,
         "request_timeout_s": 60.0,
-        "answers": True,
     }
 
 
@@ -86,19 +81,9 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         "modelled_ms": ADMISSION_MS + plan.gpu.decode_ms_per_token,
         "admission_ms": ADMISSION_MS,
         "forward_ms": plan.gpu.decode_ms_per_token,
-        "arms": {arm: summary(turns[arm]) for arm in ARMS},
+        "arms": {arm: turns_summary(turns[arm]) for arm in ARMS},
         "same_answers": same_answers(turns),
         "commands": {arm: st.commands for arm, st in stacks.items()},
-    }
-
-
-def summary(turns: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [t for t in turns if t["ok"]]
-    return {
-        "first": summary_ms([t["ttft"] for t in ok if t["turn"] == 1]),
-        "later": summary_ms([t["ttft"] for t in ok if t["turn"] > 1]),
-        "reuse": dict(Counter(t["reuse"].split(";")[0] or "none" for t in ok if t["turn"] > 1)),
-        "failed": len(turns) - len(ok),
     }
 
 

@@ -1,32 +1,9 @@
-"""8. Side by side with the routers users would pick instead, on an arrival process.
-
-The arms, each configured at its best on the same simulators (2 P + 2 D, the H100/8B cost
-model, the engines' own 480 s pin TTL) and the same seeded arrivals as section 7:
-- kvbaton as shipped: reuse of D's KV, affinity, pin releases; the engines keep D's KV for P
-  (`bidirectional_kv_xfer`) and stream their handle;
-- kvbaton with `--no-reuse`: affinity only; D keeps nothing for P;
-- vLLM's own multi-turn example proxy, `disagg_proxy_multiturn.py`, copied at run time out of
-  a fetched vLLM tree (never into the project; skipped with one line without one): round
-  robin over P and D, D's handle kept per body `conversation_id` and sent to the next P,
-  nothing released;
-- vLLM's XpYd demo proxy, `disagg_proxy_demo.py`, from the same tree: round robin, no
-  `kv_transfer_params` at all, so its engines move KV through a shared store (the
-  simulators' MooncakeStore model, D saving its output as LMCache's `save_decode_cache`);
-- vLLM's Rust router `vllm-router` from PyPI, in its own venv (`.venv-peers`), P/D over NIXL,
-  with its default policy `cache_aware`, with `kv_aware` fed every P's KV events (all it
-  follows in P/D mode), and with `consistent_hash`, which hashes the `X-Session-ID` header
-  every arm's client sends (kvbaton reads the same header). None of them reads D's KV back,
-  so their D keeps nothing for P (a D that did would fill with pins nobody releases: section
-  7's second arm);
-- on vLLM's multi-turn benchmark only, the floor (bench/passthrough.py): the stack kvbaton is
-  built on, passing each turn through one P and one D with no router work, so that the
-  router CPU any router on this stack pays is a figure of the same run.
-The workloads (SCENARIOS): section 7's arrivals; the same with a small prefix cache on P; with
-long answers; with one D killed halfway; vLLM's multi-turn benchmark, unchanged
-(bench/vllm_multiturn.py; skipped with one line without a vLLM tree). The arms cannot take
-turns on one set of engines (what the engines hold is what is measured): each runs on fresh
-engines, round after round, the order reversed every other round. Where PyPI is unreachable
-the vllm-router arms are skipped with one line.
+"""8. Side by side with the routers users would pick instead (ARMS), each configured at its
+best on the same simulators (2 P + 2 D, the H100/8B cost model, the engines' own 480 s pin TTL),
+through the same seeded workloads (SCENARIOS). The arms cannot take turns on one set of engines
+(what the engines hold is what is measured): each runs on fresh engines, round after round, the
+order reversed every other round. A peer that cannot be fetched (PyPI, a vLLM tree) is skipped
+with one line.
 """
 
 from __future__ import annotations
@@ -44,12 +21,10 @@ from bench import pins, vllm_multiturn
 from bench.peer_venv import PEERS_VENV, VLLM_TREE_ENV, vllm_copy, vllm_router
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, by_source, start_stack, tree_cpu_seconds
-from bench.stats import fmt, summary_ms
+from bench.stack import LoadGen, Tick, by_source, start_stack, tree_cpu_seconds
+from bench.stats import fmt, turns_summary
 from harness.procs import free_port, log_file, redis_server, stop, wait_http
 from harness.stack import Stack
-
-Tick = Callable[[str], None]
 
 EXAMPLES = "examples/disaggregated/disaggregated_serving"
 MULTITURN_PROXY = f"{EXAMPLES}/disagg_proxy_multiturn.py"
@@ -85,8 +60,8 @@ class Arm:
 VLLM_ROUTER_PEER, VLLM_PROXY_PEER, VLLM_DEMO_PEER = "vllm-router", "vllm-proxy", "vllm-demo"
 FLOOR_PEER = "floor"
 KVBATON = "kvbaton"
-# The arms this project runs itself (kvbaton, the floor), by peer kind: never missing.
-LOCAL_EXES: dict[str, str | None] = {"": None, FLOOR_PEER: "bench.passthrough"}
+# vllm-router reads none of D's KV back, so its D keeps nothing for P (a D that did would fill
+# with pins nobody releases: section 7's second arm).
 ARMS = (
     Arm(
         "kvbaton",
@@ -291,17 +266,21 @@ def steps(plan: Plan) -> int:
     )
 
 
+# Each peer kind's executable, fetched where it is not the project's own (None: not fetched).
+EXES: dict[str, Callable[[], str | None]] = {
+    "": str,  # kvbaton, from the stack
+    FLOOR_PEER: lambda: "bench.passthrough",
+    VLLM_ROUTER_PEER: vllm_router,
+    VLLM_PROXY_PEER: lambda: vllm_proxy(MULTITURN_PROXY, PROXY_DEPS),
+    VLLM_DEMO_PEER: lambda: vllm_proxy(DEMO_PROXY, DEMO_DEPS),
+}
+
+
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     scenarios, wanted = chosen(plan)
-    exes = dict(LOCAL_EXES)
-    if any(a.peer == VLLM_ROUTER_PEER for a in wanted):
-        exes[VLLM_ROUTER_PEER] = vllm_router()
-    if any(a.peer == VLLM_PROXY_PEER for a in wanted):
-        exes[VLLM_PROXY_PEER] = vllm_proxy(MULTITURN_PROXY, PROXY_DEPS)
-    if any(a.peer == VLLM_DEMO_PEER for a in wanted):
-        exes[VLLM_DEMO_PEER] = vllm_proxy(DEMO_PROXY, DEMO_DEPS)
+    exes = {peer: EXES[peer]() for peer in dict.fromkeys(a.peer for a in wanted)}
     bench = vllm_multiturn.prepare(plan.quick) if MULTITURN in scenarios else None
-    arms = [a for a in wanted if not a.peer or exes[a.peer] is not None]
+    arms = [a for a in wanted if exes[a.peer] is not None]
     out: dict[str, Any] = {
         "scenarios": {},
         "skipped": [a.name for a in wanted if a not in arms],
@@ -334,10 +313,8 @@ def scenario(
     round): its result as the report keeps it. `exes`: each peer kind's executable; `bench`
     drives a multi-turn scenario; `commands` collects each arm's command lines."""
     seconds = plan.peers_s * sc.seconds
-    res: dict[str, Any] = {"what": sc.what, "seconds": seconds, "rounds": rounds, "arms": {}}
+    res: dict[str, Any] = {"what": sc.what, "seconds": seconds, "rounds": rounds}
     res["arms"] = {a.name: {"how": a.how, "rounds": []} for a in arms}
-    if sc.multiturn and bench is not None:
-        res["multiturn"] = bench.describe()
     for rnd in range(rounds):
         for arm in arms if rnd % 2 == 0 else list(reversed(arms)):
             tick(f"peers: {sc.name}, {arm.name}, round {rnd + 1}")
@@ -379,16 +356,14 @@ def arm_stack(
                 name="peers",
             )
         )
+        assert exe is not None
         if arm.peer == VLLM_PROXY_PEER:
-            assert exe is not None
             url, proc = exits.enter_context(peer_proxy(exe, st))
         elif arm.peer == VLLM_DEMO_PEER:
-            assert exe is not None
             url, proc = exits.enter_context(peer_demo(exe, st))
         elif arm.peer == FLOOR_PEER:
             url, proc = exits.enter_context(peer_floor(st))
         elif arm.peer:
-            assert exe is not None
             flags = list(arm.flags)
             for sim, port in zip(st.ps, ports, strict=False):
                 flags += ["--pd-kv-events", f"{sim.url}=tcp://127.0.0.1:{port}"]
@@ -449,26 +424,25 @@ def arrivals(
 
 def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     turns = [t for r in rounds for t in r["turns"]]
-    ok = [t for t in turns if t["ok"]]
-    first = [t["ttft"] for t in ok if t["turn"] == 1]
-    later = [t["ttft"] for t in ok if t["turn"] > 1]
+    s = turns_summary(turns)
     # vLLM's benchmark runs until its conversations end: its own time, not a set length.
     total_s = sum(r.get("seconds", seconds) for r in rounds)
     # P's tokens loaded from elsewhere are D's KV it read; D's are P's prefill handed over.
     pulled = sum(r["tokens"]["P"].get("external_kv_transfer", 0.0) for r in rounds)
+    good = sum(t["ok"] and t["ttft"] * 1000 <= TTFT_SLO_MS for t in turns)
     return {
-        "turns": len(turns),
-        "failed": len(turns) - len(ok),
+        "turns": s["turns"],
+        "failed": s["failed"],
         "unmeasured": sum(r.get("unmeasured", 0) for r in rounds),
-        "ttft_first": summary_ms(first),
-        "ttft_later": summary_ms(later),
-        "goodput": sum(t["ttft"] * 1000 <= TTFT_SLO_MS for t in ok) / max(total_s, 1e-9),
+        "ttft_first": s["first"],
+        "ttft_later": s["later"],
+        "goodput": good / max(total_s, 1e-9),
         "p_computed": sum(r["tokens"]["P"].get("local_compute", 0.0) for r in rounds),
         "d_computed": sum(r["tokens"]["D"].get("local_compute", 0.0) for r in rounds),
         "pulled_from_d": pulled,
         "cpu_ms_per_turn": 1000 * sum(r["cpu_s"] for r in rounds) / max(1, len(turns)),
         "pinned_max": max((r["pinned_max"] for r in rounds), default=0.0),
-        "reuse": _reuse(ok),
+        "reuse": s["reuse"],
     }
 
 
@@ -477,16 +451,6 @@ def router_cpu(arms: dict[str, Any]) -> tuple[float | None, float | None, float 
     for an arm that did not run)."""
     cpu = {name: arm["summary"]["cpu_ms_per_turn"] for name, arm in arms.items()}
     return cpu.get(ARMS[0].name), cpu.get(ARMS[2].name), cpu.get(FLOOR_ARM.name)
-
-
-def _reuse(turns: list[dict[str, Any]]) -> dict[str, int]:
-    """Later turns by `X-KV-Reuse`, its plan kept: `hit;via=decode` apart from a pull's `hit`."""
-    out: dict[str, int] = {}
-    for t in turns:
-        if t["turn"] > 1 and t["reuse"]:
-            outcome = ";".join(t["reuse"].split(";")[:2])
-            out[outcome] = out.get(outcome, 0) + 1
-    return out
 
 
 def answers_compared(arms: dict[str, Any]) -> None:

@@ -11,18 +11,15 @@ import contextlib
 import threading
 import time
 import urllib.error
-from collections.abc import Callable
 from typing import Any
 
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, start_stack
+from bench.stack import LoadGen, Tick, start_stack
 from bench.stats import fmt, pct, summary_ms
 from harness.chat import get_json
 from harness.metrics import parse, scrape
 from harness.stack import Stack
-
-Tick = Callable[[str], None]
 
 P_ARGS = ["--bidirectional", "--kv-recompute-threshold", "0", "--num-blocks", "65536"]
 # D keeps the engine's own pin TTL (480 s): the run is shorter than it, so only releases free

@@ -18,9 +18,9 @@ from typing import Any
 
 import redis
 
-from bench.pins import ROUTER_ARGS, Tick, decoder_pins, stack
+from bench.pins import ROUTER_ARGS, decoder_pins, stack
 from bench.plan import Plan
-from bench.stack import LoadGen, another_router
+from bench.stack import LoadGen, Tick, another_router
 from harness.chat import get_json
 from harness.stack import Stack, argv_of
 from sessions.keys import pins_key

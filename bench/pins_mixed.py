@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.pins import WORKLOAD, Sampler, Tick, stack, summarize
+from bench.pins import WORKLOAD, Sampler, stack, summarize
 from bench.plan import Plan
-from bench.stack import LoadGen
+from bench.stack import LoadGen, Tick
 
 # Each kind's turns and the pause before every turn after the first (bench/loadgen.py,
 # think_time); seeds of their own, so the two kinds do not say the same words.

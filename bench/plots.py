@@ -13,6 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
+from bench.peers import arm_names
+
 ARM_STYLE = {"a": ("tab:green", "reuse + affinity"), "b": ("tab:orange", "affinity only")}
 ARM_STYLE["c"] = ("tab:red", "round robin, no reuse")
 
@@ -155,18 +157,11 @@ def _colours(arms: list[str]) -> dict[str, str]:
     return out
 
 
-def _arm_names(scenarios: dict[str, Any]) -> list[str]:
-    names: list[str] = []
-    for sc in scenarios.values():
-        names += [a for a in sc["arms"] if a not in names]
-    return names
-
-
 def peers(results: dict[str, Any], path: Path) -> None:
     """Section 8: TTFT after turn 1 per arm and scenario (bar: p50, line up to p90), and the
     share of turns that failed."""
     scenarios = results["scenarios"]
-    arms = _arm_names(scenarios)
+    arms = arm_names(scenarios)
     fig, axes = plt.subplots(
         1, 2, figsize=(13, 4.8), constrained_layout=True, gridspec_kw={"width_ratios": [3, 1]}
     )

@@ -10,16 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, RedisStats, by_source, start_stack
+from bench.stack import LoadGen, Tick, by_source, start_stack
 from bench.stats import fmt, summary_ms
 from harness.stack import Stack
-
-Tick = Callable[[str], None]
 
 ARMS = {
     "a": "kvbaton, reuse + affinity",
@@ -89,10 +86,6 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
         here = arms_for(plan, cache, no_reuse)
         with contextlib.ExitStack() as stack:
             up = {arm: stack.enter_context(start_arm(plan, arm, cache)) for arm in here}
-            redis = {arm: RedisStats(st.redis_url) for arm, st in up.items() if st.redis_url}
-            for stats in redis.values():
-                stack.callback(stats.close)
-                stats.reset()
             turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm in here}
             for rnd in range(plan.conv_rounds):
                 for arm in here if rnd % 2 == 0 else here[::-1]:
@@ -100,8 +93,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
                     r = lg.run(conversation_job(plan, up[arm], arm, rnd), timeout=420.0)
                     turns[arm] += [dict(t, round=rnd) for t in r["turns"]]
             for arm, st in up.items():
-                delta = redis[arm].read() if arm in redis else {}
-                out["runs"][f"{cache}/{arm}"] = summarize(plan, st, turns[arm], delta)
+                out["runs"][f"{cache}/{arm}"] = summarize(plan, st, turns[arm])
                 out["commands"][f"{cache}/{arm}"] = st.commands
     return out
 
@@ -121,9 +113,7 @@ def turn_limits(plan: Plan, ok: list[dict[str, Any]]) -> dict[tuple[int, int, in
     return out
 
 
-def summarize(
-    plan: Plan, st: Stack, turns: list[dict[str, Any]], redis_delta: dict[str, Any]
-) -> dict[str, Any]:
+def summarize(plan: Plan, st: Stack, turns: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [t for t in turns if t["ok"]]
     limits = turn_limits(plan, ok)
     tokens = {role: Counter[str]() for role in "PD"}
@@ -143,7 +133,6 @@ def summarize(
         "turns_failed": len(turns) - len(ok),
         "errors": [x["error"] for x in turns if not x["ok"]][:3],
         "tokens": {role: dict(c) for role, c in tokens.items()},
-        "redis_delta": redis_delta,  # section 4, Redis cost per turn
     }
 
 

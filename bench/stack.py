@@ -13,12 +13,12 @@ import re
 import select
 import subprocess
 import sys
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
 
+from harness.chat import post
 from harness.metrics import samples
 from harness.procs import ROOT, log_file, stop
 from harness.router import RouterProc, http_process, router
@@ -26,6 +26,7 @@ from harness.stack import Stack
 from harness.stack import start_stack as support_stack
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+Tick = Callable[[str], None]  # a part's progress: the label of the step that starts
 
 
 # Seconds a process may take to answer /health: on a loaded 2-core machine (other test
@@ -50,14 +51,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def machine_cpu() -> tuple[float, float]:
-    """All CPUs' (busy, total) seconds since boot, from /proc/stat (idle and iowait not busy)."""
-    with open("/proc/stat") as fh:
-        ticks = [int(x) for x in fh.readline().split()[1:]]
-    total = sum(ticks[:8])  # user nice system idle iowait irq softirq steal
-    return (total - ticks[3] - ticks[4]) / CLK_TCK, total / CLK_TCK
 
 
 def descendants(pid: int) -> list[int]:
@@ -103,18 +96,12 @@ def by_source(url: str) -> dict[str, float]:
     return found
 
 
-def post(url: str, body: dict[str, Any], timeout: float = 10.0) -> Any:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read() or b"null")
-
-
 def reset_caches(st: Stack) -> None:
     """Every engine's prefix cache emptied: the arms of a comparison do the same work."""
     for s in st.engines:
-        post(s.url + "/reset_prefix_cache", {})
+        reply = post(s.url + "/reset_prefix_cache", {}, timeout=10.0)
+        if reply.status != 200:
+            raise RuntimeError(f"{s.url}/reset_prefix_cache answered {reply.status}")
 
 
 class RedisStats:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -31,9 +33,19 @@ def summary_ms(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def per_chunk(spans: Sequence[float], events: Sequence[int]) -> list[float]:
-    """Per request: the time between its first and last SSE event, per event after the first."""
-    return [s / (n - 1) for s, n in zip(spans, events, strict=True) if n > 1]
+def turns_summary(turns: Sequence[dict[str, Any]], key: str = "ttft") -> dict[str, Any]:
+    """The load generator's turns: `key` (seconds) of the answered first and later turns, the
+    later turns by `X-KV-Reuse` (its plan kept: `hit;via=decode` apart from a pull's `hit`),
+    and how many turns failed."""
+    ok = [t for t in turns if t["ok"]]
+    later = [t for t in ok if t["turn"] > 1]
+    return {
+        "turns": len(turns),
+        "failed": len(turns) - len(ok),
+        "first": summary_ms([t[key] for t in ok if t["turn"] == 1]),
+        "later": summary_ms([t[key] for t in later]),
+        "reuse": dict(Counter(";".join(t["reuse"].split(";")[:2]) for t in later if t["reuse"])),
+    }
 
 
 def fmt(value: float, digits: int = 2) -> str:

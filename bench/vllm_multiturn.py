@@ -75,20 +75,6 @@ class Bench:
     clients: int
     timeout_s: float
 
-    def describe(self) -> dict[str, Any]:
-        """What the report says of the workload."""
-        inp, out = self.config["prompt_input"], self.config["prompt_output"]
-        return {
-            "conversations": self.config["num_conversations"],
-            "messages": inp["num_turns"],
-            "common_prefix": inp["common_prefix_num_tokens"],
-            "prefix": inp["prefix_num_tokens"],
-            "user": inp["num_tokens"],
-            "answer": out["num_tokens"],
-            "clients": self.clients,
-            "active": self.clients,
-        }
-
 
 def prepare(quick: bool) -> Bench | None:
     """The benchmark's files copied out of the vLLM tree, its requirements installed into
