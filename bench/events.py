@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, Tick, another_router, start_stack
+from bench.stack import LoadGen, Tick, alternate, another_router, round_turns, start_stack
 from bench.stats import fmt, turns_summary
 from harness.procs import ROOT, free_port
 from router.engines.kv_events import Source, Subscriber
@@ -129,7 +129,6 @@ def per_turn(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     --kv-events on one Redis, taking turns."""
     ports = [free_port(), free_port()]
     base = ["--bidirectional", "--max-model-len", str(plan.max_model_len)]
-    turns: dict[str, list[dict[str, Any]]] = {"events-off": [], "events-on": []}
     with contextlib.ExitStack() as up:
         st = up.enter_context(
             start_stack(
@@ -144,12 +143,10 @@ def per_turn(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         on = up.enter_context(
             another_router(st, "--kv-events", args[0], "--kv-events", args[1], name="events-on")
         )
-        urls = dict(zip(turns, [st.url, on.url], strict=True))
-        for rnd in range(plan.events_rounds):
-            for name in list(turns) if rnd % 2 == 0 else list(turns)[::-1]:
-                tick(f"kv events: per turn, round {rnd + 1}, {name}")
-                turns[name] += lg.run(job(plan, urls[name], rnd), timeout=200.0)["turns"]
-    return {name: turns_summary(rows, "latency") for name, rows in turns.items()}
+        urls = {"events-off": st.url, "events-on": on.url}
+        one = lambda name, rnd: lg.run(job(plan, urls[name], rnd), timeout=200.0)  # noqa: E731
+        done = alternate(list(urls), plan.events_rounds, tick, "kv events: per turn", one)
+    return {name: turns_summary(round_turns(rs), "latency") for name, rs in done.items()}
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, Tick, start_stack
+from bench.stack import LoadGen, Tick, alternate, round_turns, start_stack
 from bench.stats import fmt, turns_summary
 
 # vllm#50913 measured ~197 ms p50 of handover on a 3P1D setup (API server, scheduler, a
@@ -58,7 +58,6 @@ def job(plan: Plan, url: str, rnd: int) -> dict[str, Any]:
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
-    turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     with contextlib.ExitStack() as stack:
         stacks = {
             arm: stack.enter_context(
@@ -71,11 +70,9 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
             )
             for arm, (_, flags) in ARMS.items()
         }
-        for rnd in range(plan.conv_rounds):
-            for arm in list(ARMS) if rnd % 2 == 0 else list(ARMS)[::-1]:
-                tick(f"handover, round {rnd + 1}, {arm}")
-                r = lg.run(job(plan, stacks[arm].url, rnd), timeout=300.0)
-                turns[arm] += [dict(t, round=rnd) for t in r["turns"]]
+        one = lambda arm, rnd: lg.run(job(plan, stacks[arm].url, rnd), timeout=300.0)  # noqa: E731
+        done = alternate(list(ARMS), plan.conv_rounds, tick, "handover", one)
+    turns = {arm: round_turns(results) for arm, results in done.items()}
     return {
         # D's modelled handover the features remove: its admission and its token-1 forward
         "modelled_ms": ADMISSION_MS + plan.gpu.decode_ms_per_token,

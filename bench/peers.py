@@ -21,7 +21,7 @@ from bench import pins, vllm_multiturn
 from bench.peer_venv import PEERS_VENV, VLLM_TREE_ENV, vllm_copy, vllm_router
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, Tick, by_source, start_stack, tree_cpu_seconds
+from bench.stack import LoadGen, Tick, alternate, by_source, start_stack, tree_cpu_seconds
 from bench.stats import fmt, turns_summary
 from harness.procs import free_port, log_file, redis_server, stop, wait_http
 from harness.stack import Stack
@@ -307,26 +307,27 @@ def scenario(
     bench: vllm_multiturn.Bench | None,
     rounds: int,
     tick: Tick,
-    commands: dict[str, Any] | None = None,
+    commands: dict[str, Any],
 ) -> dict[str, Any]:
-    """One scenario through `arms` (each on fresh engines, the order reversed every other
-    round): its result as the report keeps it. `exes`: each peer kind's executable; `bench`
-    drives a multi-turn scenario; `commands` collects each arm's command lines."""
+    """One scenario through `arms`, each on fresh engines (bench.stack.alternate): its result
+    as the report keeps it. `exes`: each peer kind's executable; `bench` drives a multi-turn
+    scenario; `commands` collects each arm's command lines."""
+    by_name = {a.name: a for a in arms}
+
+    def one_arm(name: str, rnd: int) -> dict[str, Any]:
+        arm, driver = by_name[name], bench if sc.multiturn else None
+        result, commands[f"{sc.name} / {name}"] = one(plan, lg, sc, arm, exes[arm.peer], driver)
+        return result
+
     seconds = plan.peers_s * sc.seconds
-    res: dict[str, Any] = {"what": sc.what, "seconds": seconds, "rounds": rounds}
-    res["arms"] = {a.name: {"how": a.how, "rounds": []} for a in arms}
-    for rnd in range(rounds):
-        for arm in arms if rnd % 2 == 0 else list(reversed(arms)):
-            tick(f"peers: {sc.name}, {arm.name}, round {rnd + 1}")
-            driver = bench if sc.multiturn else None
-            result, cmds = one(plan, lg, sc, arm, exes[arm.peer], driver)
-            res["arms"][arm.name]["rounds"].append(result)
-            if commands is not None:
-                commands[f"{sc.name} / {arm.name}"] = cmds
-    for arm_res in res["arms"].values():
+    done = alternate(list(by_name), rounds, tick, f"peers: {sc.name}", one_arm)
+    res: dict[str, Any] = {
+        name: {"how": by_name[name].how, "rounds": r} for name, r in done.items()
+    }
+    for arm_res in res.values():
         arm_res["summary"] = summarize(arm_res["rounds"], seconds)
-    answers_compared(res["arms"])
-    return res
+    answers_compared(res)
+    return {"what": sc.what, "seconds": seconds, "rounds": rounds, "arms": res}
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, Tick, by_source, start_stack
+from bench.stack import LoadGen, Tick, alternate, by_source, round_turns, start_stack
 from bench.stats import fmt, summary_ms
 from harness.stack import Stack
 
@@ -79,21 +79,19 @@ def conversation_job(plan: Plan, st: Stack, arm: str, rnd: int) -> dict[str, Any
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
-    """Per cache size, the arms' stacks run side by side and take turns, round by round
-    (a, b, c, then c, b, a, ...), so that a change in the machine's load hits every arm."""
+    """Per cache size, the arms' stacks run side by side and take turns (alternate)."""
     out: dict[str, Any] = {"gpu": dataclasses.asdict(plan.gpu), "runs": {}, "commands": {}}
     for cache in CACHES:
         here = arms_for(plan, cache, no_reuse)
         with contextlib.ExitStack() as stack:
             up = {arm: stack.enter_context(start_arm(plan, arm, cache)) for arm in here}
-            turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm in here}
-            for rnd in range(plan.conv_rounds):
-                for arm in here if rnd % 2 == 0 else here[::-1]:
-                    tick(f"reuse {cache} cache, round {rnd + 1}, arm {arm}")
-                    r = lg.run(conversation_job(plan, up[arm], arm, rnd), timeout=420.0)
-                    turns[arm] += [dict(t, round=rnd) for t in r["turns"]]
+
+            def job(arm: str, rnd: int, up: dict[str, Stack] = up) -> dict[str, Any]:
+                return lg.run(conversation_job(plan, up[arm], arm, rnd), timeout=420.0)
+
+            done = alternate(here, plan.conv_rounds, tick, f"reuse {cache} cache", job)
             for arm, st in up.items():
-                out["runs"][f"{cache}/{arm}"] = summarize(plan, st, turns[arm])
+                out["runs"][f"{cache}/{arm}"] = summarize(plan, st, round_turns(done[arm]))
                 out["commands"][f"{cache}/{arm}"] = st.commands
     return out
 

@@ -14,7 +14,7 @@ import select
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -27,6 +27,7 @@ from harness.stack import start_stack as support_stack
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 Tick = Callable[[str], None]  # a part's progress: the label of the step that starts
+R = TypeVar("R")
 
 
 # Seconds a process may take to answer /health: on a loaded 2-core machine (other test
@@ -130,6 +131,24 @@ class RedisStats:
 def router_cpu(st: Stack) -> float:
     """CPU seconds the stack's routers (and their workers) have used."""
     return sum(tree_cpu_seconds(r.proc.pid) for r in st.routers)
+
+
+def alternate(
+    arms: Sequence[str], rounds: int, tick: Tick, label: str, one: Callable[[str, int], R]
+) -> dict[str, list[R]]:
+    """`one(arm, round)` of every arm, round by round, the arms' order reversed every other
+    round so that a change in the machine's load hits every arm; each arm's in round order."""
+    out: dict[str, list[R]] = {arm: [] for arm in arms}
+    for rnd in range(rounds):
+        for arm in arms if rnd % 2 == 0 else arms[::-1]:
+            tick(f"{label}, round {rnd + 1}, {arm}")
+            out[arm].append(one(arm, rnd))
+    return out
+
+
+def round_turns(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turns of an arm's load-generator results (one per round), each with its round."""
+    return [dict(t, round=rnd) for rnd, r in enumerate(results) for t in r["turns"]]
 
 
 @contextlib.contextmanager

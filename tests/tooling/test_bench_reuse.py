@@ -8,6 +8,7 @@ import pytest
 
 from bench import reuse
 from bench.plan import QUICK, GpuProfile
+from bench.stack import alternate, round_turns
 
 pytestmark = pytest.mark.unit
 
@@ -62,3 +63,11 @@ def test_the_limit_charges_each_pull_its_fixed_cost_and_reporting_step() -> None
     # 16 reused (a block D -> P) and 16 new (a block P -> D): two pulls
     assert gpu.turn_limit_ms(32, 16) == 16 * 1.0 + 2 * 0.5 + 2 * (2.0 + 3.0) + 10.0
     assert "--pull-step-ms" in gpu.sim_args() and "--transfer-ms-per-pull" in gpu.sim_args()
+
+
+def test_the_arms_take_turns_their_order_reversed_every_other_round() -> None:
+    ticks: list[str] = []
+    done = alternate(["a", "b"], 3, ticks.append, "x", lambda arm, rnd: {"turns": [{"arm": arm}]})
+    rounds = [[t.split(", ")[2] for t in ticks[i : i + 2]] for i in (0, 2, 4)]
+    assert rounds == [["a", "b"], ["b", "a"], ["a", "b"]] and ticks[2] == "x, round 2, b"
+    assert round_turns(done["b"]) == [{"arm": "b", "round": r} for r in range(3)]
