@@ -9,7 +9,6 @@ with one line.
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ from bench.plan import Plan
 from bench.screen import Screen, Table
 from bench.stack import LoadGen, Tick, alternate, by_source, start_stack, tree_cpu_seconds
 from bench.stats import fmt, turns_summary
-from harness.procs import free_port, log_file, redis_server, stop, wait_http
+from harness.procs import free_port, logged, redis_server, stop, wait_http
 from harness.stack import Stack
 
 EXAMPLES = "examples/disaggregated/disaggregated_serving"
@@ -184,10 +183,7 @@ def peer_floor(st: Stack) -> Iterator[tuple[str, Any]]:
 def _peer_process(
     argv: list[str], st: Stack, name: str, port: int, ready: str = "/health"
 ) -> Iterator[tuple[str, Any]]:
-    path = log_file(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    proc = logged(argv, name)
     st.commands[name] = argv
     try:
         wait_http(f"http://127.0.0.1:{port}{ready}", timeout=60, proc=proc)

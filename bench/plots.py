@@ -23,6 +23,17 @@ def _finite(values: list[float]) -> bool:
     return any(not math.isnan(v) for v in values)
 
 
+def _log_y(ax: Any) -> None:
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+
+
+def _save(fig: Any, title: str, path: Path) -> None:
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def overhead(results: dict[str, Any], path: Path) -> None:
     """Added latency (kvbaton minus direct) vs concurrency, p50 and p99, JSON and streaming."""
     cells = results["cells"]
@@ -74,8 +85,7 @@ def ttft(results: dict[str, Any], turns: int, path: Path) -> None:
             if _finite(p50):
                 ax.plot(xs, p50, "o-", color=color, label=f"{label} p50")
                 ax.plot(xs, p90, ":", color=color, label=f"{label} p90")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        _log_y(ax)
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks(xs)
         ax.set_xlabel("turn")
@@ -83,9 +93,7 @@ def ttft(results: dict[str, Any], turns: int, path: Path) -> None:
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("time to first token (ms, log)")
     axes[0].legend(fontsize=7)
-    fig.suptitle("TTFT per turn, Llama-3-8B/H100 cost model, 2 P + 2 D simulators")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, "TTFT per turn, Llama-3-8B/H100 cost model, 2 P + 2 D simulators", path)
 
 
 def throughput(results: dict[str, Any], path: Path) -> None:
@@ -105,14 +113,11 @@ def throughput(results: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel("completed turns/s")
     axes[1].set_xlabel("offered turns/s")
     axes[1].set_ylabel("p99 latency (ms, log)")
-    axes[1].set_yscale("log")
-    axes[1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    _log_y(axes[1])
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("router throughput: pinned to one core, and 1 vs 2 workers unpinned")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, "router throughput: pinned to one core, and 1 vs 2 workers unpinned", path)
 
 
 def pins(results: dict[str, Any], path: Path) -> None:
@@ -133,15 +138,12 @@ def pins(results: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel("share of D's blocks pinned for P")
     axes[0].set_ylim(0, 1.02)
     axes[1].set_ylabel("TTFT of the turns started (ms, log)")
-    axes[1].set_yscale("log")
-    axes[1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    _log_y(axes[1])
     for ax in axes:
         ax.set_xlabel("seconds from the first arrival")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("D's memory under an arrival process, releases on and off")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, "D's memory under an arrival process, releases on and off", path)
 
 
 # kvbaton's arms green, the peers' in other colours (each in section 8's order).
@@ -191,6 +193,4 @@ def peers(results: dict[str, Any], path: Path) -> None:
     axes[0].legend(fontsize=7, ncol=2)
     axes[1].set_ylabel("turns failed (%)")
     axes[1].set_ylim(0, max(1.0, axes[1].get_ylim()[1]))
-    fig.suptitle("Side by side with other routers, 2 P + 2 D simulators, H100/8B cost model")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, "Side by side with other routers, 2 P + 2 D simulators, H100/8B cost model", path)

@@ -127,18 +127,10 @@ def write_tokenizer(dest: Path) -> None:
         if not BYTE_BASE <= i < BYTE_BASE + NUM_BYTE_TOKENS:
             vocab.setdefault(tok.piece(i), i)
     vocab[UNK] = tok.vocab_size
-    specials = [*SPECIAL_TOKENS, UNK]
+    plain = dict.fromkeys(("single_word", "lstrip", "rstrip", "normalized"), False)
     added = [
-        {
-            "id": vocab[text],
-            "content": text,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
-        for text in specials
+        {"id": vocab[text], "content": text, **plain, "special": True}
+        for text in [*SPECIAL_TOKENS, UNK]
     ]
     spec = {
         "version": "1.0",
