@@ -36,8 +36,7 @@ TTFT_SLO_MS = 200.0  # goodput: turns whose first token came within this, per se
 D_ARGS = ["--num-blocks", "8192", "--stream-kv-params"]
 # P at vLLM's defaults (issue 49): with bidirectional_kv_xfer it skips a D->P read of fewer
 # than 64 tokens (kv_recompute_threshold), as users run it.
-BIDIR_P = ["--bidirectional"]
-BIDIR_D = ["--bidirectional"]
+BIDIR = ["--bidirectional"]
 # The store connector (MooncakeStoreConnector's model): P writes its prompt's blocks, every
 # instance looks blocks up before computing; D also writes its output (LMCache's
 # save_decode_cache), so the next turn's P finds the whole history in the store.
@@ -113,7 +112,6 @@ ARMS = (
         store=True,
     ),
 )
-DEMO_ARM = ARMS[-1]
 # The stack kvbaton is built on doing no router work, on vLLM's multi-turn benchmark only: what
 # any router on Hypercorn + Starlette + aiohttp pays for these turns (the issue's "where the
 # stack itself is the cost, say so with the figure").
@@ -134,62 +132,62 @@ def vllm_proxy(path: str, deps: tuple[str, ...]) -> str | None:
     return None if scratch is None else str(scratch / Path(path).name)
 
 
-@contextlib.contextmanager
-def peer_proxy(script: str, st: Stack) -> Iterator[tuple[str, Any]]:
-    """vLLM's multi-turn example proxy over the stack's engines; its URL and process."""
-    port = free_port()
+def proxy_argv(script: str, st: Stack, flags: tuple[str, ...], port: int) -> list[str]:
     argv = [str(PEERS_VENV / "bin" / "python"), script, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--prefiller-hosts", *("127.0.0.1" for _ in st.ps)]
     argv += ["--prefiller-ports", *(str(p.port) for p in st.ps)]
     argv += ["--decoder-hosts", *("127.0.0.1" for _ in st.ds)]
-    argv += ["--decoder-ports", *(str(d.port) for d in st.ds)]
-    yield from _peer_process(argv, st, "vllm-proxy", port)
+    return [*argv, "--decoder-ports", *(str(d.port) for d in st.ds)]
 
 
-@contextlib.contextmanager
-def peer_demo(script: str, st: Stack) -> Iterator[tuple[str, Any]]:
-    """vLLM's XpYd demo proxy over the stack's engines; its URL and process. It has no
-    /health: it is up once /status answers."""
-    port = free_port()
+def demo_argv(script: str, st: Stack, flags: tuple[str, ...], port: int) -> list[str]:
     argv = [str(PEERS_VENV / "bin" / "python"), script, "--model", "sim-model"]
     argv += ["--prefill", *(f"127.0.0.1:{p.port}" for p in st.ps)]
     argv += ["--decode", *(f"127.0.0.1:{d.port}" for d in st.ds)]
-    argv += ["--port", str(port)]
-    yield from _peer_process(argv, st, "vllm-demo", port, ready="/status")
+    return [*argv, "--port", str(port)]
 
 
-@contextlib.contextmanager
-def peer_router(exe: str, st: Stack, flags: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    """vllm-router in P/D mode over the stack's engines; its URL and process."""
-    port = free_port()
+def router_argv(exe: str, st: Stack, flags: tuple[str, ...], port: int) -> list[str]:
+    """vllm-router in P/D mode."""
     argv = [exe, "--vllm-pd-disaggregation", "--kv-connector", "nixl"]
-    for p in st.ps:
-        argv += ["--prefill", p.url]
-    for d in st.ds:
-        argv += ["--decode", d.url]
+    argv += [x for p in st.ps for x in ("--prefill", p.url)]
+    argv += [x for d in st.ds for x in ("--decode", d.url)]
     argv += [*flags, "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--prometheus-port", str(free_port()), "--log-level", "warning"]
-    yield from _peer_process(argv, st, "vllm-router", port)
+    return [*argv, "--prometheus-port", str(free_port()), "--log-level", "warning"]
+
+
+def floor_argv(module: str, st: Stack, flags: tuple[str, ...], port: int) -> list[str]:
+    """The floor over the stack's first P and first D."""
+    return [sys.executable, "-m", module, str(port), st.ps[0].url, st.ds[0].url, "uvloop"]
+
+
+PEER_ARGV = {
+    VLLM_PROXY_PEER: proxy_argv,
+    VLLM_DEMO_PEER: demo_argv,
+    VLLM_ROUTER_PEER: router_argv,
+    FLOOR_PEER: floor_argv,
+}
 
 
 @contextlib.contextmanager
-def peer_floor(st: Stack) -> Iterator[tuple[str, Any]]:
-    """The floor (bench/passthrough.py) over the stack's first P and first D."""
+def peer(kind: str, exe: str, st: Stack, flags: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """A peer of this kind over the stack's engines: its URL and process."""
     port = free_port()
-    argv = [sys.executable, "-m", "bench.passthrough", str(port), st.ps[0].url, st.ds[0].url]
-    yield from _peer_process([*argv, "uvloop"], st, "floor", port)
-
-
-def _peer_process(
-    argv: list[str], st: Stack, name: str, port: int, ready: str = "/health"
-) -> Iterator[tuple[str, Any]]:
-    proc = logged(argv, name)
-    st.commands[name] = argv
+    argv = PEER_ARGV[kind](exe, st, flags, port)
+    proc = logged(argv, kind)
+    st.commands[kind] = argv
+    # vLLM's demo proxy has no /health: it is up once /status answers.
+    ready = "/status" if kind == VLLM_DEMO_PEER else "/health"
     try:
         wait_http(f"http://127.0.0.1:{port}{ready}", timeout=60, proc=proc)
         yield f"http://127.0.0.1:{port}", proc
     finally:
         stop(proc)
+
+
+def peer_proxy(script: str, st: Stack) -> contextlib.AbstractContextManager[tuple[str, Any]]:
+    """vLLM's multi-turn example proxy over the stack's engines (bench/hitpath.py's too)."""
+    return peer(VLLM_PROXY_PEER, script, st)
 
 
 @dataclass(frozen=True)
@@ -334,9 +332,9 @@ def arm_stack(
     stack, the router's URL and its process."""
     with contextlib.ExitStack() as exits:
         p = ["--num-blocks", str(sc.p_blocks), "--max-model-len", str(sc.max_model_len)]
-        p += [*plan.gpu.sim_args(), *(BIDIR_P if arm.keeps_kv else [])]
+        p += [*plan.gpu.sim_args(), *(BIDIR if arm.keeps_kv else [])]
         d = [*D_ARGS, "--max-model-len", str(sc.max_model_len), *plan.gpu.sim_args()]
-        d += BIDIR_D if arm.keeps_kv else []
+        d += BIDIR if arm.keeps_kv else []
         if arm.store:
             store = exits.enter_context(redis_server())[0]
             p += [*STORE, "--kv-store", store]
@@ -354,17 +352,11 @@ def arm_stack(
             )
         )
         assert exe is not None
-        if arm.peer == VLLM_PROXY_PEER:
-            url, proc = exits.enter_context(peer_proxy(exe, st))
-        elif arm.peer == VLLM_DEMO_PEER:
-            url, proc = exits.enter_context(peer_demo(exe, st))
-        elif arm.peer == FLOOR_PEER:
-            url, proc = exits.enter_context(peer_floor(st))
-        elif arm.peer:
+        if arm.peer:
             flags = list(arm.flags)
             for sim, port in zip(st.ps, ports, strict=False):
                 flags += ["--pd-kv-events", f"{sim.url}=tcp://127.0.0.1:{port}"]
-            url, proc = exits.enter_context(peer_router(exe, st, tuple(flags)))
+            url, proc = exits.enter_context(peer(arm.peer, exe, st, tuple(flags)))
         else:
             url, proc = st.url, st.routers[0].proc
         yield st, url, proc
