@@ -49,7 +49,7 @@ class Arm:
     name: str
     how: str  # how it is configured, for the report
     flags: tuple[str, ...]  # kvbaton's, or vllm-router's
-    peer: str = ""  # "": kvbaton; VLLM_ROUTER_PEER, VLLM_PROXY_PEER or VLLM_DEMO_PEER
+    peer: str = ""  # "": kvbaton; else a kind of PEER_ARGV
     keeps_kv: bool = False  # the engines keep D's KV for P (bidirectional_kv_xfer)
     events: bool = False  # the engines publish KV events, the router subscribes
     store: bool = False  # the engines move KV through a shared store (a redis-server)
@@ -272,7 +272,7 @@ EXES: dict[str, Callable[[], str | None]] = {
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     scenarios, wanted = chosen(plan)
-    exes = {peer: EXES[peer]() for peer in dict.fromkeys(a.peer for a in wanted)}
+    exes = {kind: EXES[kind]() for kind in dict.fromkeys(a.peer for a in wanted)}
     bench = vllm_multiturn.prepare(plan.quick) if MULTITURN in scenarios else None
     arms = [a for a in wanted if exes[a.peer] is not None]
     out: dict[str, Any] = {
