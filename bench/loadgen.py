@@ -239,7 +239,6 @@ async def closed_loop(spec: dict[str, Any]) -> dict[str, Any]:
     target = make_target(spec)
     conc = int(spec["concurrency"])
     warmup, count = int(spec.get("warmup", 0)), int(spec["count"])
-    fresh_ids = bool(spec.get("conversation_ids", True))
     total = warmup + count
     pool = [request_body(spec, i) for i in range(min(total, BODY_POOL))]
     samples: list[Sample | None] = [None] * total
@@ -251,7 +250,7 @@ async def closed_loop(spec: dict[str, Any]) -> dict[str, Any]:
             i = next(counter)
             if i >= total:
                 return
-            conv = f"bench-{uuid.uuid4().hex}" if fresh_ids else None
+            conv = f"bench-{uuid.uuid4().hex}"  # every request a conversation of its own
             samples[i] = await _guarded(target, s, pool[i % len(pool)], conv, False)
 
     async with _session(spec, conc + 8) as s:
