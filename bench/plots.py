@@ -100,8 +100,6 @@ def throughput(results: dict[str, Any], path: Path) -> None:
     """p99 latency and achieved rate vs offered rate, per sweep."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     lines = [(f"{name}, 1 worker on 1 core", "o-", sw) for name, sw in results["sweeps"].items()]
-    for label, sweeps in results.get("workers", {}).items():
-        lines += [(f"{name}, {label}, not pinned", "s--", sw) for name, sw in sweeps.items()]
     for name, style, sweep in lines:
         steps = sweep["steps"]
         offered = [s["offered"] for s in steps]
@@ -117,7 +115,7 @@ def throughput(results: dict[str, Any], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    _save(fig, "router throughput: pinned to one core, and 1 vs 2 workers unpinned", path)
+    _save(fig, "router throughput, pinned to one core", path)
 
 
 def pins(results: dict[str, Any], path: Path) -> None:

@@ -75,7 +75,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     connections (more than 1 needs the redis session store)"""
     event_loop: Annotated[Literal["uvloop", "asyncio"], Flag(Group.SERVER)] = "uvloop"
     """each process's event loop: 'uvloop' (libuv, as Hypercorn's uvloop worker class) or the
-    standard library's 'asyncio' (docs/benchmarks.md compares the two)"""
+    standard library's 'asyncio' (docs/operations.md, *Event loop*, has the last figures)"""
     shutdown_grace: Annotated[float, Flag(Group.SERVER)] = 30.0
     """seconds in-flight requests get to finish on shutdown"""
 
