@@ -66,6 +66,10 @@ class Connector(Protocol[TurnT]):
         """D's `kv_transfer_params` from what P returned (None: D computes the prompt)."""
         ...
 
+    def alone_params(self) -> dict[str, Any] | None:
+        """What P's params are on a turn D runs alone (the decode plan), for decode_params."""
+        ...
+
     def truncate(
         self, params: Mapping[str, Any], num_tokens: int, block_size: int
     ) -> dict[str, Any]:
@@ -167,6 +171,9 @@ class Defaults:
     connector overrides what its protocol has."""
 
     name: ConnectorName
+
+    def alone_params(self) -> dict[str, Any] | None:
+        return None
 
     def truncate(
         self, params: Mapping[str, Any], num_tokens: int, block_size: int

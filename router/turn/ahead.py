@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -39,7 +40,7 @@ class Ahead:
 
     d: Instance
     headers: dict[str, str]
-    want_token_ids: bool
+    body: dict[str, Any]
     task: asyncio.Task[EngineStream]
     taken: bool = False  # by the turn, or cancelled
     used: bool = False  # the turn relays this request's answer
@@ -50,19 +51,11 @@ class Ahead:
         return int(inst is self.d and not self.task.done())
 
     async def take(
-        self, d: Instance, headers: dict[str, str], want_token_ids: bool
+        self, d: Instance, headers: dict[str, str], body: dict[str, Any]
     ) -> EngineStream | None:
         """D's open answer when the turn sends the same request to the same D (a failure
         to open is raised, as the turn's own request's would be); else None, cancelled."""
-        if (
-            self.taken
-            or d is not self.d
-            or (headers, want_token_ids)
-            != (
-                self.headers,
-                self.want_token_ids,
-            )
-        ):
+        if self.taken or d is not self.d or headers != self.headers or body != self.body:
             self.cancel()
             return None
         self.taken = self.used = True
@@ -90,10 +83,10 @@ def start(svc: Services, inc: Incoming, request_id: str) -> Ahead | None:
         return None
     want = asks.token_ids(svc.settings, inc, d.ident.streams_handles)
     headers, _ = leg_headers(svc, inc, state, d)
-    kv = svc.connector.decode_params(None)
+    kv = svc.connector.decode_params(svc.connector.alone_params())
     body = decode_body(inc.body, kv, return_token_ids=want, api=inc.api)
     opened = svc.open_decode(svc, d, inc.api, body, request_id, headers)
-    return Ahead(d, headers, want, asyncio.ensure_future(opened))
+    return Ahead(d, headers, body, asyncio.ensure_future(opened))
 
 
 def end(svc: Services, sent: Ahead | None) -> None:

@@ -96,9 +96,9 @@ MEANINGS: dict[Reason, str] = {
     Reason.READS_PAUSED: "the P refused the D's last handles in a row; it gets none of them for "
     "a while (30 s, doubling up to 10 min), and another P is used for hits if there is one",
     Reason.DECODE_RETRIED: "D failed before its first byte; the turn was redone",
-    Reason.DECODE_LOCAL: "the previous turn ran on D alone (the decode plan): vLLM returns "
-    "`kv_transfer_params` only to a request that carried some, so it left no handle to pull "
-    "(its D's prefix cache still holds the conversation)",
+    Reason.DECODE_LOCAL: "the previous turn ran on D alone (the decode plan) and D returned no "
+    "handle (a D without `bidirectional_kv_xfer` keeps nothing for P), so there is none to "
+    "pull (its D's prefix cache still holds the conversation)",
     Reason.DECODE_LOCAL_FAILED: "the decode plan's D failed before its first byte; the turn "
     "was redone as an ordinary P/D turn on another D where there is one",
     Reason.DECODE_REMOVED: "the D holding the blocks was removed from the pool",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from router.engines import ranks
 from router.engines.client import EngineStream
@@ -24,7 +24,7 @@ class SentAhead(Protocol):
     def counted(self, inst: Instance) -> int: ...
 
     async def take(
-        self, d: Instance, headers: dict[str, str], want_token_ids: bool
+        self, d: Instance, headers: dict[str, str], body: dict[str, Any]
     ) -> EngineStream | None: ...
 
     def cancel(self) -> None: ...

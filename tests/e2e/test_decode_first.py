@@ -5,20 +5,23 @@ long answers, the same kind of turn is pulled by P, so the prefill stays off D's
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from harness.chat import MODEL, Message, chat_turn, client
+from harness.chat import MODEL, Message, chat_turn, client, get_json
 from harness.metrics import metric
+from harness.procs import wait_until
 from harness.stack import start_stack
 from tests.e2e.conftest import BIDIR, Stack, p_route_calls, pulled, reference_chat
 
 SLOW = (*BIDIR, "--decode-ms-per-token", "15")  # a 300-token answer streams for 4.5 s
 # The shipped rule (the tests' routers otherwise prefer a pull: tests/conftest.py).
-IDLE = ("--decode-local-idle-inflight", "2")
+# (D's own count of its requests, read every --health-interval, counts in its load.)
+IDLE = ("--decode-local-idle-inflight", "2", "--health-interval", "0.5")
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,12 @@ def decode_plans(st: Stack) -> float:
     return metric(st.url, "kvbaton_kv_reuse_total", outcome="hit", reason="via=decode")
 
 
+def d_idle(stack: Stack) -> bool:
+    """Whether the router sees its D idle: none of its requests, none in D's last count."""
+    (d,) = get_json(stack.url + "/status")["instances"]["decode"]
+    return d["outstanding"] == 0 and d["engine_requests"] == 0
+
+
 def opened(st: Stack, topic: str) -> tuple[str, list[Message]]:
     """A conversation's first turn (a plain P/D turn that leaves D's handle), and its next
     question."""
@@ -56,6 +65,7 @@ def opened(st: Stack, topic: str) -> tuple[str, list[Message]]:
 
 def test_a_short_turn_on_an_idle_d_runs_there_without_a_tokenize(stack: Stack) -> None:
     cid, messages = opened(stack, "the harbour seals")
+    wait_until(lambda: d_idle(stack), "the router sees D idle (after another test's streams)")
     asked, p_legs, plans = tokenize_calls(stack), p_route_calls(stack.p.url), decode_plans(stack)
     with client(stack.router.base_url) as api:
         answer, reuse, _ = chat_turn(api, messages, cid=cid)
@@ -68,8 +78,9 @@ def test_a_short_turn_on_an_idle_d_runs_there_without_a_tokenize(stack: Stack) -
     assert decode_plans(stack) == plans + 1, "counted by plan"
 
 
-def test_a_busy_d_gets_a_pull(stack: Stack) -> None:
-    cid, messages = opened(stack, "the lighthouse")
+@contextlib.contextmanager
+def busy_d(stack: Stack) -> Iterator[None]:
+    """Two long answers streaming from the one D while the block runs."""
     started = threading.Barrier(3)
     done: list[int] = []
 
@@ -98,13 +109,36 @@ def test_a_busy_d_gets_a_pull(stack: Stack) -> None:
         t.start()
     try:
         started.wait(10)  # two streams in flight on the one D: busy
-        read = pulled(stack.p.url)
-        with client(stack.router.base_url) as api:
-            answer, reuse, _ = chat_turn(api, messages, cid=cid)
-        assert reuse == "hit", "P pulled; D kept decoding the others"
-        assert pulled(stack.p.url) > read, "P read D's blocks"
-        assert answer == reference_chat(stack, messages, 24)
+        yield
     finally:
         for t in threads:
             t.join(30)
     assert sorted(done) == [0, 1]
+
+
+def pulled_turn(stack: Stack, cid: str, messages: list[Message]) -> None:
+    """A turn on a busy D: P pulls D's blocks, the answer is right."""
+    read = pulled(stack.p.url)
+    with client(stack.router.base_url) as api:
+        answer, reuse, _ = chat_turn(api, messages, cid=cid)
+    assert reuse == "hit", "P pulled; D kept decoding the others"
+    assert pulled(stack.p.url) > read, "P read D's blocks"
+    assert answer == reference_chat(stack, messages, 24)
+
+
+def test_a_busy_d_gets_a_pull(stack: Stack) -> None:
+    cid, messages = opened(stack, "the lighthouse")
+    with busy_d(stack):
+        pulled_turn(stack, cid, messages)
+
+
+def test_a_turn_on_d_alone_leaves_a_handle_the_next_busy_turn_pulls(stack: Stack) -> None:
+    cid, messages = opened(stack, "the tide pools")
+    wait_until(lambda: d_idle(stack), "the router sees D idle (after another test's streams)")
+    with client(stack.router.base_url) as api:
+        answer, reuse, _ = chat_turn(api, messages, cid=cid)
+    assert reuse == "hit;via=decode"
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    # D kept its blocks for P (bidirectional): not miss;reason=decode-local, a recompute.
+    with busy_d(stack):
+        pulled_turn(stack, cid, messages)

@@ -23,6 +23,9 @@ class Answer:
         self.closed = True
 
 
+BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "return_token_ids": True}
+
+
 def pool() -> Pool:
     return Pool(("http://p",), ("http://d1", "http://d2"))
 
@@ -32,7 +35,7 @@ async def opened(answer: Answer) -> Any:
 
 
 async def sent(answer: Answer, d: Any, headers: dict[str, str] | None = None) -> Ahead:
-    ahead = Ahead(d, headers or {}, True, asyncio.ensure_future(opened(answer)))
+    ahead = Ahead(d, headers or {}, BODY, asyncio.ensure_future(opened(answer)))
     await asyncio.sleep(0)  # the request opens
     return ahead
 
@@ -41,7 +44,7 @@ async def test_the_same_request_to_the_same_d_is_used() -> None:
     p, answer = pool(), Answer()
     d1 = p.find("decode", "http://d1")
     ahead = await sent(answer, d1)
-    assert await ahead.take(d1, {}, True) is answer
+    assert await ahead.take(d1, {}, dict(BODY)) is answer
     ahead.cancel()  # the turn's end: what it relays is not cut
     assert ahead.used and not answer.closed
 
@@ -49,14 +52,15 @@ async def test_the_same_request_to_the_same_d_is_used() -> None:
 async def test_another_d_or_request_cancels_it() -> None:
     p = pool()
     d1, d2 = p.find("decode", "http://d1"), p.find("decode", "http://d2")
-    for d, headers, want in ((d2, {}, True), (d1, {"X-data-parallel-rank": "1"}, True)):
+    other = {**BODY, "return_token_ids": False}
+    for d, headers, body in ((d2, {}, BODY), (d1, {"X-data-parallel-rank": "1"}, BODY)):
         answer = Answer()
         ahead = await sent(answer, d1)
-        assert await ahead.take(d, headers, want) is None
+        assert await ahead.take(d, headers, body) is None
         assert answer.closed and not ahead.used
     answer = Answer()
     ahead = await sent(answer, d1)
-    assert await ahead.take(d1, {}, False) is None, "asked for token ids: another request"
+    assert await ahead.take(d1, {}, other) is None, "another body: another request"
     assert answer.closed
 
 
@@ -65,9 +69,9 @@ async def test_a_request_still_opening_is_cancelled_and_counted_while_it_opens()
     d1, d2 = p.find("decode", "http://d1"), p.find("decode", "http://d2")
     assert d1 is not None and d2 is not None
     never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    ahead = Ahead(d1, {}, True, asyncio.ensure_future(never))
+    ahead = Ahead(d1, {}, BODY, asyncio.ensure_future(never))
     assert (ahead.counted(d1), ahead.counted(d2)) == (1, 0)
     ahead.cancel()
     await asyncio.sleep(0)
     assert ahead.task.cancelled() and ahead.counted(d1) == 0
-    assert await ahead.take(d1, {}, True) is None, "a cancelled request is never taken"
+    assert await ahead.take(d1, {}, BODY) is None, "a cancelled request is never taken"

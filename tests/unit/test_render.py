@@ -150,11 +150,15 @@ async def test_a_responses_turn_takes_the_decode_plan_when_p_is_crowded() -> Non
     assert text_of(body) == expected(items)
     legs = [c for c in engines.calls[calls:] if "/render" not in c.url]
     assert [c.url for c in legs] == [first.decode + "/v1/responses"], "D alone, no P leg"
-    # Without a render on D, nothing says what it holds: an ordinary P/D turn.
+    # D returned its handle (the decode plan sends it params): the next turn is a hit (P's
+    # render verifies it), on D alone again while P is crowded, with no render of D's.
     engines.no_render[first.decode] = 403
     items += [body["output"][0], {"role": "user", "content": "more?"}]
+    calls = len(engines.calls)
     status, headers, _ = await respond(svc, items, "r2")
-    assert (status, headers["x-kv-reuse"]) == (200, "miss;reason=decode-local")
+    assert (status, headers["x-kv-reuse"]) == (200, "hit;via=decode")
+    legs = [c.url for c in engines.calls[calls:] if not c.url.endswith("/render")]
+    assert legs == [first.decode + "/v1/responses"], "D alone, no P leg"
 
 
 @pytest.mark.parametrize(

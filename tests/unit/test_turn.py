@@ -258,9 +258,13 @@ async def test_the_decode_plan_runs_the_turn_on_d_alone_and_keeps_its_tokens() -
     assert answer(body) == expected_answer(messages)
     legs = [c for c in engines.calls[calls:] if "/v1/" in c.url]
     assert [c.url.split("/v1/")[0] for c in legs] == [first.decode], "D alone, no P leg"
-    assert "kv_transfer_params" not in legs[0].body and legs[0].body["return_token_ids"]
+    # Nothing to read, params all the same: a bidirectional D keeps its blocks and returns
+    # its handle, as after a P/D turn (vLLM's request_finished returns none without params).
+    alone = {"do_remote_prefill": False, "do_remote_decode": False}
+    assert legs[0].body["kv_transfer_params"] == alone and legs[0].body["return_token_ids"]
     state = await state_of(svc)
-    assert state.kv_transfer_params is None and state.no_handle_reason == "decode-local"
+    assert state.kv_transfer_params is not None and state.no_handle_reason == ""
+    assert state.kv_transfer_params["remote_engine_id"] == first.decode_engine_id
     assert (state.decode, state.prefill) == (first.decode, first.prefill)
     assert state.token_count > first.token_count and state.block_digests
     # The next turn finds what D's cache holds by those digests: the decode plan again.

@@ -45,10 +45,14 @@ async def open_decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | Non
     svc, inc = turn.svc, turn.inc
     kv = svc.connector.decode_params(params)
     body = decode_body(inc.body, kv, return_token_ids=turn.want_token_ids, api=inc.api)
+    headers = turn.leg_headers(d_inst)
+    if turn.ahead is not None and not turn.leg_id:
+        # The same request sent beside the claim (router/turn/ahead.py): its answer, if so.
+        sent = await turn.ahead.take(d_inst, headers, body)
+        if sent is not None:
+            return sent
     try:
-        return await send(
-            svc, d_inst, inc.api, body, turn.leg_id or turn.request_id, turn.leg_headers(d_inst)
-        )
+        return await send(svc, d_inst, inc.api, body, turn.leg_id or turn.request_id, headers)
     except EngineReply:
         # D refused before reading P's blocks: P would keep them for its kv_lease_duration; a
         # D request that reads them frees them now. (A request D got and the client cancels
@@ -107,23 +111,7 @@ async def _read_error(resp: EngineStream) -> str:
 async def decode(turn: Turn, d_inst: Instance, params: dict[str, Any] | None) -> Response:
     turn.decode = d_inst
     turn.want_token_ids = asks.token_ids(turn.svc.settings, turn.inc, d_inst.ident.streams_handles)
-    resp = await _sent_ahead(turn, d_inst) if params is None else None
-    if resp is None:
-        resp = await open_decode(turn, d_inst, params)
-    return await respond(turn, d_inst, resp)
-
-
-async def _sent_ahead(turn: Turn, d_inst: Instance) -> EngineStream | None:
-    """D's answer to the request sent beside the claim (router/turn/ahead.py), when it is the
-    one this turn sends; None: the turn sends its own (that one was cancelled)."""
-    ahead = turn.ahead
-    if ahead is None:
-        return None
-    headers = turn.leg_headers(d_inst)
-    if turn.leg_id:
-        ahead.cancel()  # sent under the request id, not this leg's
-        return None
-    return await ahead.take(d_inst, headers, turn.want_token_ids)
+    return await respond(turn, d_inst, await open_decode(turn, d_inst, params))
 
 
 async def respond(turn: Turn, d_inst: Instance, resp: EngineStream) -> Response:

@@ -41,7 +41,7 @@ async def serve(turn: Turn, on_prefilled: OnPrefilled | None = None) -> Response
     failed: list[str] = []
     if local is not None:
         try:
-            return await decode(turn, local, None)
+            return await decode(turn, local, svc.connector.alone_params())
         except UpstreamFailure as exc:  # before its first byte: an ordinary P/D turn
             svc.pool.record_failure(local, str(exc), stalled=exc.stalled)
             failed.append(local.url)

@@ -34,6 +34,9 @@ class NixlPull(Defaults):
         # P's own params, as P returned them: D reads P's blocks with them (P->D).
         return dict(prefilled) if prefilled is not None else None
 
+    def alone_params(self) -> dict[str, Any] | None:
+        return dict(params.ALONE)  # a bidirectional D returns its handle for these
+
     def truncate(
         self, handle: Mapping[str, Any], num_tokens: int, block_size: int
     ) -> dict[str, Any]:

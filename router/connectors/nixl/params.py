@@ -23,6 +23,11 @@ NULL_HANDOFF: Mapping[str, Any] = MappingProxyType(
         "remote_port": None,
     }
 )
+# What D gets on a turn it runs alone (the decode plan): nothing to read, but params all the
+# same. vLLM's request_finished returns none for a request without params; with these, a D
+# with bidirectional_kv_xfer keeps its blocks and returns its handle, as after a P/D turn, so
+# that a later turn that cannot run on D alone can still pull them (§4.3 of the protocol notes).
+ALONE: Mapping[str, Any] = MappingProxyType({"do_remote_prefill": False, "do_remote_decode": False})
 
 
 def miss_params() -> dict[str, Any]:

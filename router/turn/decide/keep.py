@@ -42,7 +42,7 @@ def ending(facts: Answered) -> Ending:
     elif facts.tool_calls:
         reason = Reason.TOOL_CALLS
     elif not facts.handle and facts.local:
-        reason = Reason.DECODE_LOCAL  # D got no params, so vLLM gives none back
+        reason = Reason.DECODE_LOCAL  # D alone kept nothing: not bidirectional
     elif not facts.handle:
         reason = Reason.STREAM_NO_KV_PARAMS if facts.stream else Reason.NO_KV_PARAMS
     if differ:
