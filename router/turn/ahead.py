@@ -83,7 +83,8 @@ def start(svc: Services, inc: Incoming, request_id: str) -> Ahead | None:
         return None
     want = asks.token_ids(svc.settings, inc, d.ident.streams_handles)
     headers, _ = leg_headers(svc, inc, state, d)
-    kv = svc.connector.decode_params(svc.connector.alone_params())
+    alone = asks.handle_seen(svc.settings, inc, d.ident.streams_handles)
+    kv = svc.connector.decode_params(svc.connector.alone_params() if alone else None)
     body = decode_body(inc.body, kv, return_token_ids=want, api=inc.api)
     opened = svc.open_decode(svc, d, inc.api, body, request_id, headers)
     return Ahead(d, headers, body, asyncio.ensure_future(opened))

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from router.config import Settings
 from router.engines.pool import Pool
 from router.turn.ahead import Ahead
+from router.turn.decide.asks import handle_seen
+from router.turn.incoming import Incoming
 
 
 class Answer:
@@ -75,3 +78,21 @@ async def test_a_request_still_opening_is_cancelled_and_counted_while_it_opens()
     await asyncio.sleep(0)
     assert ahead.task.cancelled() and ahead.counted(d1) == 0
     assert await ahead.take(d1, {}, BODY) is None, "a cancelled request is never taken"
+
+
+def test_d_keeps_its_blocks_only_when_its_handle_will_be_seen() -> None:
+    """A turn on D alone asks D to keep its blocks (and return its handle) only when that
+    handle reaches the router: a JSON answer, or a stream that carries it. A 0.32 stream
+    does not: the blocks would stay pinned on D, unknown, until their TTL."""
+    engines: dict[str, Any] = {"prefill": ("http://p",), "decode": ("http://d",)}
+    plain = Settings(**engines, check_models=False)
+    streamed = Settings(**engines, check_models=False, stream_kv_params=True)
+    json_turn, stream = chat(stream=False), chat(stream=True)
+    assert handle_seen(plain, json_turn, d_streams_params=False)
+    assert not handle_seen(plain, stream, d_streams_params=False)
+    assert handle_seen(plain, stream, d_streams_params=True), "D 0.33: it streams its handle"
+    assert handle_seen(streamed, stream, d_streams_params=False), "--stream-kv-params"
+
+
+def chat(*, stream: bool) -> Incoming:
+    return Incoming("chat", {"messages": [], "stream": stream}, stream, "c", "default", False)

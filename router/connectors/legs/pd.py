@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from starlette.responses import Response
 
@@ -19,7 +20,7 @@ from router.errors import Unavailable, UpstreamError, UpstreamFailure
 from router.services import Services
 from router.turn import decode_plan, fits, kv_aware, worth
 from router.turn.claim import verify
-from router.turn.decide import attempts
+from router.turn.decide import asks, attempts
 from router.turn.outcomes import Reason
 from router.turn.state import Turn
 
@@ -41,7 +42,7 @@ async def serve(turn: Turn, on_prefilled: OnPrefilled | None = None) -> Response
     failed: list[str] = []
     if local is not None:
         try:
-            return await decode(turn, local, svc.connector.alone_params())
+            return await decode(turn, local, alone_params(turn, local))
         except UpstreamFailure as exc:  # before its first byte: an ordinary P/D turn
             svc.pool.record_failure(local, str(exc), stalled=exc.stalled)
             failed.append(local.url)
@@ -78,6 +79,15 @@ async def serve(turn: Turn, on_prefilled: OnPrefilled | None = None) -> Response
                 turn.miss(Reason.DECODE_RETRIED)
             # P's params may be what D failed on (forged or stale): another P if there is one.
             p_inst = _pick_other(svc, "prefill", prefilled.instance)
+
+
+def alone_params(turn: Turn, d_inst: Instance) -> dict[str, Any] | None:
+    """P's params for a turn on D alone: D keeps its blocks for P when the router will see
+    its handle (asks.handle_seen), else D gets none."""
+    svc = turn.svc
+    if not asks.handle_seen(svc.settings, turn.inc, d_inst.ident.streams_handles):
+        return None
+    return svc.connector.alone_params()
 
 
 async def _place(

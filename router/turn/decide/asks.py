@@ -33,6 +33,14 @@ def token_ids(settings: Settings, inc: Incoming, d_streams_params: bool) -> bool
     return settings.verify_prefix == "tokens" and (not inc.stream or streamed_use)
 
 
+def handle_seen(settings: Settings, inc: Incoming, d_streams_params: bool) -> bool:
+    """Whether D's handle reaches the router at the turn's end: a JSON answer, or a stream
+    that carries it. A turn on D alone asks D to keep its blocks only then: a handle nobody
+    sees would stay pinned on D until its TTL."""
+    streamed = settings.stream_kv_params or d_streams_params or inc.api == "responses"
+    return not inc.stream or streamed
+
+
 def _has_answer(messages: Sequence[Any]) -> bool:
     return any(isinstance(m, dict) and m.get("role") == "assistant" for m in reversed(messages))
 
