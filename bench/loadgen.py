@@ -60,6 +60,7 @@ class Sample:
     ok: bool = False
     latency: float = 0.0
     ttft: float = 0.0
+    last: float = 0.0  # the last SSE event's time
     events: int = 0
     text: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
@@ -85,6 +86,7 @@ async def read_stream(resp: aiohttp.ClientResponse, sample: Sample, t0: float, p
                 continue
             if sample.events == 0:
                 sample.ttft = now
+            sample.last = now
             sample.events += 1
             if parse and part.startswith(b"data: {"):
                 _take(sample, part[6:])
@@ -451,6 +453,9 @@ def _turn_record(c: int, t: int, x: Sample) -> dict[str, Any]:
         "ok": x.ok,
         "ttft": x.ttft,
         "latency": x.latency,
+        # Inter-token latency as the stream saw it (the mean gap between its SSE events): a
+        # turn run on D alone puts its prefill into the steps of the streams D is decoding.
+        "itl": (x.last - x.ttft) / (x.events - 1) if x.events > 1 else 0.0,
         "prompt_tokens": usage.get("prompt_tokens", 0),
         "completion_tokens": usage.get("completion_tokens", 0),
         "reuse": x.reuse,

@@ -21,7 +21,7 @@ from bench.peer_venv import PEERS_VENV, VLLM_TREE_ENV, vllm_copy, vllm_router
 from bench.plan import Plan
 from bench.screen import Screen, Table
 from bench.stack import LoadGen, Tick, alternate, by_source, start_stack, tree_cpu_seconds
-from bench.stats import fmt, turns_summary
+from bench.stats import fmt, summary_ms, turns_summary
 from harness.procs import free_port, logged, redis_server, stop, wait_http
 from harness.stack import Stack
 
@@ -425,6 +425,7 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         "unmeasured": sum(r.get("unmeasured", 0) for r in rounds),
         "ttft_first": s["first"],
         "ttft_later": s["later"],
+        "itl": summary_ms([t["itl"] for t in turns if t["ok"] and t.get("itl")]),
         "goodput": good / max(total_s, 1e-9),
         "p_computed": sum(r["tokens"]["P"].get("local_compute", 0.0) for r in rounds),
         "d_computed": sum(r["tokens"]["D"].get("local_compute", 0.0) for r in rounds),
@@ -511,6 +512,12 @@ def winners(scenarios: dict[str, Any]) -> list[str]:
     return out
 
 
+def _itl(itl: dict[str, Any] | None) -> str:
+    """Every streamed turn's mean gap between events, p50 / p99 (n/a: results without it)."""
+    itl = itl or {}
+    return f"{fmt(itl.get('p50'), 1)} / {fmt(itl.get('p99'), 1)}"
+
+
 def detail_table(sc: dict[str, Any]) -> Table:
     rows = []
     for name, arm in sc["arms"].items():
@@ -521,6 +528,7 @@ def detail_table(sc: dict[str, Any]) -> Table:
                 name,
                 f"{s['turns']} ({s['failed']})",
                 f"{fmt(first['p50'], 0)} / {fmt(first['p90'], 0)}",
+                _itl(s.get("itl")),
                 f"{s['goodput']:.2f}",
                 f"{s['p_computed']:,.0f}",
                 f"{s['pulled_from_d']:,.0f}",
@@ -533,6 +541,7 @@ def detail_table(sc: dict[str, Any]) -> Table:
         "arm",
         "turns (failed)",
         "TTFT turn 1 p50 / p90 ms",
+        "ITL p50 / p99 ms",
         "goodput /s",
         "P computed",
         "P read from D",

@@ -48,7 +48,7 @@ def turns_summary(turns: Sequence[dict[str, Any]], key: str = "ttft") -> dict[st
     }
 
 
-def fmt(value: float, digits: int = 2) -> str:
+def fmt(value: float | None, digits: int = 2) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return f"{value:.{digits}f}"
