@@ -80,7 +80,7 @@ async def run(args: argparse.Namespace, stack: Stack) -> None:
     p_url, d_url = await start_sims(stack, args.kv_connector)
     port = args.port or free_ports(1, 8000)[0]
     url = await start_router(stack, port, store, p_url, d_url, args.kv_connector)
-    conv_id = f"demo-{uuid.uuid4().hex[:8]}"
+    conv_id = f"demo-{uuid.uuid4().int % 10**8:08d}"  # digits: see demo_chat.twin
     rows = await converse(url, conv_id, args.kv_connector)
     if args.no_serve:
         print(summary(rows))

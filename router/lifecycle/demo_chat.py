@@ -6,7 +6,6 @@ computed for each; then a summary of what reuse saved."""
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +134,14 @@ def system(tag: str) -> dict[str, str]:
     return {"role": "system", "content": f"[chat {tag}] {SYSTEM_PROMPT}"}
 
 
+def twin(conv_id: str) -> str:
+    """The tag of the conversation beside `conv_id`: every digit shifted by one. The
+    simulator's tokenizer makes each digit one token, so both prompts are the same size (a
+    random hex id was not always: its letters may form a word, one token, or stay bytes), and
+    they differ from the tag's first digit on, so neither finds the other's blocks."""
+    return "".join(str((int(c) + 1) % 10) if c.isdigit() else c for c in conv_id)
+
+
 async def converse(url: str, conv_id: str, connector: str = "nixl") -> list[tuple[Row, Row]]:
     """The scripted chat, each turn resending the whole history as chat clients do; beside
     each turn, the same messages in a conversation of their own. (reuse, no reuse) per turn."""
@@ -148,7 +155,7 @@ async def converse(url: str, conv_id: str, connector: str = "nixl") -> list[tupl
     )
     rows: list[tuple[Row, Row]] = []
     history: list[dict[str, str]] = []
-    alone = f"demo-{uuid.uuid4().hex[:8]}"  # as long as conv_id: the prompts' sizes match
+    alone = twin(conv_id)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         for turn, question in enumerate(QUESTIONS, start=1):
             history.append({"role": "user", "content": question})
