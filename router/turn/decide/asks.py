@@ -24,13 +24,8 @@ def token_ids(settings: Settings, inc: Incoming, d_streams_params: bool) -> bool
     kv_transfer_params (0.33), it was seen doing so, or --stream-kv-params says so; a
     Responses stream always brings it, in `response.completed`) or when the decode plan is
     on. A Responses turn's are checked against P's /v1/responses/render next turn."""
-    streamed_use = (
-        settings.stream_kv_params
-        or d_streams_params
-        or settings.decode_local_max_tokens > 0
-        or inc.api == "responses"
-    )
-    return settings.verify_prefix == "tokens" and (not inc.stream or streamed_use)
+    used = handle_seen(settings, inc, d_streams_params) or settings.decode_local_max_tokens > 0
+    return settings.verify_prefix == "tokens" and used
 
 
 def handle_seen(settings: Settings, inc: Incoming, d_streams_params: bool) -> bool:
