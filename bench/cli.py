@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib.metadata
 import os
@@ -163,6 +164,7 @@ def meta(argv: list[str]) -> dict[str, Any]:
         "load_before": _load(),
         "versions": _versions(),
         "commit": _commit(),
+        "gpu": dataclasses.asdict(FULL.gpu),  # the simulators' cost model (bench/plan.py)
     }
 
 
@@ -269,7 +271,7 @@ def write(folder: Path, out: Path) -> Path:
     path.write_text(report.render(parts))
     peers_part = next((p for p in parts if p.name == "peers"), None)
     # README's table stays a full run's: a quick one (fewer arms and scenarios) never replaces it
-    if peers_part is not None and peers_part.plan is FULL and out.resolve() == DOCS.resolve():
+    if peers_part is not None and not peers_part.plan.quick and out.resolve() == DOCS.resolve():
         m = peers_part.meta
         source = f"the run of {m['date']} UTC (`{m['command']}`, commit {m['commit']})"
         headline.update(ROOT / "README.md", headline.lines(peers_part.results, source))

@@ -33,8 +33,7 @@ def steps(plan: Plan) -> int:
 def sim_args(plan: Plan) -> list[str]:
     flags = (
         f"--max-model-len {plan.max_model_len} --num-blocks {plan.ample_blocks} --bidirectional "
-        f"--seed-first-token --pd-kv-ready --admission-ms {ADMISSION_MS} "
-        f"--first-token-forward-ms {plan.gpu.decode_ms_per_token}"
+        f"--seed-first-token --pd-kv-ready --admission-ms {ADMISSION_MS}"
     )
     return [*plan.gpu.sim_args(), *flags.split()]
 
@@ -75,9 +74,9 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     turns = {arm: round_turns(results) for arm, results in done.items()}
     return {
         # D's modelled handover the features remove: its admission and its token-1 forward
-        "modelled_ms": ADMISSION_MS + plan.gpu.decode_ms_per_token,
+        "modelled_ms": ADMISSION_MS + plan.gpu.first_token_forward_ms,
         "admission_ms": ADMISSION_MS,
-        "forward_ms": plan.gpu.decode_ms_per_token,
+        "forward_ms": plan.gpu.first_token_forward_ms,
         "arms": {arm: turns_summary(turns[arm]) for arm in ARMS},
         "same_answers": same_answers(turns),
         "commands": {arm: st.commands for arm, st in stacks.items()},

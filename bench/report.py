@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench import events, handover, overhead, peers, pins, profile, reuse, throughput
 from bench import targets as bench_targets
-from bench.plan import FULL, QUICK, SOURCES, GpuProfile, Plan
+from bench.plan import EARLIER, FULL, QUICK, SOURCES, GpuProfile, Plan
 from bench.screen import Screen
 from bench.stats import table
 
@@ -67,6 +67,8 @@ def load(folder: Path) -> list[Part]:
         if path.exists():
             body = json.loads(path.read_text())
             plan = QUICK if body["plan"] == QUICK.name else FULL
+            gpu = body["meta"].get("gpu")
+            plan = replace(plan, gpu=GpuProfile(**gpu) if gpu else EARLIER)
             found.append(Part(name, plan, body["meta"], body["results"]))
     return found
 
@@ -77,8 +79,16 @@ def provenance(part: Part) -> str:
     return (
         f"*{part.name}: {m['date']} UTC, commit {m['commit']}, `{m['command']}` "
         f"({part.plan.name} plan, {m['duration_s']:.0f} s), {m['nproc']} CPUs ({m['cpu_model']}), "
-        f"1-min load at the median step {loads[len(loads) // 2]:.2f}; {m['versions']}.*"
+        f"1-min load at the median step {loads[len(loads) // 2]:.2f}; {m['versions']}"
+        f"{_other_costs(part.plan.gpu)}.*"
     )
+
+
+def _other_costs(gpu: GpuProfile) -> str:
+    """'; cost model then: ...' for a part measured on another cost model than the code's."""
+    now = asdict(FULL.gpu)
+    then = [f"`{k}` {v:g}" for k, v in asdict(gpu).items() if now[k] != v]
+    return f"; cost model then: {', '.join(then)}" if then else ""
 
 
 def screen_lines(s: Screen) -> list[str]:
@@ -111,6 +121,7 @@ def cost_model_lines(gpu: GpuProfile) -> list[str]:
     rows = [
         ["prefill", f"{gpu.prefill_ms_per_token:g} ms per token", SOURCES["prefill"]],
         ["decode", f"{gpu.decode_ms_per_token:g} ms per step", SOURCES["decode"]],
+        ["a forward's fixed cost", f"{gpu.first_token_forward_ms:g} ms", SOURCES["forward"]],
         ["transfer", f"{gpu.transfer_ms_per_block:g} ms per block", SOURCES["transfer"]],
         ["a pull's fixed cost", f"{gpu.transfer_ms_per_pull:g} ms per pull", SOURCES["pull"]],
         ["the step that reports a pull", f"{gpu.pull_step_ms:g} ms when idle", SOURCES["step"]],
@@ -118,7 +129,8 @@ def cost_model_lines(gpu: GpuProfile) -> list[str]:
     intro = (
         f"Every part's simulators run Llama-3-8B on one H100 as this model prices it (blocks of "
         f"{gpu.block_size} tokens; `vllm_sim`'s flags `{' '.join(gpu.sim_args())}`), unless "
-        "its screen says otherwise. docs/simulator.md says how a pull is scheduled."
+        "its screen, or its run's line (a part measured on an earlier model), says otherwise. "
+        "docs/simulator.md says how a pull is scheduled."
     )
     return ["## Cost model", "", intro, "", *table(["cost", "value", "source"], rows)]
 
@@ -131,7 +143,7 @@ def render(parts: list[Part]) -> str:
         lines += [provenance(part), ""]
         if i == 0:
             lines += targets_lines(parts)
-    lines += cost_model_lines(parts[0].plan.gpu if parts else FULL.gpu)
+    lines += cost_model_lines(FULL.gpu)
     missing = [name for name in PARTS if name not in {p.name for p in parts}]
     if missing:
         lines += [f"Not measured yet: {', '.join(missing)}.", ""]

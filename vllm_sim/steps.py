@@ -1,10 +1,14 @@
 """One engine's step loop: running decodes and new prefill tokens share each step's time, as
-in vLLM's continuous batching on one GPU. A step lasts `--decode-ms-per-token` when it carries
-any decode, plus `--prefill-ms-per-token` for every prompt token it computes: a prefill on D
-slows every decode batched with it, and concurrent prefills share the GPU instead of running
-side by side. KV pulls are asynchronous reads outside the steps, priced as vLLM's scheduler
-prices them: the request is parked (WAITING_FOR_REMOTE_KVS) from the step that schedules it
-and starts its read, through the read's modelled time (`--transfer-ms-per-pull` plus
+in vLLM's continuous batching on one GPU. A step lasts `--prefill-ms-per-token` for every
+prompt token it computes, plus one forward's fixed cost: `--decode-ms-per-token` when it
+carries any decode, else `--first-token-forward-ms` when it finishes a prompt (a request's
+first token needs a forward, even one whose whole prompt was pulled: vLLM recomputes its
+last token). A prefill on D slows every decode batched with it, and concurrent prefills
+share the GPU instead of running side by side.
+
+KV pulls are asynchronous reads outside the steps, priced as vLLM's scheduler prices them:
+the request is parked (WAITING_FOR_REMOTE_KVS) from the step that schedules it and starts its
+read, through the read's modelled time (`--transfer-ms-per-pull` plus
 `--transfer-ms-per-block` each), until the step that reports the read done (the step in
 progress, or an empty one of `--pull-step-ms` on an idle engine); its prefill joins the step
 after that one.
@@ -46,12 +50,12 @@ class StepLoop:
     _task: asyncio.Task[None] | None = None
 
     def step_s(self, prefill_tokens: int, decodes: int, forward_ms: float = 0.0) -> float:
-        """How long one step takes: its decodes' share, its prefill tokens, and the fixed
-        cost of a forward that finishes a prompt (the largest, once per step)."""
-        ms = prefill_tokens * self.prefill_ms_per_token + forward_ms
-        if decodes:
-            ms += self.decode_ms_per_token
-        return ms / 1000.0
+        """How long one step takes: its prefill tokens, and one forward's fixed cost: the
+        decode step's when it carries decodes, a finishing prompt's forward (the largest)
+        otherwise. A step is one forward on the GPU: a prompt that finishes beside the
+        running decodes rides their forward, it does not add one."""
+        fixed = max(forward_ms, self.decode_ms_per_token if decodes else 0.0)
+        return (prefill_tokens * self.prefill_ms_per_token + fixed) / 1000.0
 
     async def prefill(self, tokens: int, forward_ms: float = 0.0) -> None:
         """Compute `tokens` prompt tokens in the next step (the first output token with them);

@@ -40,6 +40,15 @@ def test_step_time_is_the_decodes_share_plus_the_prefill_tokens() -> None:
     assert loop.step_s(400, 0) == 0.200
 
 
+def test_a_step_is_one_forward_whatever_it_carries() -> None:
+    """A prompt that finishes beside running decodes rides their forward (vLLM batches them
+    into one), so the fixed cost is paid once; alone, its forward still costs it."""
+    loop = StepLoop(prefill_ms_per_token=0.5, decode_ms_per_token=10.0)
+    assert loop.step_s(4, 3, forward_ms=10.0) == 0.012
+    assert loop.step_s(4, 0, forward_ms=10.0) == 0.012
+    assert loop.step_s(4, 3, forward_ms=15.0) == 0.017  # the larger fixed cost
+
+
 async def test_decodes_are_batched_not_serialised() -> None:
     e = engine(decode_ms_per_token=20.0)
     t0 = time.monotonic()

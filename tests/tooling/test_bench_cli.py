@@ -3,12 +3,13 @@ generated from results files."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from bench import cli, report
-from bench.plan import FULL, QUICK
+from bench.plan import EARLIER, FULL, QUICK
 
 pytestmark = pytest.mark.unit
 
@@ -38,6 +39,7 @@ META = {
     "commit": "abc1234",
     "duration_s": 61.0,
     "step_loads": [0.5, 1.5, 1.0],
+    "gpu": dataclasses.asdict(QUICK.gpu),
 }
 
 
@@ -51,7 +53,20 @@ def test_a_results_file_round_trips_and_says_where_it_comes_from(tmp_path: Path)
     for what in ("2026-12-07 01:00:00 UTC", "abc1234", "`python -m bench --only handover`"):
         assert what in line
     assert "quick plan, 61 s" in line and "2 CPUs (AMD EPYC)" in line
-    assert "load at the median step 1.00" in line
+    assert "load at the median step 1.00" in line and "cost model then" not in line
+
+
+def test_a_part_measured_on_another_cost_model_says_which(tmp_path: Path) -> None:
+    """A results file from before the forward's fixed cost records no profile: the earlier
+    one's figures are named in its run's line, the code's in the Cost model section."""
+    meta = {k: v for k, v in META.items() if k != "gpu"}
+    report.save(tmp_path, "peers", QUICK, meta, {"scenarios": {}, "skipped": [], "commands": {}})
+    (part,) = report.load(tmp_path)
+    assert part.plan.gpu == EARLIER
+    line = report.provenance(part)
+    assert "cost model then: `prefill_ms_per_token` 0.046, `first_token_forward_ms` 0" in line
+    text = report.render([part])
+    assert f"--first-token-forward-ms {FULL.gpu.first_token_forward_ms:g}" in text
 
 
 def test_the_report_names_the_parts_not_measured_yet(tmp_path: Path) -> None:

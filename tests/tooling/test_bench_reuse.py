@@ -56,12 +56,13 @@ def test_the_reuse_screen_has_a_row_per_run_and_names_the_last_turns() -> None:
 
 
 def test_the_limit_charges_each_pull_its_fixed_cost_and_reporting_step() -> None:
-    """A first turn pulls once (D reads P's blocks); a reusing turn twice (P reads D's too)."""
-    gpu = GpuProfile(1.0, 10.0, 0.5, transfer_ms_per_pull=2.0, pull_step_ms=3.0, block_size=16)
+    """A first turn pulls once (D reads P's blocks); a reusing turn twice (P reads D's too).
+    P's prefill is one forward (its fixed cost 7.0 here), D's first token another (10.0)."""
+    gpu = GpuProfile(1.0, 10.0, 0.5, 2.0, 3.0, 16, first_token_forward_ms=7.0)
     # 32 new tokens, 2 blocks P -> D, one pull
-    assert gpu.turn_limit_ms(32, 0) == 32 * 1.0 + 2 * 0.5 + (2.0 + 3.0) + 10.0
+    assert gpu.turn_limit_ms(32, 0) == 32 * 1.0 + 7.0 + 2 * 0.5 + (2.0 + 3.0) + 10.0
     # 16 reused (a block D -> P) and 16 new (a block P -> D): two pulls
-    assert gpu.turn_limit_ms(32, 16) == 16 * 1.0 + 2 * 0.5 + 2 * (2.0 + 3.0) + 10.0
+    assert gpu.turn_limit_ms(32, 16) == 16 * 1.0 + 7.0 + 2 * 0.5 + 2 * (2.0 + 3.0) + 10.0
     assert "--pull-step-ms" in gpu.sim_args() and "--transfer-ms-per-pull" in gpu.sim_args()
 
 
