@@ -37,7 +37,6 @@ from bench import (
     overhead,
     peers,
     pins,
-    pins_faults,
     pins_mixed,
     plots,
     profile,
@@ -99,7 +98,7 @@ def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
     if "profile" in parts and plan.profile_s > 0:
         n += len(profile.PROFILES) + 1  # and the hits
     if "pins" in parts:
-        n += pins.steps(plan) + pins_mixed.steps(plan) + pins_faults.steps(plan)
+        n += pins.steps(plan) + pins_mixed.steps(plan)
     if "peers" in parts:
         n += peers.steps(plan)
     if "handover" in parts:
@@ -223,7 +222,6 @@ RUNS: dict[str, Callable[[Plan, LoadGen, Callable[[str], None], bool], dict[str,
     "pins": lambda plan, lg, tick, no_reuse: {
         **pins.run(plan, lg, tick),
         "mixed": pins_mixed.run(plan, lg, tick),
-        "faults": pins_faults.run(plan, lg, tick),
     },
     "peers": lambda plan, lg, tick, no_reuse: peers.run(plan, lg, tick),
     "handover": lambda plan, lg, tick, no_reuse: handover.run(plan, lg, tick),

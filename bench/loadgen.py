@@ -410,13 +410,11 @@ async def run_conversation(
 ) -> None:
     """One conversation's turns, each recorded with its start from t0 and a digest of its
     answer (to compare across arms). A pause (think_time) comes before every turn after the
-    first; with `copies` > 1 each turn is sent that many times at once (a record each, `copy`
-    0.., the first answer goes on)."""
+    first."""
     lo, hi = spec["system_words"]
     history: list[dict[str, Any]] = [{"role": "system", "content": words(rng, rng.randint(lo, hi))}]
     use_ids = spec["target"]["mode"] == "router" and spec.get("conversation_ids", True)
     conv = f"bench-{spec.get('seed', 0)}-{c}-{uuid.uuid4().hex[:8]}" if use_ids else None
-    copies = int(spec.get("copies", 1))
     for t in range(1, int(spec["turns"]) + 1):
         pause = think_time(spec, rng) if t > 1 else 0.0
         if pause > 0:
@@ -433,13 +431,8 @@ async def run_conversation(
         }
         if body["stream"]:
             body["stream_options"] = {"include_usage": True}
-        # the same turn `copies` times at once (a client's retries, duplicated requests)
-        sent = await asyncio.gather(*(_guarded(target, s, body, conv, True) for _ in range(copies)))
-        for i, x in enumerate(sent):
-            turns.append({**_turn_record(c, t, x), "start": started})
-            if copies > 1:
-                turns[-1]["copy"] = i
-        sample = next((x for x in sent if x.ok), sent[0])
+        sample = await _guarded(target, s, body, conv, True)
+        turns.append({**_turn_record(c, t, sample), "start": started})
         if not sample.ok:
             return  # the history would no longer match what D holds
         history += [user, {"role": "assistant", "content": "".join(sample.text)}]

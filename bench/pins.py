@@ -125,14 +125,14 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def stack(plan: Plan, *router_flags: list[str]) -> contextlib.AbstractContextManager[Stack]:
-    """A fresh P and a D of plan.pins_blocks blocks, a private Redis, and one router per
-    flags list (ROUTER_ARGS and those flags), sharing that Redis."""
+def stack(plan: Plan, flags: list[str]) -> contextlib.AbstractContextManager[Stack]:
+    """A fresh P and a D of plan.pins_blocks blocks, a private Redis, and a router with
+    ROUTER_ARGS and flags."""
     d_args = [*D_ARGS, "--num-blocks", str(plan.pins_blocks), *plan.gpu.sim_args()]
     return start_stack(
         prefill_args=[[*P_ARGS, *plan.gpu.sim_args()]],
         decode_args=[d_args],
-        router_args=[[*ROUTER_ARGS, *flags] for flags in router_flags],
+        router_args=[[*ROUTER_ARGS, *flags]],
         name="pins",
     )
 
@@ -196,8 +196,7 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
         median = mixed["think"]["human"]["median_s"]
         question += f", then bots (1-3 s between turns) and people (median {median:g} s) together"
     table = Table(header, [_row(name, s) for name, s in rows.items()])
-    out = [Screen(TITLE, question + "?", [table], answer, "bench-pins.png")]
-    return out + ([fault_screen(res["faults"], plan)] if res.get("faults") else [])
+    return [Screen(TITLE, question + "?", [table], answer, "bench-pins.png")]
 
 
 def percent(x: float) -> str:
@@ -209,33 +208,3 @@ def _row(name: str, s: dict[str, Any]) -> list[str]:
     hits, pinned = f"{s['later_hits']} of {s['later_turns']}", [s["pinned_p50"], s["pinned_max"]]
     pinned_text = " / ".join(map(percent, pinned))
     return [name, f"{s['turns']} ({s['failed']})", ttft, hits, str(s["released"]), pinned_text]
-
-
-def _orphans(x: dict[str, Any]) -> str:
-    if x["orphans"] is None:
-        return f"n/a ({x['d_pins']} on D, not counted)"
-    return f"{x['orphans']} ({x['d_pins']} - {x['router_pins']})"
-
-
-def fault_screen(res: dict[str, Any], plan: Plan) -> Screen:
-    settle, rows, off = res["settle_s"], [], []
-    for name, a in res["arms"].items():
-        later = a["after_settle"]
-        ids = f"{later['unknown']} / {later['stale']}"
-        if "error" in a["fault"]:  # the fault never struck: its figures are a plain run's
-            name += f" (did not strike: {a['fault']['error']})"
-        rows.append(
-            [name, f"{a['turns']} ({a['failed']})", _orphans(a["after"]), _orphans(later), ids]
-        )
-        if later["orphans"] != 0 or later["unknown"]:
-            off.append(f"{name}: {_orphans(later)}, {later['unknown']} pins no entry names")
-    question = (
-        "Does every pin D holds stay known to the router through a fault: each fault on a "
-        f"fresh stack under {plan.pins_fault_convs} conversations, orphans = D's pins - the "
-        f"router's count after the load and {settle:g} s later (0 is the invariant), by id: "
-        "D's pins no index entry names / entries naming no pin?"
-    )
-    header = ["fault", "turns (failed)", "orphans after", f"{settle:g} s later", "by id"]
-    answer = f"{len(rows) - len(off)} of {len(rows)} faults end with no orphan {settle:g} s later"
-    answer += f"; {'; '.join(off)}." if off else "."
-    return Screen("D's memory after a fault", question, [Table(header, rows)], [answer])

@@ -170,10 +170,6 @@ class Plan:
     pins_mixed_drain_s: float
     pins_think_scale: float
     pins_mixed_window_s: float
-    # 7, faults: conversations (all at once) of the load each fault meets, and how far into
-    # it the fault strikes (bench/pins_faults.py)
-    pins_fault_convs: int
-    pins_fault_at_s: float
     # 8. peers: section 7's arrivals for peers_s seconds per arm and round (the variants
     # for a share of it; bench/peers.py, SCENARIOS)
     peers_s: float
@@ -229,8 +225,6 @@ FULL = Plan(
     pins_mixed_drain_s=240.0,
     pins_think_scale=1.0,
     pins_mixed_window_s=30.0,
-    pins_fault_convs=20,
-    pins_fault_at_s=1.0,
     peers_s=60.0,
 )
 
@@ -279,7 +273,5 @@ QUICK = Plan(
     pins_mixed_drain_s=24.0,
     pins_think_scale=0.25,  # human think times of median 5 s, p95 30 s: a run under a minute
     pins_mixed_window_s=6.0,
-    pins_fault_convs=8,
-    pins_fault_at_s=1.0,
     peers_s=6.0,
 )
