@@ -10,19 +10,15 @@ turn is the router's own work on hits.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from bench import peers
 from bench.plan import Plan
-from bench.stack import LoadGen, passthrough, reset_caches, start_stack, tree_cpu_seconds
-from bench.stats import fmt, summary_ms
+from bench.stack import LoadGen, Tick, passthrough, start_stack, timed
+from bench.stats import fmt, turns_summary
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
 from harness.stack import Stack, argv_of
 
-Tick = Callable[[str], None]
-NAN = float("nan")
 # Zero-cost, bidirectional; D streams its handle (PR #40186) so streamed turns hit too.
 P_ARGS = ["--bidirectional", "--kv-recompute-threshold", "0", "--num-blocks", "65536"]
 D_ARGS = ["--bidirectional", "--stream-kv-params", "--num-blocks", "65536"]
@@ -70,7 +66,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         arms = {"floor": (floor_app.url, floor_app.proc.pid)}
         arms["work"] = (work_app.url, work_app.proc.pid)
         if script is not None:
-            url, proc = exits.enter_context(peers.peer_proxy(script, st))
+            url, proc = exits.enter_context(peers.peer(peers.VLLM_PROXY_PEER, script, st))
             arms["reference"] = (url, proc.pid)
         for clients in plan.hit_clients:
             tick(f"hit path json c={clients}")
@@ -89,7 +85,7 @@ def _cell(
     """kvbaton, the floor and the work floor (at REFERENCE_CLIENTS vLLM's reference proxy
     too, where there is one) in alternating rounds, each round new conversations. `others`:
     each other arm's URL and process id."""
-    arms = {"kvbaton": (st.routers[0].url, st.routers[0].proc.pid)}
+    arms = {"kvbaton": (st.url, st.router.proc.pid)}
     arms |= {a: v for a, v in others.items() if a != "reference" or clients == REFERENCE_CLIENTS}
     order = list(arms)
     turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm in order}
@@ -100,37 +96,20 @@ def _cell(
         this: dict[str, list[dict[str, Any]]] = {}
         for arm in order if rnd % 2 == 0 else order[::-1]:
             url, pid = arms[arm]
-            reset_caches(st)
-            before = tree_cpu_seconds(pid)
             spec = job(plan, url, stream=False, clients=clients, rnd=rnd, ids=arm != "floor")
-            this[arm] = lg.run(spec, timeout=240.0)["turns"]
+            res, used, _ = timed(st, lg, spec, pid)
+            this[arm] = res["turns"]
             turns[arm] += this[arm]
-            cpu[arm] += tree_cpu_seconds(pid) - before
+            cpu[arm] += used
         if "reference" in arms:
-            by_round.append({arm: _latency(rows) for arm, rows in this.items()})
+            by_round.append({arm: turns_summary(rows, "latency") for arm, rows in this.items()})
     cell: dict[str, Any] = {"stream": False, "concurrency": clients, "rounds": rounds}
     if by_round:
         cell["by_round"] = by_round
     for arm, rows in turns.items():
-        good = [t for t in rows if t["ok"]]
-        later = [t for t in good if t["turn"] > 1]
-        cell[arm] = {
-            **_latency(rows),
-            "reuse": dict(Counter(str(t["reuse"]) for t in later if t["reuse"])),
-            "turns": len(rows),
-            "failed": len(rows) - len(good),
-            "cpu_ms_per_turn": cpu[arm] / max(1, len(rows)) * 1000.0,
-        }
+        cpu_ms = cpu[arm] / max(1, len(rows)) * 1000.0
+        cell[arm] = {**turns_summary(rows, "latency"), "cpu_ms_per_turn": cpu_ms}
     return cell
-
-
-def _latency(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Latency of the answered first turns ("first") and later turns ("later")."""
-    good = [t for t in rows if t["ok"]]
-    return {
-        "first": summary_ms([t["latency"] for t in good if t["turn"] == 1]),
-        "later": summary_ms([t["latency"] for t in good if t["turn"] > 1]),
-    }
 
 
 def round_ratios(cell: dict[str, Any], key: str) -> list[float]:
@@ -150,7 +129,7 @@ def own(cell: dict[str, Any], key: str, floor: str = "floor", arm: str = "kvbato
 def added_ratio(cell: dict[str, Any], key: str) -> float:
     """kvbaton's added p50 over the floor against the reference proxy's (NaN without one)."""
     theirs = own(cell, key, arm="reference")
-    return own(cell, key) / theirs if theirs > 0 else NAN
+    return own(cell, key) / theirs if theirs > 0 else float("nan")
 
 
 def rows(res: dict[str, Any] | None) -> list[list[str]]:

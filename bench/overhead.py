@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from bench import hitpath, redis_cost
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import (
-    LoadGen,
-    RedisStats,
-    passthrough,
-    reset_caches,
-    start_stack,
-    tree_cpu_seconds,
-)
+from bench.stack import LoadGen, RedisStats, Tick, passthrough, start_stack, timed
 from bench.stats import fmt, summary_ms
 from bench.workload import NONSTREAM_TOKENS, STREAM_TOKENS, SYSTEM_WORDS, USER_WORDS
 from harness.router import RouterProc
 from harness.stack import Stack, argv_of
-
-Tick = Callable[[str], None]
 
 # Zero-cost engines. Every request is a new conversation whose handle nobody reads: the
 # direct client and the floor release no pins, so D's TTL is short (their pins must not fill
@@ -51,10 +41,6 @@ def via_url(url: str) -> dict[str, Any]:
     return {"mode": "router", "urls": [url]}
 
 
-def via_router(st: Stack) -> dict[str, Any]:
-    return via_url(st.routers[0].url)
-
-
 def closed_job(
     target: dict[str, Any], *, stream: bool, concurrency: int, count: int, warmup: int, seed: int
 ) -> dict[str, Any]:
@@ -63,20 +49,6 @@ def closed_job(
     job.update(system_words=SYSTEM_WORDS, user_words=USER_WORDS)
     job["max_tokens"] = STREAM_TOKENS if stream else NONSTREAM_TOKENS
     return job
-
-
-def timed(
-    st: Stack, lg: LoadGen, spec: dict[str, Any], pid: int | None, stats: RedisStats | None = None
-) -> tuple[dict[str, Any], float, dict[str, Any]]:
-    """Run a job; also the CPU seconds process `pid` and its children used (0.0 without one)
-    and the Redis commandstats delta."""
-    reset_caches(st)
-    if stats is not None:
-        stats.reset()
-    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
-    r = lg.run(spec, timeout=spec.get("deadline_s", 120.0) + 60.0)
-    cpu = tree_cpu_seconds(pid) - cpu0 if pid else 0.0
-    return r, cpu, stats.read() if stats is not None else {}
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
@@ -143,7 +115,7 @@ def _cell(
     cell: dict[str, Any] = {"stream": stream, "concurrency": conc, "count": count}
     warmup = max(plan.overhead_warmup, conc)
     per_round = max(1, count // plan.overhead_rounds)
-    arms = [("direct", direct(st), None), ("kvbaton", via_router(st), st.routers[0].proc.pid)]
+    arms = [("direct", direct(st), None), ("kvbaton", via_url(st.url), st.router.proc.pid)]
     arms.append(("floor", via_url(floor_app.url), floor_app.proc.pid))
     pooled: dict[str, dict[str, Any]] = {}
     cpu = dict.fromkeys(("direct", "kvbaton", "floor"), 0.0)

@@ -20,7 +20,7 @@ from bench import pins, vllm_multiturn
 from bench.peer_venv import PEERS_VENV, VLLM_TREE_ENV, vllm_copy, vllm_router
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, Tick, alternate, by_source, start_stack, tree_cpu_seconds
+from bench.stack import LoadGen, Tick, alternate, prompt_tokens, start_stack, tree_cpu_seconds
 from bench.stats import fmt, summary_ms, turns_summary
 from harness.procs import free_port, logged, redis_server, stop, wait_http
 from harness.stack import Stack
@@ -183,11 +183,6 @@ def peer(kind: str, exe: str, st: Stack, flags: tuple[str, ...] = ()) -> Iterato
         yield f"http://127.0.0.1:{port}", proc
     finally:
         stop(proc)
-
-
-def peer_proxy(script: str, st: Stack) -> contextlib.AbstractContextManager[tuple[str, Any]]:
-    """vLLM's multi-turn example proxy over the stack's engines (bench/hitpath.py's too)."""
-    return peer(VLLM_PROXY_PEER, script, st)
 
 
 @dataclass(frozen=True)
@@ -378,18 +373,10 @@ def one(
                 res = vllm_multiturn.run(bench, url, arm.name)
             else:
                 res = arrivals(plan, lg, sc, arm, url, st)
-        cpu = tree_cpu_seconds(proc.pid) - cpu0
-        tokens: dict[str, dict[str, float]] = {"P": {}, "D": {}}
-        for role, sims in (("P", st.ps), ("D", st.ds)):
-            for sim in sims:
-                if sim.proc.poll() is not None:
-                    continue  # the D this scenario killed
-                for source, n in by_source(sim.url).items():
-                    tokens[role][source] = tokens[role].get(source, 0.0) + n
         return {
             **res,
-            "cpu_s": cpu,
-            "tokens": tokens,
+            "cpu_s": tree_cpu_seconds(proc.pid) - cpu0,
+            "tokens": prompt_tokens(st),  # less the D this scenario killed
             "pinned_max": max((s["pinned"] for s in sampler.samples), default=0.0),
         }, dict(st.commands)
 

@@ -9,18 +9,15 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import hitpath, overhead
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, start_stack
+from bench.stack import LoadGen, Tick, start_stack, timed
 from bench.stats import fmt
 from harness.stack import Stack
-
-Tick = Callable[[str], None]
 
 # A sample is charged to the innermost frame of a known group (a stdlib frame such as
 # asyncio's socket write to its caller); the shares add up to 100%.
@@ -96,7 +93,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
                     tick(f"profile {label}")
                     # More requests than fit: the deadline ends the job.
                     job = dict(concurrency=clients, count=int(plan.profile_s * 5000), warmup=0)
-                    target = overhead.via_router(st)
+                    target = overhead.via_url(st.url)
                     spec = overhead.closed_job(target, stream=stream, seed=3, **job)
                     spec["max_tokens"] = tokens
                     out[label] = spied(plan, st, lg, spec)
@@ -121,7 +118,7 @@ def spied(plan: Plan, st: Stack, lg: LoadGen, spec: dict[str, Any]) -> dict[str,
         )
         try:
             time.sleep(0.5)
-            r, cpu, _ = overhead.timed(st, lg, spec, st.routers[0].proc.pid)
+            r, cpu, _ = timed(st, lg, spec, st.router.proc.pid)
             spy.wait(timeout=30)
         finally:
             if spy.poll() is None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import Counter
 from typing import Any
 
+from bench.overhead import direct, via_url
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, Tick, alternate, by_source, round_turns, start_stack
+from bench.stack import LoadGen, Tick, alternate, prompt_tokens, round_turns, start_stack
 from bench.stats import fmt, summary_ms
 from harness.stack import Stack
 
@@ -56,15 +56,10 @@ def start_arm(plan: Plan, arm: str, cache: str) -> contextlib.AbstractContextMan
 
 def conversation_job(plan: Plan, st: Stack, arm: str, rnd: int) -> dict[str, Any]:
     """Round rnd's share of the conversations, the same for every arm."""
-    if st.routers:
-        target: dict[str, Any] = {"mode": "router", "urls": [st.url]}
-    else:
-        target = {"mode": "direct", "prefill": [p.url for p in st.ps]}
-        target["decode"] = [d.url for d in st.ds]
     return {
         "conversation_ids": arm != "h",
         "kind": "conversations",
-        "target": target,
+        "target": via_url(st.url) if st.routers else direct(st),
         "n": plan.conv_n // plan.conv_rounds,
         "turns": plan.conv_turns,
         "concurrency": plan.conv_concurrency,
@@ -114,10 +109,6 @@ def turn_limits(plan: Plan, ok: list[dict[str, Any]]) -> dict[tuple[int, int, in
 def summarize(plan: Plan, st: Stack, turns: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [t for t in turns if t["ok"]]
     limits = turn_limits(plan, ok)
-    tokens = {role: Counter[str]() for role in "PD"}
-    for role, sims in (("P", st.ps), ("D", st.ds)):
-        for s in sims:
-            tokens[role].update(by_source(s.url))
     return {
         "ttft_by_turn": {
             str(n): summary_ms([x["ttft"] for x in ok if x["turn"] == n])
@@ -130,7 +121,7 @@ def summarize(plan: Plan, st: Stack, turns: list[dict[str, Any]]) -> dict[str, A
         "turns": len(turns),
         "turns_failed": len(turns) - len(ok),
         "errors": [x["error"] for x in turns if not x["ok"]][:3],
-        "tokens": {role: dict(c) for role, c in tokens.items()},
+        "tokens": prompt_tokens(st),
     }
 
 

@@ -86,15 +86,21 @@ def pin(pid: int, cpus: set[int] | None) -> bool:
     return ok
 
 
-def by_source(url: str) -> dict[str, float]:
-    """vllm:prompt_tokens_by_source_total per source on one instance."""
-    found: dict[str, float] = {}
-    for key, value in samples(url).items():
-        if key.startswith("vllm:prompt_tokens_by_source_total{"):
-            match = re.search(r'source="([^"]+)"', key)
-            if match:
-                found[match.group(1)] = found.get(match.group(1), 0.0) + value
-    return found
+BY_SOURCE = re.compile(r'vllm:prompt_tokens_by_source_total\{.*source="([^"]+)"')
+
+
+def prompt_tokens(st: Stack) -> dict[str, dict[str, float]]:
+    """vllm:prompt_tokens_by_source_total per source, summed over P and over D (an engine that
+    was killed left out)."""
+    out: dict[str, dict[str, float]] = {"P": {}, "D": {}}
+    for role, sims in (("P", st.ps), ("D", st.ds)):
+        for sim in sims:
+            if sim.proc.poll() is not None:
+                continue
+            for key, value in samples(sim.url).items():
+                if match := BY_SOURCE.match(key):
+                    out[role][match[1]] = out[role].get(match[1], 0.0) + value
+    return out
 
 
 def reset_caches(st: Stack) -> None:
@@ -128,9 +134,23 @@ class RedisStats:
         self.client.close()
 
 
-def router_cpu(st: Stack) -> float:
-    """CPU seconds the stack's routers (and their workers) have used."""
-    return sum(tree_cpu_seconds(r.proc.pid) for r in st.routers)
+def timed(
+    st: Stack,
+    lg: LoadGen,
+    spec: dict[str, Any],
+    pid: int | None,
+    stats: RedisStats | None = None,
+    timeout: float | None = None,
+) -> tuple[dict[str, Any], float, dict[str, Any]]:
+    """Run a job on emptied prefix caches; also the CPU seconds process `pid` and its children
+    used (0.0 without one) and the Redis commandstats delta (with `stats`)."""
+    reset_caches(st)
+    if stats is not None:
+        stats.reset()
+    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+    r = lg.run(spec, timeout=timeout or spec.get("deadline_s", 120.0) + 60.0)
+    cpu = tree_cpu_seconds(pid) - cpu0 if pid else 0.0
+    return r, cpu, stats.read() if stats is not None else {}
 
 
 def alternate(

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from bench import hitpath, overhead, workload
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, pin, reset_caches, start_stack, tree_cpu_seconds
+from bench.stack import LoadGen, Tick, pin, start_stack, timed
 from bench.stats import fmt, pct
 from harness.stack import Stack
-
-Tick = Callable[[str], None]
 
 HOLD_P99_FACTOR = 3.0
 HOLD_P99_FLOOR_MS = 25.0
@@ -106,16 +104,12 @@ def _holds(step: dict[str, Any], limit_ms: float) -> bool:
 
 
 def _step(st: Stack, lg: LoadGen, plan: Plan, stream: bool, rate: float) -> dict[str, Any]:
-    spec: dict[str, Any] = {"kind": "open", "target": overhead.via_router(st)}
+    spec: dict[str, Any] = {"kind": "open", "target": overhead.via_url(st.url)}
     spec.update(stream=stream, rate=rate, duration_s=plan.sweep_step_s, seed=int(rate))
     spec.update(max_inflight=1024, drain_s=15.0)
     spec.update(system_words=workload.SYSTEM_WORDS, user_words=workload.USER_WORDS)
     spec["max_tokens"] = STREAM_TOKENS if stream else workload.NONSTREAM_TOKENS
-    reset_caches(st)
-    router = st.routers[0].proc.pid
-    cpu0 = tree_cpu_seconds(router)
-    r = lg.run(spec, timeout=plan.sweep_step_s + 60.0)
-    cpu = tree_cpu_seconds(router) - cpu0
+    r, cpu, _ = timed(st, lg, spec, st.router.proc.pid, timeout=plan.sweep_step_s + 60.0)
     offered_n = max(1, int(rate * plan.sweep_step_s))
     events = sum(r["events"])
     return {
@@ -143,7 +137,7 @@ def hit_levels(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
                 tick(f"throughput hits c={clients}")
                 spec = hitpath.job(plan, st.url, stream=False, clients=clients, rnd=rnd, ids=True)
                 spec.update(n=max(plan.hit_tput_convs, 2 * clients), deadline_s=600.0)
-                res, cpu_s, _ = overhead.timed(st, lg, spec, router)
+                res, cpu_s, _ = timed(st, lg, spec, router)
                 out["levels"].append(level(clients, res, cpu_s))
     out["best"] = max(out["levels"], key=lambda x: x["turns_s"], default=None)
     return out
