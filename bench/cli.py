@@ -52,13 +52,12 @@ from harness.procs import ROOT
 PARTS = ("overhead", "throughput", "reuse", "events", "profile", "pins", "peers", "handover")
 RESULTS = ROOT / "bench" / "results"
 DOCS = ROOT / "docs"
-Plot = Callable[[dict[str, Any], Plan, Path], None]
-PNGS: dict[str, tuple[str, Plot]] = {
-    "overhead": ("bench-overhead.png", lambda res, plan, path: plots.overhead(res, path)),
-    "reuse": ("bench-ttft.png", lambda res, plan, path: plots.ttft(res, plan.conv_turns, path)),
-    "throughput": ("bench-throughput.png", lambda res, plan, path: plots.throughput(res, path)),
-    "pins": ("bench-pins.png", lambda res, plan, path: plots.pins(res, path)),
-    "peers": ("bench-peers.png", lambda res, plan, path: plots.peers(res, path)),
+PNGS: dict[str, tuple[str, Callable[[dict[str, Any], Path], None]]] = {
+    "overhead": ("bench-overhead.png", plots.overhead),
+    "reuse": ("bench-ttft.png", plots.ttft),
+    "throughput": ("bench-throughput.png", plots.throughput),
+    "pins": ("bench-pins.png", plots.pins),
+    "peers": ("bench-peers.png", plots.peers),
 }
 
 
@@ -264,7 +263,7 @@ def write(folder: Path, out: Path) -> Path:
         # (peers with every scenario skipped has nothing to draw)
         if part.name in PNGS and part.results.get("scenarios", True):
             png, draw = PNGS[part.name]
-            draw(part.results, part.plan, out / png)
+            draw(part.results, out / png)
     path = out / "benchmarks.md"
     path.write_text(report.render(parts))
     peers_part = next((p for p in parts if p.name == "peers"), None)

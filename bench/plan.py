@@ -38,22 +38,10 @@ class GpuProfile:
         )
 
     def sim_args(self) -> list[str]:
-        return [
-            "--prefill-ms-per-token",
-            str(self.prefill_ms_per_token),
-            "--decode-ms-per-token",
-            str(self.decode_ms_per_token),
-            "--transfer-ms-per-block",
-            str(self.transfer_ms_per_block),
-            "--transfer-ms-per-pull",
-            str(self.transfer_ms_per_pull),
-            "--pull-step-ms",
-            str(self.pull_step_ms),
-            "--first-token-forward-ms",
-            str(self.first_token_forward_ms),
-            "--block-size",
-            str(self.block_size),
-        ]
+        """vllm_sim's flags: `--prefill-ms-per-token 0.040` and so on, in this order."""
+        names = ["prefill_ms_per_token", "decode_ms_per_token", "transfer_ms_per_block"]
+        names += ["transfer_ms_per_pull", "pull_step_ms", "first_token_forward_ms", "block_size"]
+        return [x for n in names for x in (f"--{n.replace('_', '-')}", str(getattr(self, n)))]
 
 
 # The profile of results files that do not record theirs (measured before the forward's fixed
@@ -164,12 +152,11 @@ class Plan:
     # 7, mixed: scripted conversations (1-3 s between turns) and human-paced ones (lognormal
     # think times, median 20 s and p95 2 min, times pins_think_scale) arriving at
     # pins_mixed_rate per second each for pins_mixed_s, their later turns until
-    # pins_mixed_drain_s after that; the time series' step
+    # pins_mixed_drain_s after that
     pins_mixed_rate: float
     pins_mixed_s: float
     pins_mixed_drain_s: float
     pins_think_scale: float
-    pins_mixed_window_s: float
     # 8. peers: section 7's arrivals for peers_s seconds per arm and round (the variants
     # for a share of it; bench/peers.py, SCENARIOS)
     peers_s: float
@@ -224,7 +211,6 @@ FULL = Plan(
     pins_mixed_s=180.0,
     pins_mixed_drain_s=240.0,
     pins_think_scale=1.0,
-    pins_mixed_window_s=30.0,
     peers_s=60.0,
 )
 
@@ -272,6 +258,5 @@ QUICK = Plan(
     pins_mixed_s=12.0,
     pins_mixed_drain_s=24.0,
     pins_think_scale=0.25,  # human think times of median 5 s, p95 30 s: a run under a minute
-    pins_mixed_window_s=6.0,
     peers_s=6.0,
 )

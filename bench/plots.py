@@ -19,10 +19,6 @@ ARM_STYLE = {"a": ("tab:green", "reuse + affinity"), "b": ("tab:orange", "affini
 ARM_STYLE["c"] = ("tab:red", "round robin, no reuse")
 
 
-def _finite(values: list[float]) -> bool:
-    return any(not math.isnan(v) for v in values)
-
-
 def _log_y(ax: Any) -> None:
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -43,19 +39,11 @@ def overhead(results: dict[str, Any], path: Path) -> None:
             rows = [c for c in cells if c["stream"] == stream]
             xs = [c["concurrency"] for c in rows]
             ys = [c["kvbaton"]["latency"][q] - c["direct"]["latency"][q] for c in rows]
-            ax.plot(xs, ys, style, label="streaming (whole response)" if stream else "JSON")
-            floors = [c for c in rows if "floor" in c]
-            if floors:
-                ys = [c["floor"]["latency"][q] - c["direct"]["latency"][q] for c in floors]
-                what = "streaming" if stream else "JSON"
-                ax.plot(
-                    [c["concurrency"] for c in floors],
-                    ys,
-                    style,
-                    color="grey",
-                    alpha=0.7,
-                    label=f"floor: Hypercorn+Starlette+aiohttp passthrough, {what}",
-                )
+            kind = "streaming" if stream else "JSON"
+            ax.plot(xs, ys, style, label=f"{kind} (whole response)" if stream else kind)
+            ys = [c["floor"]["latency"][q] - c["direct"]["latency"][q] for c in rows]
+            floor = f"floor: Hypercorn+Starlette+aiohttp passthrough, {kind}"
+            ax.plot(xs, ys, style, color="grey", alpha=0.7, label=floor)
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks([c["concurrency"] for c in cells if not c["stream"]])
@@ -70,19 +58,19 @@ def overhead(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def ttft(results: dict[str, Any], turns: int, path: Path) -> None:
+def ttft(results: dict[str, Any], path: Path) -> None:
     """TTFT per turn index, p50 (solid) and p90 (dashed), per arm, per prefill cache size."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True, sharey=True)
+    turns = max(len(r.get("ttft_by_turn", ())) for r in results["runs"].values())
     xs = list(range(1, turns + 1))
     for ax, cache in zip(axes, ("ample", "small"), strict=True):
         for arm, (color, label) in ARM_STYLE.items():
-            run = results["runs"].get(f"{cache}/{arm}", {})
-            by_turn = run.get("ttft_by_turn")
+            by_turn = results["runs"].get(f"{cache}/{arm}", {}).get("ttft_by_turn")
             if not by_turn:
                 continue
             p50 = [by_turn[str(t)]["p50"] for t in xs]
             p90 = [by_turn[str(t)]["p90"] for t in xs]
-            if _finite(p50):
+            if any(not math.isnan(v) for v in p50):
                 ax.plot(xs, p50, "o-", color=color, label=f"{label} p50")
                 ax.plot(xs, p90, ":", color=color, label=f"{label} p90")
         _log_y(ax)
@@ -124,11 +112,9 @@ def pins(results: dict[str, Any], path: Path) -> None:
     colours = {"releases on": "tab:green", "releases off": "tab:red"}
     step = results["window_s"]
     for name, arm in results["arms"].items():
-        colour = colours.get(name)
-        series = arm["series"]
-        axes[0].plot(
-            [s["t"] for s in series], [s["pinned"] for s in series], color=colour, label=name
-        )
+        colour, series = colours.get(name), arm["series"]
+        t, pinned = [s["t"] for s in series], [s["pinned"] for s in series]
+        axes[0].plot(t, pinned, color=colour, label=name)
         ws = [w for w in arm["windows"] if w["ttft"]["n"]]
         xs = [w["t"] + step / 2 for w in ws]
         axes[1].plot(xs, [w["ttft"]["p99"] for w in ws], "o-", color=colour, label=f"{name}, p99")

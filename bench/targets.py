@@ -54,24 +54,20 @@ def _json_cell(cells: list[dict[str, Any]], conc: int = 1) -> dict[str, Any] | N
 
 def reference_rows(hit: dict[str, Any] | None) -> list[Row]:
     """kvbaton's added p50 against vLLM's reference proxy's, both over the floor."""
-    c = _json_cell((hit or {}).get("cells", []), hitpath.REFERENCE_CLIENTS)
+    clients = hitpath.REFERENCE_CLIENTS
+    c = _json_cell((hit or {}).get("cells", []), clients)
     if c is None or "reference" not in c:
         return []
+    proxy = "the reference proxy's"
+    ref = "vLLM's disagg_proxy_multiturn.py, same conversations, alternating rounds "
+    ref += "(*Router overhead*)"
     out: list[Row] = []
     for key, what in (("first", "first turns"), ("later", "hits")):
-        x = hitpath.added_ratio(c, key)
-        theirs = hitpath.own(c, key, arm="reference")
-        out.append(
-            (
-                f"own added p50 on {what}, {hitpath.REFERENCE_CLIENTS} clients: <= "
-                f"{REFERENCE_X:g}x the reference proxy's",
-                "vLLM's disagg_proxy_multiturn.py, same conversations, alternating rounds "
-                "(*Router overhead*)",
-                f"{fmt(x, 2)}x ({fmt(hitpath.own(c, key))} vs {fmt(theirs)} ms)"
-                + _rounds_note(hitpath.round_ratios(c, key)),
-                _ok(x, REFERENCE_X),
-            )
-        )
+        x, theirs = hitpath.added_ratio(c, key), hitpath.own(c, key, arm="reference")
+        target = f"own added p50 on {what}, {clients} clients: <= {REFERENCE_X:g}x {proxy}"
+        measured = f"{fmt(x, 2)}x ({fmt(hitpath.own(c, key))} vs {fmt(theirs)} ms)"
+        measured += _rounds_note(hitpath.round_ratios(c, key))
+        out.append((target, ref, measured, _ok(x, REFERENCE_X)))
     return out
 
 
@@ -91,14 +87,8 @@ def own_rows(hit: dict[str, Any] | None) -> list[Row]:
     for key, what, bound in (("first", "first turns", OWN_FIRST_MS), ("later", "hits", OWN_HIT_MS)):
         own = hitpath.own(c, key)
         k, f = c["kvbaton"][key]["p50"], c["floor"][key]["p50"]
-        out.append(
-            (
-                f"own added p50 on {what}, 1 client: <= {bound:g} ms",
-                ref,
-                f"{fmt(own)} ms ({fmt(k)} - {fmt(f)})",
-                _ok(own, bound),
-            )
-        )
+        target = f"own added p50 on {what}, 1 client: <= {bound:g} ms"
+        out.append((target, ref, f"{fmt(own)} ms ({fmt(k)} - {fmt(f)})", _ok(own, bound)))
     return out
 
 
@@ -108,28 +98,18 @@ def cpu_rows(ov: dict[str, Any], plan: Plan) -> list[Row]:
     if first is not None:
         k, f = first["router_cpu_ms_per_turn"], first["floor_cpu_ms_per_turn"]
         x = _ratio(k, f)
-        out.append(
-            (
-                f"router CPU per first turn: <= {CPU_FIRST_X:g}x the floor's",
-                "floor's CPU per turn, same cell (*Router overhead*, JSON, 1 client)",
-                f"{fmt(x)}x ({fmt(k, 3)} vs {fmt(f, 3)} ms)",
-                _ok(x, CPU_FIRST_X),
-            )
-        )
+        target = f"router CPU per first turn: <= {CPU_FIRST_X:g}x the floor's"
+        ref = "floor's CPU per turn, same cell (*Router overhead*, JSON, 1 client)"
+        out.append((target, ref, f"{fmt(x)}x ({fmt(k, 3)} vs {fmt(f, 3)} ms)", _ok(x, CPU_FIRST_X)))
     hits = _json_cell(ov.get("hit_path", {}).get("cells", []))
     if hits is not None and "work" in hits:
         k, w = hits["kvbaton"]["cpu_ms_per_turn"], hits["work"]["cpu_ms_per_turn"]
         share = f"{plan.hit_turns - 1} of every {plan.hit_turns} turns are hits"
         x = _ratio(k, w)
-        out.append(
-            (
-                f"router CPU per turn on hits: <= {CPU_HIT_X:g}x the work floor's",
-                f"work floor's CPU per turn (the floor plus a hit's /tokenize and two "
-                f"Redis round trips), same conversations ({share})",
-                f"{fmt(x)}x ({fmt(k, 3)} vs {fmt(w, 3)} ms)",
-                _ok(x, CPU_HIT_X),
-            )
-        )
+        target = f"router CPU per turn on hits: <= {CPU_HIT_X:g}x the work floor's"
+        ref = "work floor's CPU per turn (the floor plus a hit's /tokenize and two Redis round "
+        ref += f"trips), same conversations ({share})"
+        out.append((target, ref, f"{fmt(x)}x ({fmt(k, 3)} vs {fmt(w, 3)} ms)", _ok(x, CPU_HIT_X)))
     return out
 
 
@@ -175,15 +155,11 @@ def limit_rows(res: dict[str, Any] | None, plan: Plan) -> list[Row]:
         turn, ratio = worst
         measured = run["ttft_by_turn"][str(turn)]["p50"]
         limit = run["limit_by_turn"][str(turn)]["p50"]
-        out.append(
-            (
-                f"TTFT p50 with reuse, every turn after the first, {engines}: within "
-                f"{(LIMIT_SLACK - 1) * 100:.0f}% of the limit",
-                "cost model's limit per turn (*What reuse buys*)",
-                f"worst turn {turn}: {fmt(measured, 1)} vs {fmt(limit, 1)} ms, {fmt(ratio)}x",
-                _ok(ratio, LIMIT_SLACK),
-            )
-        )
+        target = f"TTFT p50 with reuse, every turn after the first, {engines}: within "
+        target += f"{(LIMIT_SLACK - 1) * 100:.0f}% of the limit"
+        ref = "cost model's limit per turn (*What reuse buys*)"
+        figures = f"worst turn {turn}: {fmt(measured, 1)} vs {fmt(limit, 1)} ms, {fmt(ratio)}x"
+        out.append((target, ref, figures, _ok(ratio, LIMIT_SLACK)))
     return out
 
 
@@ -210,14 +186,9 @@ def peer_rows(res: dict[str, Any] | None) -> list[Row]:
     measured = f"{fmt(x, 2)}x ({kv:.2f} vs {peer:.2f} ms)"
     if floor is not None:
         measured += f"; the floor alone {fmt(_ratio(floor, peer), 2)}x ({floor:.2f} ms)"
-    return [
-        (
-            f"router CPU per turn on vLLM's multi-turn benchmark: <= {PEER_CPU_X:g}x vllm-router's",
-            f"{peers.ARMS[2].name}, same scenario and rounds (*Side by side*)",
-            measured,
-            _ok(x, PEER_CPU_X),
-        )
-    ]
+    target = f"router CPU per turn on vLLM's multi-turn benchmark: <= {PEER_CPU_X:g}x vllm-router's"
+    ref = f"{peers.ARMS[2].name}, same scenario and rounds (*Side by side*)"
+    return [(target, ref, measured, _ok(x, PEER_CPU_X))]
 
 
 def hit_rate_rows(res: dict[str, Any] | None) -> list[Row]:
@@ -226,14 +197,12 @@ def hit_rate_rows(res: dict[str, Any] | None) -> list[Row]:
         return []
     pinned = bool(res and res.get("pinned"))
     where = "one core (router pinned)" if pinned else "one router process, not pinned"
-    return [
-        (
-            f"hit turns/s, {where}: >= {HIT_TURNS_S:g}",
-            "the hit path's conversations, closed loop (*Throughput*)",
-            f"{fmt(best['turns_s'], 0)} turns/s at {best['router_cpu_util'] * 100:.0f}% of the "
-            f"router's core; a fully busy core at {fmt(best['cpu_ms_per_turn'], 3)} ms CPU/turn: "
-            f"{fmt(best['ceiling_turns_s'], 0)}",
-            # the target is a pinned core's: turns/s of an unpinned router are only a figure
-            best["turns_s"] >= HIT_TURNS_S if pinned else None,
-        )
-    ]
+    ref = "the hit path's conversations, closed loop (*Throughput*)"
+    measured = (
+        f"{fmt(best['turns_s'], 0)} turns/s at {best['router_cpu_util'] * 100:.0f}% of the "
+        f"router's core; a fully busy core at {fmt(best['cpu_ms_per_turn'], 3)} ms CPU/turn: "
+        f"{fmt(best['ceiling_turns_s'], 0)}"
+    )
+    # the target is a pinned core's: turns/s of an unpinned router are only a figure
+    met = best["turns_s"] >= HIT_TURNS_S if pinned else None
+    return [(f"hit turns/s, {where}: >= {HIT_TURNS_S:g}", ref, measured, met)]
