@@ -218,11 +218,7 @@ def request_body(spec: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 async def _guarded(
-    target: Target,
-    s: aiohttp.ClientSession,
-    body: dict[str, Any],
-    conv: str | None,
-    parse: bool,
+    target: Target, s: aiohttp.ClientSession, body: dict[str, Any], conv: str | None, parse: bool
 ) -> Sample:
     try:
         return await target.send(s, body, conv, parse)
