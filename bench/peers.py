@@ -506,36 +506,17 @@ def _itl(itl: dict[str, Any] | None) -> str:
 
 
 def detail_table(sc: dict[str, Any]) -> Table:
+    header = ["arm", "turns (failed)", "TTFT turn 1 p50 / p90 ms", "ITL p50 / p99 ms"]
+    header += ["goodput /s", "P computed", "P read from D", "D pinned at most"]
+    header += ["router CPU ms/turn", "answers unlike kvbaton's"]
     rows = []
     for name, arm in sc["arms"].items():
         s = arm["summary"]
-        first = s["ttft_first"]
-        rows.append(
-            [
-                name,
-                f"{s['turns']} ({s['failed']})",
-                f"{fmt(first['p50'], 0)} / {fmt(first['p90'], 0)}",
-                _itl(s.get("itl")),
-                f"{s['goodput']:.2f}",
-                f"{s['p_computed']:,.0f}",
-                f"{s['pulled_from_d']:,.0f}",
-                f"{s['pinned_max']:.0%}",
-                f"{s['cpu_ms_per_turn']:.2f}",
-                f"{s['differ']} of {s['compared']}",
-            ]
-        )
-    header = [
-        "arm",
-        "turns (failed)",
-        "TTFT turn 1 p50 / p90 ms",
-        "ITL p50 / p99 ms",
-        "goodput /s",
-        "P computed",
-        "P read from D",
-        "D pinned at most",
-        "router CPU ms/turn",
-        "answers unlike kvbaton's",
-    ]
+        first = f"{fmt(s['ttft_first']['p50'], 0)} / {fmt(s['ttft_first']['p90'], 0)}"
+        row = [name, f"{s['turns']} ({s['failed']})", first, _itl(s.get("itl"))]
+        row += [f"{s['goodput']:.2f}", f"{s['p_computed']:,.0f}", f"{s['pulled_from_d']:,.0f}"]
+        row += [f"{s['pinned_max']:.0%}", f"{s['cpu_ms_per_turn']:.2f}"]
+        rows.append([*row, f"{s['differ']} of {s['compared']}"])
     return Table(header, rows)
 
 
@@ -564,12 +545,5 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
     for sc in scenarios.values():
         how.update((n, arm["how"]) for n, arm in sc["arms"].items() if n not in how)
     answer += ["", "The arms:", *(f"- {name}: {text}" for name, text in how.items())]
-    return [
-        Screen(
-            "Side by side with other routers",
-            question,
-            tables,
-            answer,
-            "bench-peers.png" if scenarios else None,
-        )
-    ]
+    plot = "bench-peers.png" if scenarios else None
+    return [Screen("Side by side with other routers", question, tables, answer, plot)]

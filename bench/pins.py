@@ -84,13 +84,10 @@ class Sampler:
             except (TimeoutError, urllib.error.URLError):
                 continue  # a D stalled on pins may not answer in time either
             total = sum(s["blocks"]["total"] for s in states)
-            pinned = sum(len(p["block_ids"]) for s in states for p in decoder_pins(s))
+            # the pins a D lists for P's reads (not P's leases)
+            pins = (p for s in states for p in s["pins"] if p["kind"] == "decoder")
+            pinned = sum(len(p["block_ids"]) for p in pins)
             self.samples.append({"t": time.perf_counter() - self._t0, "pinned": pinned / total})
-
-
-def decoder_pins(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The pins a D's /sim/state lists for P's reads (not P's leases)."""
-    return [p for p in state["pins"] if p["kind"] == "decoder"]
 
 
 def windows(res: dict[str, Any], step: float) -> list[dict[str, Any]]:

@@ -24,8 +24,8 @@ from harness.procs import ROOT, log_file, stop
 from harness.router import RouterProc, http_process, router
 from harness.stack import Stack
 from harness.stack import start_stack as support_stack
+from harness.waiting import cpu_seconds
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 Tick = Callable[[str], None]  # a part's progress: the label of the step that starts
 R = TypeVar("R")
 
@@ -47,31 +47,10 @@ def passthrough(
         yield app
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes pid started, and theirs (e.g. `kvbaton serve --workers N`'s workers)."""
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as fh:
-                for child in fh.read().split():
-                    found += [int(child), *descendants(int(child))]
-    return found
-
-
 def tree_cpu_seconds(pid: int) -> float:
-    """cpu_seconds of pid and its live descendants (a worker that exited is not counted)."""
-    total = cpu_seconds(pid)
-    for child in descendants(pid):
-        with contextlib.suppress(OSError):
-            total += cpu_seconds(child)
-    return total
+    """CPU seconds of pid and its children, e.g. `kvbaton serve --workers N`'s workers (0.0
+    once it is gone)."""
+    return cpu_seconds(pid) or 0.0
 
 
 def pin(pid: int, cpus: set[int] | None) -> bool:

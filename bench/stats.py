@@ -22,15 +22,8 @@ def ms(seconds: float) -> float:
 
 def summary_ms(values: Sequence[float]) -> dict[str, float]:
     """p50/p90/p99 and mean of seconds, in milliseconds."""
-    if not values:
-        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan, "n": 0}
-    return {
-        "p50": ms(pct(values, 50)),
-        "p90": ms(pct(values, 90)),
-        "p99": ms(pct(values, 99)),
-        "mean": ms(sum(values) / len(values)),
-        "n": len(values),
-    }
+    mean = ms(sum(values) / len(values)) if values else math.nan
+    return {**{f"p{q}": ms(pct(values, q)) for q in (50, 90, 99)}, "mean": mean, "n": len(values)}
 
 
 def turns_summary(turns: Sequence[dict[str, Any]], key: str = "ttft") -> dict[str, Any]:

@@ -184,14 +184,9 @@ def run(bench: Bench, url: str, name: str) -> dict[str, Any]:
     argv = [bench.python, str(bench.scratch / SCRIPT), "--url", url]
     argv += ["--model", str(bench.scratch / "tokenizer"), "--served-model-name", MODEL]
     argv += ["--input-file", str(config), "--seed", "0", "--no-early-stop"]
-    argv += ["--num-clients", str(bench.clients)]
-    argv += ["--max-active-conversations", str(bench.clients)]
-    argv += [
-        "--stats-json-output",
-        str(out / "stats.json"),
-        "--output-file",
-        str(out / "convs.json"),
-    ]
+    argv += ["--num-clients", str(bench.clients), "--max-active-conversations", str(bench.clients)]
+    argv += ["--stats-json-output", str(out / "stats.json")]
+    argv += ["--output-file", str(out / "convs.json")]
     env = dict(os.environ, PYTHONPATH=str(bench.scratch / "hook"), HF_HUB_OFFLINE="1")
     env.update(TRANSFORMERS_OFFLINE="1")
     log = log_file("vllm-multiturn")
@@ -200,16 +195,14 @@ def run(bench: Bench, url: str, name: str) -> dict[str, Any]:
         fh.write(f"# {name}: {' '.join(argv)}\n".encode())
         fh.flush()
         try:
-            proc = subprocess.run(
+            code: int | str = subprocess.call(
                 argv,
                 cwd=bench.scratch,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 env=env,
                 timeout=bench.timeout_s,
-                check=False,
             )
-            code: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             code = f"no end within {bench.timeout_s:.0f} s"
     text = log.read_text(errors="replace")
