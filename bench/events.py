@@ -57,12 +57,8 @@ sys.stdin.readline()
 def ingest(batches: int) -> dict[str, Any]:
     """Blocks per second the router's subscriber applies, and its CPU per block."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PUBLISHER, str(port), str(batches), str(EVENTS_PER_BATCH)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        cwd=ROOT,
-    )
+    argv = [sys.executable, "-c", PUBLISHER, str(port), str(batches), str(EVENTS_PER_BATCH)]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
     try:
         assert proc.stdout is not None and proc.stdin is not None
         proc.stdout.readline()  # "ready": encoded and bound
