@@ -117,11 +117,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     decode_local_max_tokens: Annotated[int, Flag(Group.REUSE, metavar="TOKENS")] = 512
     """the decode plan: a turn whose new tokens (those the previous D's prefix cache lacks) are
     at most this many runs on that D alone, no P leg (0: never)"""
-    decode_local_max_inflight: Annotated[int, Flag(Group.REUSE)] = 16
+    decode_local_max_inflight: Annotated[int, Flag(Group.REUSE)] = 64
     """the decode plan only while the previous D has fewer requests in flight than this"""
-    decode_local_idle_inflight: Annotated[int, Flag(Group.REUSE)] = 2
+    decode_local_idle_inflight: Annotated[int, Flag(Group.REUSE)] = 64
     """the decode plan even when P could pull, while the previous D has fewer requests in flight
-    than this: its next step comes sooner than P's prefill and the handover would (0: only
+    than this (the default: whenever --decode-local-max-inflight allows it): one forward on D
+    comes sooner than P's forward, the handover and D's own forward for token 1 (0: only
     when P is as crowded as --decode-local-max-inflight)"""
     prefill_token_ids: Annotated[bool, Flag(Group.REUSE)] = True
     """on a hit verified by P's /tokenize, send P those token ids on /v1/completions instead of

@@ -60,8 +60,8 @@ def tier_of(path: Path) -> str:
 
 
 # The routers the tests start prefer a pull to the decode plan while P has room, even on an
-# idle D (shipped: --decode-local-idle-inflight 2, which would run most of the tests' later
-# turns on D alone): the tests of the pull see pulls. The tests of the rule name the flag.
+# idle D (shipped: --decode-local-idle-inflight 64, which runs the tests' later turns on D
+# alone): the tests of the pull see pulls. The tests of the rule name the flag.
 PULL_FIRST_ENV = {"KVBATON_DECODE_LOCAL_IDLE_INFLIGHT": "0"}
 
 

@@ -36,7 +36,7 @@ VIA_MEANINGS: dict[Via, str] = {
     Via.DECODE: "the decode plan: the whole turn went to the previous D, whose prefix cache "
     "holds the conversation (what it lacks bounded from the session's state, or verified by "
     "its `/tokenize`); no P leg, nothing moved, D computed only the new tokens "
-    "(`--decode-local-max-tokens`), while it was idle (`--decode-local-idle-inflight`) or no "
+    "(`--decode-local-max-tokens`), while it had room (`--decode-local-idle-inflight`) or no "
     "pull was possible; the reused tokens are the full blocks it held",
     Via.STORE: "`--kv-connector store`: P reported this many cached prompt tokens "
     "(`usage.prompt_tokens_details.cached_tokens`), found in the shared store or its own "

@@ -26,7 +26,7 @@ from tests.support.slow_redis import SlowRedis, slow_redis
 # The claim script's EVALSHA (redis-py sends a registered script by its SHA-1).
 CLAIM_SHA = hashlib.sha1(scripts.CLAIM.encode()).hexdigest().encode()
 SLOW = (*BIDIR, "--decode-ms-per-token", "15")
-IDLE = ("--decode-local-idle-inflight", "2")  # the shipped rule (tests/conftest.py)
+IDLE = ("--decode-local-idle-inflight", "2")  # D alone while idle (tests/conftest.py)
 # The claim is held while D answers: no store timeout may end it first.
 ROUTER = (*IDLE, "--store-timeout", "60")
 

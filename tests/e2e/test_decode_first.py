@@ -19,8 +19,9 @@ from harness.stack import start_stack
 from tests.e2e.conftest import BIDIR, Stack, p_route_calls, pulled, reference_chat
 
 SLOW = (*BIDIR, "--decode-ms-per-token", "15")  # a 300-token answer streams for 4.5 s
-# The shipped rule (the tests' routers otherwise prefer a pull: tests/conftest.py).
-# (D's own count of its requests, read every --health-interval, counts in its load.)
+# The decode plan while D has fewer than 2 in flight (shipped: 64, which a test would have to
+# crowd D to pass; the tests' routers otherwise prefer a pull: tests/conftest.py). D's own
+# count of its requests, read every --health-interval, counts in its load.
 IDLE = ("--decode-local-idle-inflight", "2", "--health-interval", "0.5")
 
 

@@ -6,11 +6,11 @@ Why these rules (docs/architecture.md, *Per-turn placement*):
 - The decode plan puts prefill work into D's decode batch, so it is taken only when that
   work is small (`--decode-local-max-tokens` new tokens) and D is not crowded
   (`--decode-local-max-inflight` requests in flight there).
-- On an idle D (`--decode-local-idle-inflight`) the decode plan wins even when P could pull:
-  D's next step comes sooner than P's prefill and the handover to D would, and slows no
-  other conversation's stream. On a busier D a pull keeps the prefill work on P, so the
-  streams D is decoding are not slowed; the decode plan then still wins when P is as
-  crowded as the limit.
+- While D has room (`--decode-local-idle-inflight`, by default as many as the limit) the
+  decode plan wins even when P could pull: one forward on D comes sooner than P's forward,
+  the handover and D's own forward for token 1. Set lower, a busier D keeps the pull and
+  the prefill work on P, so the streams D is decoding are not slowed; the decode plan then
+  still wins when P is as crowded as the limit.
 - What D lacks of the new prompt is bounded from the state alone (decide/lacks.py: no
   /tokenize); where the state cannot bound it, D's own rendering says (`/tokenize`, or
   `/v1/responses/render` for Responses: a D that does not serve it is never given the
