@@ -284,6 +284,17 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         these = scenario_arms(sc, arms)
         res = scenario(plan, lg, sc, these, exes, bench, rounds, tick, out["commands"])
         out["scenarios"][sc.name] = res
+    return without_turns(out)
+
+
+def without_turns(out: dict[str, Any]) -> dict[str, Any]:
+    """The results less each round's turns: the report reads the arms' summaries, and a full
+    run's turns, answers included, are 6 MB of JSON."""
+    for sc in out["scenarios"].values():
+        for arm in sc["arms"].values():
+            for r in arm["rounds"]:
+                r.pop("turns", None)
+                r.pop("unmeasured_answers", None)
     return out
 
 

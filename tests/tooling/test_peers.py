@@ -146,3 +146,12 @@ def test_the_target_row_compares_kvbaton_with_vllm_router_and_shows_the_floor() 
     ((_, _, measured, met),) = targets.peer_rows(res)
     assert (measured, met) == ("1.40x (8.40 vs 6.00 ms); the floor alone 1.20x (7.20 ms)", True)
     assert targets.peer_rows(None) == [] and targets.peer_rows({"scenarios": {}}) == []
+
+
+def test_the_saved_results_keep_the_summaries_not_the_turns() -> None:
+    turn = {"conv": 0, "turn": 2, "ok": True, "ttft": 0.01, "answer": "x"}
+    rnd = {"turns": [turn], "unmeasured_answers": [[0, 3, "y"]], "cpu_s": 1.0}
+    arm = {"how": "h", "rounds": [rnd], "summary": {"turns": 1}}
+    out = peers.without_turns({"scenarios": {"arrivals": {"arms": {"kvbaton": arm}}}})
+    kept = out["scenarios"]["arrivals"]["arms"]["kvbaton"]
+    assert kept == {"how": "h", "rounds": [{"cpu_s": 1.0}], "summary": {"turns": 1}}
