@@ -84,12 +84,17 @@ def by_state(turn: Turn, source: Instance | None, p_inst: Instance) -> tuple[Ins
     """(the previous D, if the decode plan is chosen from the state alone; whether the choice
     is made). Before the P leg's /tokenize, the verification and the claim's early /tokenize:
     a turn that runs on D alone pays for none of them. Not made: the state cannot bound what
-    D lacks (decode_here decides after the verification)."""
+    D lacks, or bounds a pulling turn only above the limit (decode_here decides after the
+    verification, by its exact count)."""
     if not _candidate(turn, source):
         return None, True
     assert source is not None and turn.claim.state is not None
     est = lacks.estimate(turn.inc, turn.claim.state)
     if est is None:
+        return None, False
+    if est.new > limits(turn).max_tokens and turn.claim.reuse.pulls:
+        # The bound counts a token per byte: a message over the limit in bytes may be within
+        # it in tokens, which the verification counts anyway (P's /tokenize): decided there.
         return None, False
     inputs = plan.Inputs(
         new_tokens=est.new,

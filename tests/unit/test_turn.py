@@ -273,6 +273,20 @@ async def test_the_decode_plan_runs_the_turn_on_d_alone_and_keeps_its_tokens() -
     assert (status, headers["x-kv-reuse"]) == (200, "hit;via=decode")
 
 
+async def test_a_message_long_in_bytes_but_short_in_tokens_takes_the_decode_plan() -> None:
+    """The bound from the state counts a token per byte (lacks.py): 100 two-byte characters
+    bound it above the limit, but the verification's exact count (one token each here) is
+    within it, and decides."""
+    engines = FakeEngines()
+    svc = services(engines, decode_local_max_inflight=1, decode_local_max_tokens=160)
+    await conversation(svc, 1)
+    crowd_prefill(svc)
+    messages = second_turn("\u00e9" * 100)
+    status, headers, body = await turn(svc, messages, request_id="r1")
+    assert (status, headers["x-kv-reuse"]) == (200, "hit;via=decode")
+    assert answer(body) == expected_answer(messages)
+
+
 async def test_a_decode_plan_whose_d_fails_first_is_an_ordinary_pd_turn() -> None:
     engines = FakeEngines()
     svc = services(engines, decode_local_max_inflight=1)
