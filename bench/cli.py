@@ -162,7 +162,6 @@ def meta(argv: list[str]) -> dict[str, Any]:
         "load_before": _load(),
         "versions": _versions(),
         "commit": _commit(),
-        "gpu": dataclasses.asdict(FULL.gpu),  # the simulators' cost model (bench/plan.py)
     }
 
 
@@ -244,6 +243,7 @@ def run_parts(
             info, started, first = meta(argv), time.monotonic(), len(progress.loads)
             res = RUNS[name](plan, lg, progress.tick, no_reuse)
             info.update(
+                gpu=dataclasses.asdict(plan.gpu),  # the simulators' cost model, as run
                 load_after=_load(),
                 duration_s=round(time.monotonic() - started, 1),
                 step_loads=progress.loads[first:],
