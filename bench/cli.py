@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from tqdm import tqdm
@@ -33,11 +34,9 @@ from bench import (
     events,
     handover,
     headline,
-    hitpath,
     overhead,
     peers,
     pins,
-    pins_mixed,
     plots,
     profile,
     report,
@@ -48,8 +47,19 @@ from bench.plan import FULL, QUICK, Plan
 from bench.stack import LoadGen
 from harness.procs import ROOT
 
-# The order the parts run in (the report has its own: report.PARTS).
-PARTS = ("overhead", "throughput", "reuse", "events", "profile", "pins", "peers", "handover")
+# Each part's module, in the order the parts run (the report has its own: report.PARTS):
+# run(plan, lg, tick) gives its results, steps(plan) its progress ticks.
+MODULES: dict[str, ModuleType] = {
+    "overhead": overhead,
+    "throughput": throughput,
+    "reuse": reuse,
+    "events": events,
+    "profile": profile,
+    "pins": pins,
+    "peers": peers,
+    "handover": handover,
+}
+PARTS = tuple(MODULES)
 RESULTS = ROOT / "bench" / "results"
 DOCS = ROOT / "docs"
 PNGS: dict[str, tuple[str, Callable[[dict[str, Any], Path], None]]] = {
@@ -78,44 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def planned_steps(plan: Plan, parts: tuple[str, ...], no_reuse: bool) -> int:
+def planned_steps(plan: Plan, parts: tuple[str, ...]) -> int:
     """How many progress ticks the run will make (the bar's total)."""
-    n = 0
-    if "overhead" in parts:
-        # the cells, the Redis round trip; per round of the chunk cost, router and floor at
-        # 8 and 128 tokens, then at 8 and the long streams' lengths
-        n += len(plan.overhead_counts) * 2 + 1
-        n += plan.chunk_rounds * 2 * (3 + len(overhead.LONG_TOKENS))
-        n += hitpath.steps(plan)
-    if "throughput" in parts:
-        n += throughput.steps(plan)
-    if "reuse" in parts:
-        arms = sum(len(reuse.arms_for(plan, cache, no_reuse)) for cache in reuse.CACHES)
-        n += arms * plan.conv_rounds
-    if "events" in parts:
-        n += events.steps(plan)
-    if "profile" in parts and plan.profile_s > 0:
-        n += len(profile.PROFILES) + 1  # and the hits
-    if "pins" in parts:
-        n += pins.steps(plan) + pins_mixed.steps(plan)
-    if "peers" in parts:
-        n += peers.steps(plan)
-    if "handover" in parts:
-        n += handover.steps(plan)
-    return n
-
-
-def router_has_no_reuse() -> bool:
-    """Whether `kvbaton serve` has the --no-reuse flag (affinity only, never a handle)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "router", "serve", "--help=all"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return "--no-reuse" in out.stdout
+    return sum(MODULES[name].steps(plan) for name in runnable(plan, parts))
 
 
 def _versions() -> str:
@@ -149,17 +124,12 @@ def _commit() -> str:
     return head + (" (router/sessions/vllm_sim with uncommitted changes)" if dirty else "")
 
 
-def _load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def meta(argv: list[str]) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(["python -m bench", *argv]),
         "nproc": os.cpu_count(),
         "cpu_model": _cpu_model(),
-        "load_before": _load(),
         "versions": _versions(),
         "commit": _commit(),
     }
@@ -188,18 +158,15 @@ class Progress:
     def __init__(self, total: int) -> None:
         self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
         self.label = ""
-        self.since = time.monotonic()
-        self.seconds: dict[str, float] = {}  # each step's wall time, for the record
         self.loads: list[float] = []  # the 1-minute load average as each step starts
 
     def _done(self) -> None:
         if self.label:
-            self.seconds[self.label] = round(time.monotonic() - self.since, 2)
             self.bar.update(1)
 
     def tick(self, label: str) -> None:
         self._done()
-        self.label, self.since = label, time.monotonic()
+        self.label = label
         self.loads.append(os.getloadavg()[0])
         self.bar.set_description(label)
 
@@ -209,21 +176,6 @@ class Progress:
         self.bar.total = self.bar.n  # sweeps may stop early
         self.bar.refresh()
         self.bar.close()
-
-
-RUNS: dict[str, Callable[[Plan, LoadGen, Callable[[str], None], bool], dict[str, Any]]] = {
-    "overhead": lambda plan, lg, tick, no_reuse: overhead.run(plan, lg, tick, no_reuse),
-    "throughput": lambda plan, lg, tick, no_reuse: throughput.run(plan, lg, tick),
-    "reuse": lambda plan, lg, tick, no_reuse: reuse.run(plan, lg, tick, no_reuse),
-    "events": lambda plan, lg, tick, no_reuse: events.run(plan, lg, tick),
-    "profile": lambda plan, lg, tick, no_reuse: profile.run(plan, lg, tick),
-    "pins": lambda plan, lg, tick, no_reuse: {
-        **pins.run(plan, lg, tick),
-        "mixed": pins_mixed.run(plan, lg, tick),
-    },
-    "peers": lambda plan, lg, tick, no_reuse: peers.run(plan, lg, tick),
-    "handover": lambda plan, lg, tick, no_reuse: handover.run(plan, lg, tick),
-}
 
 
 def runnable(plan: Plan, parts: tuple[str, ...]) -> tuple[str, ...]:
@@ -236,18 +188,15 @@ def run_parts(
     plan: Plan, parts: tuple[str, ...], argv: list[str], progress: Progress, folder: Path
 ) -> list[str]:
     """Run each part and save its results file as soon as it ends; the parts saved."""
-    no_reuse = router_has_no_reuse()
     saved = []
     with LoadGen() as lg:
         for name in runnable(plan, parts):
             info, started, first = meta(argv), time.monotonic(), len(progress.loads)
-            res = RUNS[name](plan, lg, progress.tick, no_reuse)
+            res = MODULES[name].run(plan, lg, progress.tick)
             info.update(
                 gpu=dataclasses.asdict(plan.gpu),  # the simulators' cost model, as run
-                load_after=_load(),
                 duration_s=round(time.monotonic() - started, 1),
                 step_loads=progress.loads[first:],
-                no_reuse=no_reuse,
             )
             report.save(folder, name, plan, info, res)
             saved.append(name)
@@ -292,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     folder, out = folders(args)
     if not args.render:
         parts = tuple(args.only) if args.only else PARTS
-        progress = Progress(planned_steps(plan, parts, router_has_no_reuse()))
+        progress = Progress(planned_steps(plan, parts))
         try:
             with sigterm_as_interrupt():
                 run_parts(plan, parts, argv, progress, folder)

@@ -61,9 +61,9 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         stacks = {
             arm: stack.enter_context(
                 start_stack(
-                    prefill_args=[sim_args(plan)],
-                    decode_args=[sim_args(plan)],
-                    router_args=[flags],
+                    prefill=[sim_args(plan)],
+                    decode=[sim_args(plan)],
+                    routers=[flags],
                     name=f"handover-{arm}",
                 )
             )

@@ -1,9 +1,8 @@
 """The load generator: its own process, fed one JSON job per stdin line, one JSON result out.
 
-Two targets send the same client requests: `router` (POST to kvbaton) and `direct` (a minimal
-client doing the P and D legs itself, as vLLM's toy proxy does: round robin over P and over
-D, P with max_tokens=1 and the null handoff, D with P's kv_transfer_params, no session).
-Every loop is bounded by a request count and a deadline.
+Every request goes to a router (kvbaton, a peer, or the floor), round robin over its URLs.
+Two kinds of job: `conversations` (n of them, a number at a time) and `arrivals` (a Poisson
+process of conversations); both are bounded by a deadline, every turn timed.
 """
 
 from __future__ import annotations
@@ -13,13 +12,10 @@ import contextlib
 import hashlib
 import itertools
 import json
-import math
 import random
-import statistics
 import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +23,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from harness.chat import NULL_HANDOFF
 from vllm_sim.words import COMMON
 
 CHAT = "/v1/chat/completions"
-BODY_POOL = 4096  # distinct request bodies per job; longer jobs cycle through them
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 
@@ -128,15 +122,6 @@ async def read_reply(
 
 
 class Target:
-    """Where a client request goes; `send` fills a Sample."""
-
-    async def send(
-        self, s: aiohttp.ClientSession, body: dict[str, Any], conv: str | None, parse: bool
-    ) -> Sample:
-        raise NotImplementedError
-
-
-class RouterTarget(Target):
     """A router; the conversation id goes in the body (`conversation_id`), or with
     session_header in an `X-Session-ID` header (what vllm-router's session policies hash)."""
 
@@ -145,49 +130,14 @@ class RouterTarget(Target):
         self._header = session_header
 
     async def send(
-        self, s: aiohttp.ClientSession, body: dict[str, Any], conv: str | None, parse: bool
+        self, s: aiohttp.ClientSession, body: dict[str, Any], conv: str, parse: bool
     ) -> Sample:
         sample = Sample()
         stream = bool(body.get("stream"))
-        headers = _JSON
-        if conv is not None and self._header:
-            headers = {**_JSON, "X-Session-ID": conv}
-        elif conv is not None:
-            body = {**body, "conversation_id": conv}
+        headers = {**_JSON, "X-Session-ID": conv} if self._header else _JSON
+        body = body if self._header else {**body, "conversation_id": conv}
         t0 = time.perf_counter()
         async with s.post(next(self._urls) + CHAT, data=_encode(body), headers=headers) as resp:
-            await read_reply(resp, sample, t0, stream, parse)
-        sample.latency = time.perf_counter() - t0
-        return sample
-
-
-class DirectTarget(Target):
-    """The P and D legs done by the client itself (vLLM's toy proxy logic, minus the hop)."""
-
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
-        self._p = itertools.cycle(prefill)
-        self._d = itertools.cycle(decode)
-
-    async def send(
-        self, s: aiohttp.ClientSession, body: dict[str, Any], conv: str | None, parse: bool
-    ) -> Sample:
-        sample = Sample()
-        stream = bool(body.get("stream"))
-        p_body = {k: v for k, v in body.items() if k not in ("stream_options",)}
-        p_body.update(
-            max_tokens=1, stream=False, kv_transfer_params=NULL_HANDOFF, max_completion_tokens=1
-        )
-        headers = {**_JSON, "X-Request-Id": uuid.uuid4().hex}
-        t0 = time.perf_counter()
-        async with s.post(next(self._p) + CHAT, data=_encode(p_body), headers=headers) as resp:
-            raw = await resp.read()
-            if resp.status != 200:
-                sample.error = f"P answered HTTP {resp.status}: {raw[:200]!r}"
-                sample.latency = time.perf_counter() - t0
-                return sample
-        params = _decode(raw).get("kv_transfer_params")
-        d_body = {**body, "kv_transfer_params": params}
-        async with s.post(next(self._d) + CHAT, data=_encode(d_body), headers=headers) as resp:
             await read_reply(resp, sample, t0, stream, parse)
         sample.latency = time.perf_counter() - t0
         return sample
@@ -198,27 +148,11 @@ _JSON = {"Content-Type": "application/json"}
 
 def make_target(spec: dict[str, Any]) -> Target:
     t = spec["target"]
-    if t["mode"] == "router":
-        return RouterTarget(t["urls"], bool(t.get("session_header")))
-    return DirectTarget(t["prefill"], t["decode"])
-
-
-def request_body(spec: dict[str, Any], index: int) -> dict[str, Any]:
-    """The index-th request of a job: the same sequence for every target (seeded)."""
-    rng = random.Random(spec.get("seed", 0) * 1_000_003 + index)
-    return {
-        "model": spec.get("model", "sim-model"),
-        "messages": [
-            {"role": "system", "content": words(rng, spec.get("system_words", 100))},
-            {"role": "user", "content": words(rng, spec.get("user_words", 50))},
-        ],
-        "max_tokens": spec.get("max_tokens", 16),
-        "stream": bool(spec.get("stream")),
-    }
+    return Target(t["urls"], bool(t.get("session_header")))
 
 
 async def _guarded(
-    target: Target, s: aiohttp.ClientSession, body: dict[str, Any], conv: str | None, parse: bool
+    target: Target, s: aiohttp.ClientSession, body: dict[str, Any], conv: str, parse: bool
 ) -> Sample:
     try:
         return await target.send(s, body, conv, parse)
@@ -230,67 +164,6 @@ def _session(spec: dict[str, Any], limit: int) -> aiohttp.ClientSession:
     timeout = aiohttp.ClientTimeout(total=spec.get("request_timeout_s", 60.0), connect=5.0)
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
-
-
-async def closed_loop(spec: dict[str, Any]) -> dict[str, Any]:
-    """`concurrency` workers send `count` requests (after `warmup` unrecorded ones)."""
-    target = make_target(spec)
-    conc = int(spec["concurrency"])
-    warmup, count = int(spec.get("warmup", 0)), int(spec["count"])
-    total = warmup + count
-    pool = [request_body(spec, i) for i in range(min(total, BODY_POOL))]
-    samples: list[Sample | None] = [None] * total
-    counter = itertools.count()
-    deadline = time.monotonic() + float(spec["deadline_s"])
-
-    async def worker(s: aiohttp.ClientSession) -> None:
-        while time.monotonic() < deadline:
-            i = next(counter)
-            if i >= total:
-                return
-            conv = f"bench-{uuid.uuid4().hex}"  # every request a conversation of its own
-            samples[i] = await _guarded(target, s, pool[i % len(pool)], conv, False)
-
-    async with _session(spec, conc + 8) as s:
-        t0 = time.perf_counter()
-        await _bounded(asyncio.gather(*(worker(s) for _ in range(conc))), deadline)
-        wall = time.perf_counter() - t0
-    measured = [x for x in samples[warmup:] if x is not None]
-    return summarize(measured, wall, sent=sum(x is not None for x in samples))
-
-
-async def open_loop(spec: dict[str, Any]) -> dict[str, Any]:
-    """Requests arrive at `rate` per second for `duration_s`, at most `max_inflight` at once."""
-    target = make_target(spec)
-    rate, duration = float(spec["rate"]), float(spec["duration_s"])
-    cap = int(spec.get("max_inflight", 512))
-    n = int(rate * duration)
-    pool = [request_body(spec, i) for i in range(min(n, BODY_POOL))]
-    samples: list[Sample] = []
-    shed = 0
-    inflight: set[asyncio.Task[None]] = set()
-    deadline = time.monotonic() + duration + float(spec.get("drain_s", 10.0))
-
-    async def one(s: aiohttp.ClientSession, body: dict[str, Any]) -> None:
-        samples.append(await _guarded(target, s, body, f"bench-{uuid.uuid4().hex}", False))
-
-    async with _session(spec, cap + 8) as s:
-        t0 = time.perf_counter()
-        for i in range(n):
-            body = pool[i % len(pool)]
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if len(inflight) >= cap:
-                shed += 1
-                continue
-            task = asyncio.create_task(one(s, body))
-            inflight.add(task)
-            task.add_done_callback(inflight.discard)
-        if inflight:
-            await _bounded(asyncio.gather(*inflight), deadline)
-        wall = time.perf_counter() - t0
-    return summarize(samples, wall, sent=n - shed)
 
 
 async def _bounded(aw: Awaitable[Any], deadline: float) -> None:
@@ -357,41 +230,11 @@ async def arrivals(spec: dict[str, Any]) -> dict[str, Any]:
     return {"turns": turns, "wall_s": wall, "conversations": c}
 
 
-async def mixed(spec: dict[str, Any]) -> dict[str, Any]:
-    """Several `arrivals` jobs at once through the same targets (`groups`: name -> its spec,
-    the shared fields of `spec` under each); every turn's record says its `group`."""
-    shared = {k: v for k, v in spec.items() if k not in ("kind", "groups")}
-    names = list(spec["groups"])
-    results = await asyncio.gather(
-        *(arrivals({**shared, **spec["groups"][name]}) for name in names)
-    )
-    turns = [
-        {**t, "group": name} for name, r in zip(names, results, strict=True) for t in r["turns"]
-    ]
-    return {
-        "turns": turns,
-        "wall_s": max(r["wall_s"] for r in results),
-        "conversations": {name: r["conversations"] for name, r in zip(names, results, strict=True)},
-    }
-
-
-# A lognormal's p95 is its median times exp(Z95 sigma).
-Z95 = statistics.NormalDist().inv_cdf(0.95)
-
-
 def think_time(spec: dict[str, Any], rng: random.Random) -> float:
-    """The pause before a turn after the first: `think` {"dist": "uniform", "lo", "hi"} or
-    {"dist": "lognormal", "median_s", "p95_s"}, else exponential of mean `think_s` (cut at 4
-    means; 0: none)."""
-    think = spec.get("think")
-    if think is None:
-        mean = float(spec.get("think_s", 0.0))
-        return min(rng.expovariate(1 / mean), 4 * mean) if mean > 0 else 0.0
-    if think["dist"] == "uniform":
-        return rng.uniform(float(think["lo"]), float(think["hi"]))
-    median = float(think["median_s"])
-    sigma = math.log(float(think["p95_s"]) / median) / Z95
-    return rng.lognormvariate(math.log(median), sigma)
+    """The pause before a turn after the first: exponential of mean `think_s`, cut at 4 means
+    (0: none)."""
+    mean = float(spec.get("think_s", 0.0))
+    return min(rng.expovariate(1 / mean), 4 * mean) if mean > 0 else 0.0
 
 
 async def run_conversation(
@@ -409,8 +252,7 @@ async def run_conversation(
     first."""
     lo, hi = spec["system_words"]
     history: list[dict[str, Any]] = [{"role": "system", "content": words(rng, rng.randint(lo, hi))}]
-    use_ids = spec["target"]["mode"] == "router" and spec.get("conversation_ids", True)
-    conv = f"bench-{spec.get('seed', 0)}-{c}-{uuid.uuid4().hex[:8]}" if use_ids else None
+    conv = f"bench-{spec.get('seed', 0)}-{c}-{uuid.uuid4().hex[:8]}"
     for t in range(1, int(spec["turns"]) + 1):
         pause = think_time(spec, rng) if t > 1 else 0.0
         if pause > 0:
@@ -445,6 +287,7 @@ def _turn_record(c: int, t: int, x: Sample) -> dict[str, Any]:
         # Inter-token latency as the stream saw it (the mean gap between its SSE events): a
         # turn run on D alone puts its prefill into the steps of the streams D is decoding.
         "itl": (x.last - x.ttft) / (x.events - 1) if x.events > 1 else 0.0,
+        "events": x.events,
         "prompt_tokens": usage.get("prompt_tokens", 0),
         "completion_tokens": usage.get("completion_tokens", 0),
         "reuse": x.reuse,
@@ -453,29 +296,9 @@ def _turn_record(c: int, t: int, x: Sample) -> dict[str, Any]:
     }
 
 
-def summarize(samples: list[Sample], wall: float, sent: int) -> dict[str, Any]:
-    """Columns of the successful requests, error counts and X-KV-Reuse outcomes."""
-    good = [x for x in samples if x.ok]
-    errors = [x.error for x in samples if not x.ok]
-    reuse = Counter(x.reuse for x in good if x.reuse)
-    return {
-        "reuse": dict(reuse),
-        "latency": [x.latency for x in good],
-        "events": [x.events for x in good],
-        "ok": len(good),
-        "failed": len(errors),
-        "error_examples": errors[:3],
-        "sent": sent,
-        "wall_s": wall,
-    }
-
-
 KINDS: dict[str, Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]] = {
-    "closed": closed_loop,
-    "open": open_loop,
     "conversations": conversations,
     "arrivals": arrivals,
-    "mixed": mixed,
 }
 
 

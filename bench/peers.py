@@ -9,7 +9,6 @@ with one line.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,7 +55,6 @@ class Arm:
 
 
 VLLM_ROUTER_PEER, VLLM_PROXY_PEER, VLLM_DEMO_PEER = "vllm-router", "vllm-proxy", "vllm-demo"
-FLOOR_PEER = "floor"
 KVBATON = "kvbaton"
 # vllm-router reads none of D's KV back, so its D keeps nothing for P (a D that did would fill
 # with pins nobody releases: section 7's second arm).
@@ -112,18 +110,6 @@ ARMS = (
         store=True,
     ),
 )
-# The stack kvbaton is built on doing no router work, on vLLM's multi-turn benchmark only: what
-# any router on Hypercorn + Starlette + aiohttp pays for these turns (the issue's "where the
-# stack itself is the cost, say so with the figure").
-FLOOR_ARM = Arm(
-    "the floor (no router work)",
-    "bench/passthrough.py, not a router: Hypercorn + Starlette + aiohttp passing each turn "
-    "through one P (`max_tokens` 1) and one D, D's stream relayed as it comes; no sessions, "
-    "no reuse, no parsing of D's answer. Its one P and one D serve every turn, so its TTFTs "
-    "are not comparable; its router CPU is, turn for turn",
-    (),
-    FLOOR_PEER,
-)
 
 
 def vllm_proxy(path: str, deps: tuple[str, ...]) -> str | None:
@@ -156,16 +142,10 @@ def router_argv(exe: str, st: Stack, flags: tuple[str, ...], port: int) -> list[
     return [*argv, "--prometheus-port", str(free_port()), "--log-level", "warning"]
 
 
-def floor_argv(module: str, st: Stack, flags: tuple[str, ...], port: int) -> list[str]:
-    """The floor over the stack's first P and first D."""
-    return [sys.executable, "-m", module, str(port), st.ps[0].url, st.ds[0].url, "uvloop"]
-
-
 PEER_ARGV = {
     VLLM_PROXY_PEER: proxy_argv,
     VLLM_DEMO_PEER: demo_argv,
     VLLM_ROUTER_PEER: router_argv,
-    FLOOR_PEER: floor_argv,
 }
 
 
@@ -238,27 +218,20 @@ MULTITURN = SCENARIOS[-1]
 
 def chosen(plan: Plan) -> tuple[list[Scenario], list[Arm]]:
     """--quick: the arrivals and vLLM's benchmark (on a smaller config), kvbaton and
-    vllm-router's default policy; the floor's arm runs on vLLM's benchmark alone."""
+    vllm-router's default policy."""
     if plan.quick:
-        return [SCENARIOS[0], MULTITURN], [ARMS[0], ARMS[2], FLOOR_ARM]
-    return list(SCENARIOS), [*ARMS, FLOOR_ARM]
-
-
-def scenario_arms(sc: Scenario, arms: list[Arm]) -> list[Arm]:
-    return [a for a in arms if a.peer != FLOOR_PEER or sc.multiturn]
+        return [SCENARIOS[0], MULTITURN], [ARMS[0], ARMS[2]]
+    return list(SCENARIOS), list(ARMS)
 
 
 def steps(plan: Plan) -> int:
     scenarios, arms = chosen(plan)
-    return sum(
-        len(scenario_arms(s, arms)) * (1 if plan.quick else s.full_rounds) for s in scenarios
-    )
+    return sum(len(arms) * (1 if plan.quick else s.full_rounds) for s in scenarios)
 
 
 # Each peer kind's executable, fetched where it is not the project's own (None: not fetched).
 EXES: dict[str, Callable[[], str | None]] = {
     "": str,  # kvbaton, from the stack
-    FLOOR_PEER: lambda: "bench.passthrough",
     VLLM_ROUTER_PEER: vllm_router,
     VLLM_PROXY_PEER: lambda: vllm_proxy(MULTITURN_PROXY, PROXY_DEPS),
     VLLM_DEMO_PEER: lambda: vllm_proxy(DEMO_PROXY, DEMO_DEPS),
@@ -281,8 +254,7 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
         if sc.multiturn and bench is None:
             continue
         rounds = 1 if plan.quick else sc.full_rounds
-        these = scenario_arms(sc, arms)
-        res = scenario(plan, lg, sc, these, exes, bench, rounds, tick, out["commands"])
+        res = scenario(plan, lg, sc, arms, exes, bench, rounds, tick, out["commands"])
         out["scenarios"][sc.name] = res
     return without_turns(out)
 
@@ -350,10 +322,10 @@ def arm_stack(
         events = [["--kv-events-port", str(port)] for port in ports] or [[], []]
         st = exits.enter_context(
             start_stack(
-                prefill_args=[[*p, *events[0]], [*p, *events[1]]],
-                decode_args=[d, d],
-                router_args=[] if arm.peer else [list(arm.flags)],
-                with_redis=not arm.peer,
+                prefill=[[*p, *events[0]], [*p, *events[1]]],
+                decode=[d, d],
+                routers=[] if arm.peer else [list(arm.flags)],
+                redis=not arm.peer,
                 name="peers",
             )
         )
@@ -434,11 +406,11 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     }
 
 
-def router_cpu(arms: dict[str, Any]) -> tuple[float | None, float | None, float | None]:
-    """Router CPU ms per turn of kvbaton, vllm-router's default policy and the floor (None
-    for an arm that did not run)."""
+def router_cpu(arms: dict[str, Any]) -> tuple[float | None, float | None]:
+    """Router CPU ms per turn of kvbaton and vllm-router's default policy (None for an arm
+    that did not run)."""
     cpu = {name: arm["summary"]["cpu_ms_per_turn"] for name, arm in arms.items()}
-    return cpu.get(ARMS[0].name), cpu.get(ARMS[2].name), cpu.get(FLOOR_ARM.name)
+    return cpu.get(ARMS[0].name), cpu.get(ARMS[2].name)
 
 
 def answers_compared(arms: dict[str, Any]) -> None:
@@ -494,10 +466,7 @@ def winners(scenarios: dict[str, Any]) -> list[str]:
     """Per scenario, the arm lowest at later-turn p50, and kvbaton's figures where it is not."""
     out = []
     for name, sc in scenarios.items():
-        # the floor is not a router: its one P and one D serve every turn
-        later = {
-            a: r["summary"]["ttft_later"] for a, r in sc["arms"].items() if a != FLOOR_ARM.name
-        }
+        later = {a: r["summary"]["ttft_later"] for a, r in sc["arms"].items()}
         best = min(later, key=lambda a: later[a]["p50"])
         b, mine = later[best], later.get(KVBATON)
         if best == KVBATON:

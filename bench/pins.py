@@ -127,9 +127,9 @@ def stack(plan: Plan, flags: list[str]) -> contextlib.AbstractContextManager[Sta
     ROUTER_ARGS and flags."""
     d_args = [*D_ARGS, "--num-blocks", str(plan.pins_blocks), *plan.gpu.sim_args()]
     return start_stack(
-        prefill_args=[[*P_ARGS, *plan.gpu.sim_args()]],
-        decode_args=[d_args],
-        router_args=[[*ROUTER_ARGS, *flags]],
+        prefill=[[*P_ARGS, *plan.gpu.sim_args()]],
+        decode=[d_args],
+        routers=[[*ROUTER_ARGS, *flags]],
         name="pins",
     )
 
@@ -166,34 +166,25 @@ def releases(url: str) -> dict[str, int]:
 
 
 def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
-    rows = {f"arrivals, {name}": arm["summary"] for name, arm in res["arms"].items()}
-    mixed = res.get("mixed") or {}
-    kinds = mixed.get("kinds", {})
-    rows |= {f"{kind}, releases on": k["summary"] for kind, k in kinds.items()}
-    header = ["workload, arm", "turns (failed)", "TTFT p50 / p99 ms", "later turns hit"]
+    header = ["arm", "turns (failed)", "TTFT p50 / p99 ms", "later turns hit"]
     header += ["lost to a release", "D pinned p50 / max"]
     on, off = res["arms"]["releases on"]["summary"], res["arms"]["releases off"]["summary"]
-    lost = ", ".join(f"{kind} {k['summary']['released']}" for kind, k in kinds.items())
     freed = {name: sum(arm["releases"].values()) for name, arm in res["arms"].items()}
     answer = [
         f"Releases ({freed['releases on']} handles; off: {freed['releases off']}) hold D's "
         f"pinned share to {percent(on['pinned_max'])} at most (off: {percent(off['pinned_max'])})"
         f" and TTFT p99 to {fmt(on['ttft']['p99'], 0)} ms (off: {fmt(off['ttft']['p99'], 0)} ms).",
-        f"Later turns lost to a release: {on['released']} of {on['later_turns']}"
-        f"{f'; mixed workload: {lost}' if lost else ''}.",
+        f"Later turns lost to a release: {on['released']} of {on['later_turns']}.",
     ]
     question = (
         f"What do D's pinned handles do to its memory and to TTFT, with kvbaton's releases on "
         f"and off: {plan.pins_rate:g} conversations/s for {plan.pins_s:g} s "
         f"({WORKLOAD['one_turn_share']:.0%} of one turn, the others {WORKLOAD['turns'][0]}-"
         f"{WORKLOAD['turns'][1]}) on a P and a D of {plan.pins_blocks:,} blocks, the arms one "
-        "after the other"
+        "after the other?"
     )
-    if mixed:
-        median = mixed["think"]["human"]["median_s"]
-        question += f", then bots (1-3 s between turns) and people (median {median:g} s) together"
-    table = Table(header, [_row(name, s) for name, s in rows.items()])
-    return [Screen(TITLE, question + "?", [table], answer, "bench-pins.png")]
+    table = Table(header, [_row(name, arm["summary"]) for name, arm in res["arms"].items()])
+    return [Screen(TITLE, question, [table], answer, "bench-pins.png")]
 
 
 def percent(x: float) -> str:

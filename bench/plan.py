@@ -97,14 +97,12 @@ SOURCES = {
 @dataclass(frozen=True)
 class Plan:
     name: str
-    # 1. overhead: requests per concurrency level (after warmup)
-    overhead_counts: tuple[tuple[int, int], ...]
-    overhead_warmup: int
-    overhead_rounds: int  # alternating direct/kvbaton rounds per cell
-    chunk_runs: int  # requests per run of the per-chunk CPU slope
-    chunk_rounds: int  # alternating router/floor rounds of each paced per-chunk slope
-    long_streams: int  # streams per length of the long-stream chunk cost (all at once)
-    long_ms_per_token: float  # D's pace for them (0: back to back; 16,000 x 1 ms = 16 s+)
+    # 1. overhead: conversations of hit_turns turns per cell (at least hit_min_convs, 2 per
+    # client) at each of hit_clients, JSON and streamed, in alternating rounds of every arm
+    overhead_rounds: int
+    hit_clients: tuple[int, ...]
+    hit_min_convs: int
+    hit_turns: int
     # 2. throughput: open-loop rate sweep
     sweep_start: float
     sweep_factor: float
@@ -123,22 +121,11 @@ class Plan:
     max_model_len: int
     # 5. profile (0: skipped)
     profile_s: float
-    # 6. KV events: batches of 64 blocks for the ingest figure; conversations x turns per
-    # router per round for the per-turn cost with and without events
-    events_batches: int
+    # 6. KV events: conversations x turns per router per round, with and without events
     events_convs: int
     events_turns: int
     events_rounds: int
-    # 1b. the hit path: clients per cell, conversations per run (at least 2 per client),
-    # turns each, alternating kvbaton/floor rounds
-    hit_clients: tuple[int, ...]
-    hit_min_convs: int
-    hit_turns: int
-    hit_rounds: int
-    # rounds of the cell at REFERENCE_CLIENTS where vLLM's reference proxy runs beside it:
-    # its ratio of added latencies moved 0.30-0.44 between runs of 2 rounds (measured)
-    hit_reference_rounds: int
-    # 2, hits: closed-loop concurrencies of the hit path's conversations against the pinned
+    # 2, hits: closed-loop concurrencies of section 1's conversations against the pinned
     # router, and conversations per level (at least 2 per client)
     hit_tput_clients: tuple[int, ...]
     hit_tput_convs: int
@@ -149,14 +136,6 @@ class Plan:
     pins_blocks: int
     pins_timeout_s: float  # a client gives up on a turn after this long
     pins_window_s: float  # the time series' step
-    # 7, mixed: scripted conversations (1-3 s between turns) and human-paced ones (lognormal
-    # think times, median 20 s and p95 2 min, times pins_think_scale) arriving at
-    # pins_mixed_rate per second each for pins_mixed_s, their later turns until
-    # pins_mixed_drain_s after that
-    pins_mixed_rate: float
-    pins_mixed_s: float
-    pins_mixed_drain_s: float
-    pins_think_scale: float
     # 8. peers: section 7's arrivals for peers_s seconds per arm and round (the variants
     # for a share of it; bench/peers.py, SCENARIOS)
     peers_s: float
@@ -169,13 +148,10 @@ class Plan:
 
 FULL = Plan(
     name="full",
-    overhead_counts=((1, 400), (16, 2000), (128, 3000)),
-    overhead_warmup=50,
     overhead_rounds=4,
-    chunk_runs=600,
-    chunk_rounds=3,
-    long_streams=8,
-    long_ms_per_token=1.0,
+    hit_clients=(1, 16, 128),
+    hit_min_convs=24,
+    hit_turns=5,
     sweep_start=100.0,
     sweep_factor=1.35,
     sweep_steps=12,
@@ -191,15 +167,9 @@ FULL = Plan(
     small_prefill_blocks=1536,
     max_model_len=16384,
     profile_s=12.0,
-    events_batches=4000,
     events_convs=10,
     events_turns=6,
     events_rounds=4,
-    hit_clients=(1, 16, 128),
-    hit_min_convs=24,
-    hit_turns=5,
-    hit_rounds=2,
-    hit_reference_rounds=8,
     hit_tput_clients=(16, 64),
     hit_tput_convs=800,
     pins_rate=3.0,
@@ -207,22 +177,15 @@ FULL = Plan(
     pins_blocks=8192,
     pins_timeout_s=30.0,
     pins_window_s=10.0,
-    pins_mixed_rate=0.5,
-    pins_mixed_s=180.0,
-    pins_mixed_drain_s=240.0,
-    pins_think_scale=1.0,
     peers_s=60.0,
 )
 
 QUICK = Plan(
     name="quick",
-    overhead_counts=((1, 30), (16, 96), (128, 128)),
-    overhead_warmup=10,
     overhead_rounds=1,
-    chunk_runs=64,
-    chunk_rounds=1,
-    long_streams=2,
-    long_ms_per_token=0.0,  # paced, the 16,000-token stream alone takes 16-30 s
+    hit_clients=(1, 16),
+    hit_min_convs=4,
+    hit_turns=3,
     sweep_start=100.0,
     sweep_factor=2.0,
     sweep_steps=3,
@@ -238,15 +201,9 @@ QUICK = Plan(
     small_prefill_blocks=257,
     max_model_len=4096,
     profile_s=0.0,
-    events_batches=500,
     events_convs=3,
     events_turns=4,
     events_rounds=2,
-    hit_clients=(1, 16),
-    hit_min_convs=4,
-    hit_turns=3,
-    hit_rounds=1,
-    hit_reference_rounds=2,
     hit_tput_clients=(8,),
     hit_tput_convs=16,
     pins_rate=3.0,
@@ -254,9 +211,5 @@ QUICK = Plan(
     pins_blocks=1024,  # D fills within the run: its pressure releases show
     pins_timeout_s=5.0,
     pins_window_s=3.0,
-    pins_mixed_rate=1.0,
-    pins_mixed_s=12.0,
-    pins_mixed_drain_s=24.0,
-    pins_think_scale=0.25,  # human think times of median 5 s, p95 30 s: a run under a minute
     peers_s=6.0,
 )

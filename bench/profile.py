@@ -12,10 +12,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench import hitpath, overhead
+from bench import overhead
 from bench.plan import Plan
 from bench.screen import Screen, Table
-from bench.stack import LoadGen, Tick, start_stack, timed
+from bench.stack import LoadGen, Tick, timed
 from bench.stats import fmt
 from harness.stack import Stack
 
@@ -77,31 +77,25 @@ def parse(text: str) -> dict[str, Any]:
     return {"samples": total, "idle": idle, "groups": shares}
 
 
-# label, paced D, streaming, max_tokens, clients
-PROFILES: tuple[tuple[str, bool, bool, int, int], ...] = (("json", False, False, 16, 16),)
-PROFILES += (("stream", False, True, 128, 16), ("stream-paced", True, True, 128, 32))
+# label: streamed, turns per conversation (1: first turns only), answer tokens
+PROFILES = {"json": (False, 1, 16), "stream": (True, 1, 128), "hits": (False, 0, 16)}
+CLIENTS = 16
+
+
+def steps(_: Plan) -> int:
+    return len(PROFILES)
 
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
+    """Each load on the overhead section's engines and router, 16 clients at a time."""
     out: dict[str, Any] = {}
-    for paced in (False, True):
-        engines: dict[str, Any] = {"prefill_args": [overhead.P_ARGS], "router_args": [[]]}
-        d_args = [*overhead.D_ARGS, *(overhead.PACED if paced else [])]
-        with start_stack(**engines, decode_args=[d_args], name="profile") as st:
-            for label, p, stream, tokens, clients in PROFILES:
-                if p == paced:
-                    tick(f"profile {label}")
-                    # More requests than fit: the deadline ends the job.
-                    job = dict(concurrency=clients, count=int(plan.profile_s * 5000), warmup=0)
-                    target = overhead.via_url(st.url)
-                    spec = overhead.closed_job(target, stream=stream, seed=3, **job)
-                    spec["max_tokens"] = tokens
-                    out[label] = spied(plan, st, lg, spec)
-    tick("profile hits")  # the hit path's conversations, 16 at a time, JSON
-    with hitpath.hit_stack("profile-hits") as st:
-        spec = hitpath.job(plan, st.routers[0].url, stream=False, clients=16, rnd=9, ids=True)
-        spec["n"] = int(plan.profile_s * 2000)
-        out["hits"] = spied(plan, st, lg, spec)
+    with overhead.stack("profile") as st:
+        for rnd, (label, (stream, turns, tokens)) in enumerate(PROFILES.items()):
+            tick(f"profile {label}")
+            spec = overhead.job(plan, st.url, stream=stream, clients=CLIENTS, rnd=rnd, turns=turns)
+            # More conversations than fit: the deadline ends the job.
+            spec.update(n=int(plan.profile_s * 2000), output_tokens=(tokens, tokens))
+            out[label] = spied(plan, st, lg, spec)
     return out
 
 
@@ -118,24 +112,20 @@ def spied(plan: Plan, st: Stack, lg: LoadGen, spec: dict[str, Any]) -> dict[str,
         )
         try:
             time.sleep(0.5)
-            r, cpu, _ = timed(st, lg, spec, st.router.proc.pid)
+            r, cpu = timed(st, lg, spec, st.router.proc.pid)
             spy.wait(timeout=30)
         finally:
             if spy.poll() is None:
                 spy.kill()
                 spy.wait(5)
         out = parse(path.read_text() if path.exists() else "")
-    if "turns" in r:  # conversations: per turn
-        ok = [t for t in r["turns"] if t["ok"]]
-        sent, out["turns"] = len(r["turns"]), len(ok)
-        out["hits"] = sum(1 for t in ok if t["reuse"] == "hit")
-    else:
-        sent, out["turns"], out["events"] = r["sent"], r["ok"], sum(r["events"])
-    out["cpu_ms_per_turn"] = cpu / max(1, sent) * 1000.0
+    ok = [t for t in r["turns"] if t["ok"]]
+    out["turns"], out["hits"] = len(ok), sum(1 for t in ok if t["reuse"] == "hit")
+    out["cpu_ms_per_turn"] = cpu / max(1, len(r["turns"])) * 1000.0
     return out
 
 
-TITLES = {"json": "JSON", "stream": "stream", "stream-paced": "stream, paced D", "hits": "hits"}
+TITLES = {"json": "first turns, JSON", "stream": "first turns, stream", "hits": "hits"}
 
 
 def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:

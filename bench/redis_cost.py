@@ -1,9 +1,8 @@
-"""4. What the session store costs per turn: round trips (a short MONITOR sample, outside the
-timed runs), server time (INFO commandstats deltas of section 1's timed runs), loopback RTT."""
+"""4. What the session store costs per turn: its round trips, counted by a short MONITOR
+sample outside the timed runs."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
 import shutil
@@ -16,16 +15,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import redis.asyncio as aioredis
-
 from bench.screen import Screen, Table
 from bench.stack import LoadGen
-from bench.stats import fmt, pct
+from bench.stats import fmt
 from harness.procs import stop
 from harness.stack import Stack
 
 _LINE = re.compile(r'^\d+\.\d+ \[\d+ ([^\]]+)\] "([^"]+)"')
-SCRIPT_COMMANDS = ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro")
 
 
 @contextlib.contextmanager
@@ -83,33 +79,8 @@ def monitor_sample(st: Stack, lg: LoadGen, router_index: int) -> dict[str, Any]:
     }
 
 
-def server_usec(delta: dict[str, dict[str, float]], turns: int, top: set[str]) -> float | None:
-    """Server microseconds per turn of the commands clients send (`top`; a script's own
-    commands are inside its call's time)."""
-    return sum(v["usec"] for cmd, v in delta.items() if cmd in top) / turns if turns else None
-
-
-async def _rtt(url: str, n: int) -> dict[str, float]:
-    client = aioredis.Redis.from_url(url)
-    script = client.register_script("return redis.call('HGETALL', KEYS[1])")
-    times = []
-    try:
-        for _ in range(n + 1):  # the first loads the script
-            t0 = time.perf_counter()
-            await script(keys=["kvbaton:bench:missing"])
-            times.append(time.perf_counter() - t0)
-    finally:
-        await client.aclose()
-    return {f"script_{q}_us": pct(times[1:], q) * 1e6 for q in (50, 99)}
-
-
-def rtt(url: str, n: int = 500) -> dict[str, float]:
-    """Loopback round trip of a redis-py asyncio client's one-command EVALSHA."""
-    return asyncio.run(_rtt(url, n))
-
-
 def screen(res: dict[str, Any]) -> Screen:
-    """Section 4 from section 1's results: the MONITOR samples, server time, round trip."""
+    """Section 4 from section 1's results: the MONITOR samples."""
     rows = []
     monitor = res.get("monitor", {})
     for mode, sample in monitor.items():
@@ -119,25 +90,10 @@ def screen(res: dict[str, Any]) -> Screen:
         turns = f"{sample['turns']} ({sample['hits']} hits)"
         rows.append([mode, turns, fmt(sample["round_trips_per_turn"]), sent, inner])
     head = ["router", "turns", "round trips/turn", "sent per turn", "commands in scripts/turn"]
-    top = set(monitor.get("reuse", {}).get("top", {})) | set(SCRIPT_COMMANDS)
-    usec = [server_usec(c["redis_delta"], c["turns"], top) for c in res.get("cells", [])]
-    known = [u for u in usec if u is not None] or [float("nan")]
-    answer = [
-        f"A turn takes {rows[0][2] if rows else 'n/a'} round trips; Redis spends "
-        f"{fmt(min(known), 0)}-{fmt(max(known), 0)} us of server time per first turn in "
-        "*Router overhead*'s timed runs."
-    ]
     trips = monitor.get("reuse", {}).get("round_trips_per_turn")
-    if (rtt := res.get("redis_rtt")) and trips:
-        wait = trips * rtt["script_50_us"] / 1000
-        answer.append(
-            f"A one-command EVALSHA round trip takes {fmt(rtt['script_50_us'], 0)} us p50 "
-            f"({fmt(rtt['script_99_us'], 0)} p99) on loopback: about {fmt(wait)} ms of waiting "
-            "per turn."
-        )
+    answer = [f"A turn takes {fmt(trips)} round trips."]
     question = (
-        "How many Redis round trips and how much Redis time does a turn cost? redis-cli "
-        "MONITOR on 4 conversations x 3 JSON turns (outside the timed runs), INFO "
-        "commandstats of *Router overhead*'s runs, a redis-py client's loopback round trip."
+        "How many Redis round trips does a turn cost? redis-cli MONITOR on 4 conversations x 3 "
+        "JSON turns, outside the timed runs."
     )
     return Screen("Redis cost per turn", question, [Table(head, rows)], answer)

@@ -1,8 +1,7 @@
 """3. What reuse buys: multi-turn conversations on 2 P + 2 D simulators with a GPU cost model.
 
 The arms (ARMS) take turns round by round on stacks of their own, with an ample prefill cache
-and with one smaller than the conversations' working set; (c) is vLLM's toy proxy (round robin,
-null handoff, no session), run by the load generator itself, so it pays no proxy hop.
+and with one smaller than the conversations' working set.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import contextlib
 import dataclasses
 from typing import Any
 
-from bench.overhead import direct, via_url
 from bench.plan import Plan
 from bench.screen import Screen, Table
 from bench.stack import LoadGen, Tick, alternate, prompt_tokens, round_turns, start_stack
@@ -21,35 +19,23 @@ from harness.stack import Stack
 ARMS = {
     "a": "kvbaton, reuse + affinity",
     "b": "kvbaton, affinity only (--no-reuse)",
-    "c": "round robin, no reuse (toy proxy)",
-    "h": "kvbaton, reuse, no conversation id",
-    "p": "kvbaton, placement, stock engines",
 }
-ONLY_AMPLE = ("h", "p")  # eviction's cost does not depend on how a session is found
 CACHES = ("ample", "small")
-# (c) has no router; (p) takes the defaults: placement on, nothing told of the engines.
-ROUTER_ARGS = {"a": ["--stream-kv-params"], "b": ["--no-reuse"], "h": ["--stream-kv-params"]}
-
-
-def arms_for(plan: Plan, cache: str, no_reuse: bool) -> list[str]:
-    """The arms that run with this cache in this plan."""
-    return [a for a in ARMS if (a != "b" or no_reuse) and (cache == "ample" or a not in ONLY_AMPLE)]
+ROUTER_ARGS = {"a": ["--stream-kv-params"], "b": ["--no-reuse"]}
 
 
 def start_arm(plan: Plan, arm: str, cache: str) -> contextlib.AbstractContextManager[Stack]:
-    """vLLM 0.32's engines (the arms are defined by what a 0.32 stream lacks): bidirectional
-    but for (b) and (c); for (a) and (h) D streams its handle (vLLM PR #40186), as TTFT needs
-    streaming."""
+    """vLLM 0.32's engines (the arms are defined by what a 0.32 stream lacks): for (a)
+    bidirectional, D streaming its handle (vLLM PR #40186), as TTFT needs streaming."""
     base = [*plan.gpu.sim_args(), "--max-model-len", str(plan.max_model_len)]
-    base += ["--vllm-version", "0.32"] + ([] if arm in ("b", "c") else ["--bidirectional"])
+    base += ["--vllm-version", "0.32"] + (["--bidirectional"] if arm == "a" else [])
     p_blocks = plan.ample_blocks if cache == "ample" else plan.small_prefill_blocks
     d = [*base, "--num-blocks", str(plan.ample_blocks)]
-    d += ["--stream-kv-params"] if arm in ("a", "h") else []
+    d += ["--stream-kv-params"] if arm == "a" else []
     return start_stack(
-        prefill_args=[[*base, "--num-blocks", str(p_blocks)]] * 2,
-        decode_args=[d, d],
-        router_args=[] if arm == "c" else [ROUTER_ARGS.get(arm, [])],
-        with_redis=arm != "c",
+        prefill=[[*base, "--num-blocks", str(p_blocks)]] * 2,
+        decode=[d, d],
+        routers=[ROUTER_ARGS[arm]],
         name=f"reuse-{cache}-{arm}",
     )
 
@@ -57,9 +43,8 @@ def start_arm(plan: Plan, arm: str, cache: str) -> contextlib.AbstractContextMan
 def conversation_job(plan: Plan, st: Stack, arm: str, rnd: int) -> dict[str, Any]:
     """Round rnd's share of the conversations, the same for every arm."""
     return {
-        "conversation_ids": arm != "h",
         "kind": "conversations",
-        "target": via_url(st.url) if st.routers else direct(st),
+        "target": {"mode": "router", "urls": [st.url]},
         "n": plan.conv_n // plan.conv_rounds,
         "turns": plan.conv_turns,
         "concurrency": plan.conv_concurrency,
@@ -73,18 +58,17 @@ def conversation_job(plan: Plan, st: Stack, arm: str, rnd: int) -> dict[str, Any
     }
 
 
-def run(plan: Plan, lg: LoadGen, tick: Tick, no_reuse: bool) -> dict[str, Any]:
+def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     """Per cache size, the arms' stacks run side by side and take turns (alternate)."""
     out: dict[str, Any] = {"gpu": dataclasses.asdict(plan.gpu), "runs": {}, "commands": {}}
     for cache in CACHES:
-        here = arms_for(plan, cache, no_reuse)
         with contextlib.ExitStack() as stack:
-            up = {arm: stack.enter_context(start_arm(plan, arm, cache)) for arm in here}
+            up = {arm: stack.enter_context(start_arm(plan, arm, cache)) for arm in ARMS}
 
             def job(arm: str, rnd: int, up: dict[str, Stack] = up) -> dict[str, Any]:
                 return lg.run(conversation_job(plan, up[arm], arm, rnd), timeout=420.0)
 
-            done = alternate(here, plan.conv_rounds, tick, f"reuse {cache} cache", job)
+            done = alternate(list(ARMS), plan.conv_rounds, tick, f"reuse {cache} cache", job)
             for arm, st in up.items():
                 out["runs"][f"{cache}/{arm}"] = summarize(plan, st, round_turns(done[arm]))
                 out["commands"][f"{cache}/{arm}"] = st.commands
@@ -126,7 +110,7 @@ def summarize(plan: Plan, st: Stack, turns: list[dict[str, Any]]) -> dict[str, A
 
 
 def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
-    runs = {k: r for k, r in res["runs"].items() if "ttft_by_turn" in r}
+    runs = res["runs"]
     n = str(plan.conv_turns)
     rows = []
     for key, r in runs.items():
@@ -159,8 +143,8 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
 
 
 def _answer(runs: dict[str, Any], cache: str, n: str) -> str:
-    """Turn n's TTFT p50 and P's computed tokens: reuse (a) beside (b) and (c), the fastest."""
-    here = {arm: runs[f"{cache}/{arm}"] for arm in "abc" if f"{cache}/{arm}" in runs}
+    """Turn n's TTFT p50 and P's computed tokens: reuse (a) beside (b), the fastest."""
+    here = {arm: runs[f"{cache}/{arm}"] for arm in ARMS if f"{cache}/{arm}" in runs}
     p50 = {arm: r["ttft_by_turn"][n]["p50"] for arm, r in here.items()}
     ttft = ", ".join(f"({arm}) {fmt(v, 0)} ms" for arm, v in p50.items())
     computed = " / ".join(f"{r['tokens']['P'].get('local_compute', 0):,.0f}" for r in here.values())
@@ -170,3 +154,7 @@ def _answer(runs: dict[str, Any], cache: str, n: str) -> str:
         f"{cache.capitalize()} P cache, turn {n} p50: {ttft}, fastest ({fastest}); tokens "
         f"computed on P {computed}; (a) at {fmt(limit)}x its limit."
     )
+
+
+def steps(plan: Plan) -> int:
+    return len(ARMS) * len(CACHES) * plan.conv_rounds

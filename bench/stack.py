@@ -7,6 +7,7 @@ ExitStack that started it, also on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -15,8 +16,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
-
-import redis
 
 from harness.chat import post
 from harness.metrics import samples
@@ -90,46 +89,15 @@ def reset_caches(st: Stack) -> None:
             raise RuntimeError(f"{s.url}/reset_prefix_cache answered {reply.status}")
 
 
-class RedisStats:
-    """INFO commandstats deltas of one redis-server."""
-
-    def __init__(self, url: str) -> None:
-        self.client = redis.Redis.from_url(url, socket_timeout=5)
-
-    def reset(self) -> None:
-        self.client.config_resetstat()
-
-    def read(self) -> dict[str, dict[str, float]]:
-        stats = self.client.info("commandstats")
-        out: dict[str, dict[str, float]] = {}
-        for name, values in stats.items():
-            cmd = name.removeprefix("cmdstat_")
-            if cmd in ("info", "config|resetstat"):
-                continue  # the bench's own calls
-            out[cmd] = {"calls": float(values["calls"]), "usec": float(values["usec"])}
-        return out
-
-    def close(self) -> None:
-        self.client.close()
-
-
 def timed(
-    st: Stack,
-    lg: LoadGen,
-    spec: dict[str, Any],
-    pid: int | None,
-    stats: RedisStats | None = None,
-    timeout: float | None = None,
-) -> tuple[dict[str, Any], float, dict[str, Any]]:
+    st: Stack, lg: LoadGen, spec: dict[str, Any], pid: int, timeout: float | None = None
+) -> tuple[dict[str, Any], float]:
     """Run a job on emptied prefix caches; also the CPU seconds process `pid` and its children
-    used (0.0 without one) and the Redis commandstats delta (with `stats`)."""
+    used."""
     reset_caches(st)
-    if stats is not None:
-        stats.reset()
-    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+    cpu0 = tree_cpu_seconds(pid)
     r = lg.run(spec, timeout=timeout or spec.get("deadline_s", 120.0) + 60.0)
-    cpu = tree_cpu_seconds(pid) - cpu0 if pid else 0.0
-    return r, cpu, stats.read() if stats is not None else {}
+    return r, tree_cpu_seconds(pid) - cpu0
 
 
 def alternate(
@@ -150,27 +118,11 @@ def round_turns(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [dict(t, round=rnd) for rnd, r in enumerate(results) for t in r["turns"]]
 
 
-@contextlib.contextmanager
-def start_stack(
-    *,
-    prefill_args: Sequence[Sequence[str]],
-    decode_args: Sequence[Sequence[str]],
-    router_args: Sequence[Sequence[str]] = (),
-    with_redis: bool = True,
-    name: str = "bench",
-) -> Iterator[Stack]:
-    """P and D simulators (one per args list), a private redis-server, and routers, with
-    the benchmark's longer start-up wait."""
-    with support_stack(
-        prefill=prefill_args,
-        decode=decode_args,
-        routers=router_args,
-        redis=with_redis,
-        name=name,
-        sim_timeout=READY_TIMEOUT,
-        router_timeout=READY_TIMEOUT,
-    ) as st:
-        yield st
+# P and D simulators (one per flags list), a private redis-server, and routers (harness/
+# stack.py), with the benchmark's longer start-up wait.
+start_stack = functools.partial(
+    support_stack, sim_timeout=READY_TIMEOUT, router_timeout=READY_TIMEOUT
+)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """2. Throughput of one router core (the router pinned to CPU 1, the rest on CPU 0): open-loop
-sweeps of first turns, and the hit path's conversations closed loop at a few concurrencies.
+sweeps of first turns, and section 1's conversations closed loop at a few concurrencies.
 A step holds when >= 95% of the offered turns complete and p99 stays under
 min(HOLD_P99_FACTOR x, HOLD_P99_FLOOR_MS ms +) the first step's; a step that does not is run
 once more, and the sweep stops at the first step that fails twice."""
@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from bench import hitpath, overhead, workload
+from bench import overhead
 from bench.plan import Plan
 from bench.screen import Screen, Table
 from bench.stack import LoadGen, Tick, pin, start_stack, timed
@@ -22,7 +22,11 @@ HOLD_P99_FACTOR = 3.0
 HOLD_P99_FLOOR_MS = 25.0
 ROUTER_CPU = 1
 OTHERS_CPU = 0
-STREAM_TOKENS = 64
+# Zero-cost engines for floods of first turns: a conversation each, whose handle nobody reads,
+# so D's pins live 2 s (they must not fill D's pool).
+FIRST_TURNS: dict[str, Any] = {"prefill": [["--num-blocks", "65536"]]}
+D_ARGS = ["--bidirectional", "--decoder-kv-blocks-ttl", "2", "--sweep-interval", "0.5"]
+FIRST_TURNS["decode"] = [[*D_ARGS, "--num-blocks", "65536"]]
 
 
 def can_pin() -> bool:
@@ -54,9 +58,8 @@ def steps(plan: Plan) -> int:
 
 def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     out: dict[str, Any] = {"pinned": False, "sweeps": {}}
-    engines: dict[str, Any] = {"prefill_args": [overhead.P_ARGS], "decode_args": [overhead.D_ARGS]}
     with (
-        start_stack(**engines, router_args=[[]], name="throughput") as st,
+        start_stack(**FIRST_TURNS, routers=[[]], name="throughput") as st,
         pinned(st.routers[0].proc.pid, st, lg) as ok,
     ):
         out["pinned"] = ok
@@ -88,7 +91,7 @@ def sweep(st: Stack, lg: LoadGen, plan: Plan, stream: bool, tick: Tick) -> dict[
     held = [s for s in steps if s["holds"]]
     best = max(held, key=lambda s: s["achieved"]) if held else None
     # What one fully used core would allow at the median CPU per turn measured under load.
-    cpu = sorted(s["router_cpu_ms_per_turn"] for s in (held or steps))
+    cpu = sorted(s["cpu_ms_per_turn"] for s in (held or steps))
     per_turn = cpu[len(cpu) // 2] if cpu else 0.0
     return {
         "steps": steps,
@@ -104,53 +107,42 @@ def _holds(step: dict[str, Any], limit_ms: float) -> bool:
 
 
 def _step(st: Stack, lg: LoadGen, plan: Plan, stream: bool, rate: float) -> dict[str, Any]:
-    spec: dict[str, Any] = {"kind": "open", "target": overhead.via_url(st.url)}
-    spec.update(stream=stream, rate=rate, duration_s=plan.sweep_step_s, seed=int(rate))
-    spec.update(max_inflight=1024, drain_s=15.0)
-    spec.update(system_words=workload.SYSTEM_WORDS, user_words=workload.USER_WORDS)
-    spec["max_tokens"] = STREAM_TOKENS if stream else workload.NONSTREAM_TOKENS
-    r, cpu, _ = timed(st, lg, spec, st.router.proc.pid, timeout=plan.sweep_step_s + 60.0)
-    offered_n = max(1, int(rate * plan.sweep_step_s))
-    events = sum(r["events"])
-    return {
-        "offered": rate,
-        "achieved": r["ok"] / r["wall_s"] if r["wall_s"] else 0.0,
-        "completed_ratio": r["ok"] / offered_n,
-        "failed": r["failed"],
-        "p50_ms": pct(r["latency"], 50) * 1000.0,
-        "p99_ms": pct(r["latency"], 99) * 1000.0,
-        "chunks_s": events / r["wall_s"] if r["wall_s"] else 0.0,
-        "router_cpu_util": cpu / r["wall_s"] if r["wall_s"] else 0.0,
-        "router_cpu_ms_per_turn": cpu / max(1, r["ok"] + r["failed"]) * 1000.0,
-    }
+    """First turns arriving at `rate` a second (one-turn conversations, a Poisson process)
+    for plan.sweep_step_s seconds."""
+    spec = overhead.job(plan, st.url, stream=stream, clients=1, rnd=int(rate), turns=1)
+    spec.update(kind="arrivals", rate=rate, duration_s=plan.sweep_step_s, one_turn_share=1.0)
+    spec["drain_s"] = 15.0
+    r, cpu = timed(st, lg, spec, st.router.proc.pid, timeout=plan.sweep_step_s + 60.0)
+    x = level(r, cpu)
+    done = (x["turns"] - x["failed"]) / max(1, r["conversations"])
+    return {"offered": rate, "achieved": x["turns_s"], "completed_ratio": done, **x}
 
 
 def hit_levels(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
-    """Per level of plan.hit_tput_clients, the hit path's conversations against the pinned
+    """Per level of plan.hit_tput_clients, section 1's conversations against the pinned
     router: turns/s, latency, the router's share of its core and its CPU per turn."""
     out: dict[str, Any] = {"pinned": False, "levels": [], "turns": plan.hit_turns}
-    with hitpath.hit_stack("hit-throughput") as st:
+    with overhead.stack("hit-throughput") as st:
         router = st.routers[0].proc.pid
         with pinned(router, st, lg) as ok:
             out["pinned"] = ok
             for rnd, clients in enumerate(plan.hit_tput_clients):
                 tick(f"throughput hits c={clients}")
-                spec = hitpath.job(plan, st.url, stream=False, clients=clients, rnd=rnd, ids=True)
+                spec = overhead.job(plan, st.url, stream=False, clients=clients, rnd=rnd)
                 spec.update(n=max(plan.hit_tput_convs, 2 * clients), deadline_s=600.0)
-                res, cpu_s, _ = timed(st, lg, spec, router)
-                out["levels"].append(level(clients, res, cpu_s))
+                res, cpu_s = timed(st, lg, spec, router)
+                out["levels"].append({"clients": clients, **level(res, cpu_s)})
     out["best"] = max(out["levels"], key=lambda x: x["turns_s"], default=None)
     return out
 
 
-def level(clients: int, res: dict[str, Any], cpu_s: float) -> dict[str, Any]:
-    """A level's figures, with the ceiling of a fully busy core at its CPU per turn."""
+def level(res: dict[str, Any], cpu_s: float) -> dict[str, Any]:
+    """A job's figures, with the ceiling of a fully busy core at its CPU per turn."""
     turns = res["turns"]
     ok = [t for t in turns if t["ok"]]
     wall = res["wall_s"] or 1e-9
     cpu_ms = cpu_s / max(1, len(turns)) * 1000.0
     return {
-        "clients": clients,
         "turns": len(turns),
         "failed": len(turns) - len(ok),
         "hits": sum(1 for t in ok if t["turn"] > 1 and t.get("reuse") == "hit"),

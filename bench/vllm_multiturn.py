@@ -16,7 +16,7 @@ from typing import Any
 
 from bench import peer_venv
 from harness.procs import log_file
-from vllm_sim.tokenizer import BYTE_BASE, NUM_BYTE_TOKENS, SPECIAL_TOKENS, Tokenizer
+from vllm_sim import hf_tokenizer
 from vllm_sim.words import COMMON
 
 DIR = "benchmarks/multi_turn"
@@ -39,11 +39,6 @@ QUICK_CONFIG: dict[str, Any] = {
 # drops those still active when the conversations run out, and which ones depends on timing,
 # so the arms would not get the same requests.
 FULL_CLIENTS, QUICK_CLIENTS = 6, 2
-# The simulators' pre-tokenizer (vllm_sim/tokenizer.py, `_PIECES`, less the special tokens,
-# which the tokenizer file lists apart): a word with an optional leading space, a digit, a
-# symbol, a whitespace character.
-PIECES = r" ?[A-Za-z]+| ?[0-9]| ?[^A-Za-z0-9\s]|\s"
-UNK = "<|unk|>"
 # The benchmark sends its conversation id in the body only (this copy has no option for a
 # header); vllm-router's session policies hash an X-Session-ID header. This module, on the
 # benchmark's path as `sitecustomize`, copies the id into that header for every arm.
@@ -95,7 +90,7 @@ def prepare(quick: bool) -> Bench | None:
     except (subprocess.SubprocessError, OSError, ValueError) as exc:
         print(f"peers: vLLM's multi-turn benchmark skipped: {exc}", file=sys.stderr)
         return None
-    write_tokenizer(scratch / "tokenizer")
+    hf_tokenizer.write(scratch / "tokenizer")
     text = scratch / "words.txt"
     text.write_text(words_text(TEXT_WORDS))
     config["text_files"] = [str(text)]
@@ -116,49 +111,6 @@ def quick_config(config: dict[str, Any]) -> dict[str, Any]:
         small["prompt_input"][key] = QUICK_CONFIG[key]
     small["prompt_output"]["num_tokens"] = QUICK_CONFIG["output"]
     return small
-
-
-def write_tokenizer(dest: Path) -> None:
-    """A Hugging Face tokenizer folder that splits text as the simulators do: the same
-    pieces, the same ids (a piece the simulators spell in bytes is one unknown token here)."""
-    tok = Tokenizer()
-    vocab: dict[str, int] = {}
-    for i in range(tok.vocab_size):
-        if not BYTE_BASE <= i < BYTE_BASE + NUM_BYTE_TOKENS:
-            vocab.setdefault(tok.piece(i), i)
-    vocab[UNK] = tok.vocab_size
-    plain = dict.fromkeys(("single_word", "lstrip", "rstrip", "normalized"), False)
-    added = [
-        {"id": vocab[text], "content": text, **plain, "special": True}
-        for text in [*SPECIAL_TOKENS, UNK]
-    ]
-    spec = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {
-            "type": "Split",
-            "pattern": {"Regex": PIECES},
-            "behavior": "Isolated",
-            "invert": False,
-        },
-        "post_processor": None,
-        "decoder": {"type": "Fuse"},
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": UNK},
-    }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": SPECIAL_TOKENS[0],
-        "eos_token": SPECIAL_TOKENS[1],
-        "unk_token": UNK,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1_000_000,
-    }
-    dest.mkdir(exist_ok=True)
-    (dest / "tokenizer.json").write_text(json.dumps(spec))
-    (dest / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def words_text(n: int) -> str:

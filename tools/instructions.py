@@ -1,12 +1,13 @@
 """Instructions per turn under callgrind: a lever's A/B that the machine's noise cannot hide.
 
 `python -m tools.instructions [--base REV] [--kind json|stream|chunk-0.33|chunk-0.32]` counts
-the user-space instructions each arm executes per turn (json/stream: the hit path's
-conversations, 1 client) or per relayed paced chunk (chunk-*: the slope between streams of 8
-and 128 tokens, D speaking that vLLM version), only around the measured load. Arms, each a
-fresh process, alternate over R rounds: this checkout's router, `--base`'s (a temporary git
-worktree), the work floor (chunks: the floor). CPU seconds here vary 10-30% between identical
-runs, instruction counts 0.7% over 60 conversations; the kernel's work is left out.
+the user-space instructions each arm executes per turn (json/stream: the conversations of
+`make bench`'s router overhead section, 1 client) or per relayed paced chunk (chunk-*: the
+slope between streams of 8 and 128 tokens, D speaking that vLLM version), only around the
+measured load. Arms, each a fresh process, alternate over R rounds: this checkout's router,
+`--base`'s (a temporary git worktree), the work floor (chunks: the floor). CPU seconds here
+vary 10-30% between identical runs, instruction counts 0.7% over 60 conversations; the
+kernel's work is left out.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import redis
 
-from bench import hitpath, overhead
+from bench import overhead
 from bench.plan import FULL
 from bench.stack import LoadGen, start_stack
 from harness.procs import free_port, stop, wait_http
@@ -40,6 +41,11 @@ SLOW += ["--decode-first-byte-timeout", "60", "--decode-idle-timeout", "60"]
 SLOW += ["--health-interval", "3600"]
 KINDS = ("json", "stream", "chunk-0.33", "chunk-0.32")
 CHUNK_LENGTHS = (8, 128)
+# The chunks' engines: zero cost, D paced as a GPU paces tokens (one SSE chunk per read); every
+# stream a conversation of its own whose handle nobody reads, so D's pins live 2 s.
+CHUNK_P = ["--num-blocks", "65536"]
+CHUNK_D = [*CHUNK_P, "--bidirectional", "--decoder-kv-blocks-ttl", "2", "--sweep-interval", "0.5"]
+CHUNK_D += ["--decode-ms-per-token", "5"]
 
 
 def available() -> bool:
@@ -88,16 +94,16 @@ def _control(action: str, pid: int) -> None:
 
 
 def _conversations(url: str, stream: bool, n: int, rnd: int) -> dict[str, Any]:
-    spec = hitpath.job(FULL, url, stream=stream, clients=1, rnd=rnd, ids=True)
+    spec = overhead.job(FULL, url, stream=stream, clients=1, rnd=rnd)
     spec.update(n=n, deadline_s=3000.0, request_timeout_s=300.0)
     return spec
 
 
 def _streams(url: str, tokens: int, count: int) -> dict[str, Any]:
-    target = overhead.via_url(url)
-    spec = overhead.closed_job(target, stream=True, concurrency=4, count=count, warmup=0, seed=7)
-    spec.update(max_tokens=tokens, deadline_s=3000.0, request_timeout_s=300.0)
-    return spec
+    """`count` streams of `tokens` tokens, 4 at a time, each a conversation of one turn."""
+    spec = overhead.job(FULL, url, stream=True, clients=4, rnd=7, turns=1)
+    spec.update(n=count, output_tokens=(tokens, tokens), deadline_s=3000.0)
+    return {**spec, "request_timeout_s": 300.0}
 
 
 Arm = tuple[str, list[str], Path, int]  # name, `python -m` argv, its tree, its port
@@ -132,11 +138,11 @@ def measure(arm: Arm, lg: LoadGen, kind: str, n: int, work: Path) -> dict[str, A
         raise RuntimeError(f"{name}: expected {len(jobs)} callgrind dumps, found {dumps}")
     counts = [total_instructions(d) for d in dumps]
     if chunks:
-        per_stream = [c / max(1, r["sent"]) for c, r in zip(counts, runs, strict=True)]
-        events = [sum(r["events"]) / max(1, len(r["events"])) for r in runs]
+        per_stream = [c / max(1, len(r["turns"])) for c, r in zip(counts, runs, strict=True)]
+        events = [statistics.mean(t["events"] for t in r["turns"]) for r in runs]
         return {
-            "turns": sum(r["sent"] for r in runs),
-            "failed": sum(r["failed"] for r in runs),
+            "turns": sum(len(r["turns"]) for r in runs),
+            "failed": sum(not t["ok"] for r in runs for t in r["turns"]),
             "events": events,
             "instructions_per_turn": chunk_slope(per_stream, events),
         }
@@ -164,16 +170,14 @@ def run(
     chunks = kind.startswith("chunk-")
     if chunks:
         version = ["--vllm-version", kind.removeprefix("chunk-")]
-        p_args = [*overhead.P_ARGS, *version]
-        d_args = [*overhead.D_ARGS, *overhead.PACED, *version]
-        router_args: list[str] = []
+        p_args, d_args, router_args = [*CHUNK_P, *version], [*CHUNK_D, *version], []
     else:
-        p_args, d_args, router_args = hitpath.P_ARGS, hitpath.D_ARGS, hitpath.ROUTER_ARGS
+        p_args, d_args, router_args = overhead.P_ARGS, overhead.D_ARGS, overhead.ROUTER_ARGS
     results: dict[str, list[dict[str, Any]]] = {}
     lg = LoadGen()
     try:
         with (
-            start_stack(prefill_args=[p_args], decode_args=[d_args], name="instructions") as st,
+            start_stack(prefill=[p_args], decode=[d_args], routers=[], name="instructions") as st,
             contextlib.ExitStack() as stack,
             tempfile.TemporaryDirectory(prefix="kvbaton-callgrind-") as tmp,
         ):

@@ -29,7 +29,8 @@ NUM_BYTE_TOKENS = 256
 # Pre-tokenizer: special tokens first, then a word (with an optional leading space), one
 # digit, one other symbol, or one whitespace character.
 _SPECIAL_ALT = "|".join(re.escape(s) for s in SPECIAL_TOKENS)
-_PIECES = re.compile(rf"{_SPECIAL_ALT}| ?[A-Za-z]+| ?[0-9]| ?[^A-Za-z0-9\s]|\s")
+WORD_PIECES = r" ?[A-Za-z]+| ?[0-9]| ?[^A-Za-z0-9\s]|\s"
+_PIECES = re.compile(rf"{_SPECIAL_ALT}|{WORD_PIECES}")
 
 
 def _piece_strings() -> list[str]:

@@ -32,8 +32,7 @@ def test_the_reuse_screen_has_a_row_per_run_and_names_the_last_turns() -> None:
         "gpu": {"prefill_ms_per_token": 0.046, "decode_ms_per_token": 7.5},
         "runs": {
             "ample/a": run(21.0, 9665.0),
-            "ample/b": {"pending": "recorded by an older run"},
-            "ample/c": run(42.0, 16038.0),
+            "ample/b": run(42.0, 16038.0),
             "small/a": run(35.0, 9503.0),
         },
     }
@@ -42,13 +41,13 @@ def test_the_reuse_screen_has_a_row_per_run_and_names_the_last_turns() -> None:
     assert all(len(row) == len(table.header) for row in table.rows)
     assert [row[:2] for row in table.rows] == [
         ["(a) kvbaton, reuse + affinity", "ample"],
-        ["(c) round robin, no reuse (toy proxy)", "ample"],
+        ["(b) kvbaton, affinity only (--no-reuse)", "ample"],
         ["(a) kvbaton, reuse + affinity", "small"],
     ]
     assert table.rows[0][2:] == ["90", "21 / 31", "14", "9,665", "500", "0", "0", "24 (1)"]
     assert screen.plot == "bench-ttft.png"
     assert screen.answer == [
-        "Ample P cache, turn 3 p50: (a) 21 ms, (c) 42 ms, fastest (a); tokens computed on P "
+        "Ample P cache, turn 3 p50: (a) 21 ms, (b) 42 ms, fastest (a); tokens computed on P "
         "9,665 / 16,038; (a) at 1.50x its limit.",
         "Small P cache, turn 3 p50: (a) 35 ms, fastest (a); tokens computed on P 9,503; (a) at "
         "2.50x its limit.",

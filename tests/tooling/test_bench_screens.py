@@ -18,9 +18,8 @@ def lat(p50: float, p99: float) -> dict[str, float]:
     return {"p50": p50, "p99": p99}
 
 
-def slope(router: float, floor: float) -> dict[str, Any]:
-    at = {"128": router}
-    return {"us_per_chunk": router, "us_per_chunk_at": at, "floor": {"us_per_chunk": floor}}
+def arm(first: tuple[float, float], later: tuple[float, float], cpu: float) -> dict[str, Any]:
+    return {"first": lat(*first), "later": lat(*later), "cpu_ms_per_turn": cpu}
 
 
 def overhead_res() -> dict[str, Any]:
@@ -28,30 +27,13 @@ def overhead_res() -> dict[str, Any]:
         {
             "stream": stream,
             "concurrency": c,
-            "direct": {"latency": lat(5.0, 9.0)},
-            "floor": {"latency": lat(7.5, 12.0)},
-            "kvbaton": {"latency": lat(10.75, 15.0)},
-            "router_cpu_ms_per_turn": 2.5,
-            "floor_cpu_ms_per_turn": 1.25,
-            "turns": 100,
-            "redis_delta": {"evalsha": {"calls": 200.0, "usec": 9000.0}},
+            "kvbaton": arm((10.75, 15.0), (9.0, 20.0), 2.5),
+            "floor": arm((7.5, 12.0), (6.5, 10.0), 1.25),
+            "work": arm((8.0, 13.0), (7.5, 12.0), 2.0),
         }
         for stream in (False, True)
-        for c in (1, 16)
+        for c in (16, 1)
     ]
-    hit = {
-        "stream": False,
-        "concurrency": 1,
-        "kvbaton": {"later": lat(9.0, 20.0), "cpu_ms_per_turn": 3.0},
-        "floor": {"later": lat(6.5, 10.0), "cpu_ms_per_turn": 1.5},
-    }
-    long = {
-        "ms_per_token": 1.0,
-        "us_per_chunk_at": {"1000": 40.0, "16000": 41.0},
-        "floor": {"us_per_chunk_at": {"1000": 35.0, "16000": 36.0}},
-        "above_floor_us_at": {"1000": 5.0, "16000": 5.5},
-    }
-    stock = {**slope(84.0, 77.0), "above_floor_us": 7.5}
     sample = {
         "turns": 12,
         "hits": 8,
@@ -59,14 +41,7 @@ def overhead_res() -> dict[str, Any]:
         "inner": {"hset": 60},
         "round_trips_per_turn": 26 / 12,
     }
-    return {
-        "cells": cells,
-        "hit_path": {"cells": [hit]},
-        "chunk_cpu": {"stock, paced": stock},
-        "chunk_long": long,
-        "monitor": {"reuse": sample},
-        "redis_rtt": {"script_50_us": 120.0, "script_99_us": 900.0},
-    }
+    return {"cells": cells, "turns": 5, "monitor": {"reuse": sample}}
 
 
 def check(screen: Screen, lines: int) -> str:
@@ -83,18 +58,25 @@ def check(screen: Screen, lines: int) -> str:
 def test_router_overhead_and_redis_screens() -> None:
     first, redis = overhead.screens(overhead_res(), QUICK)
     answer = check(first, 30)
-    assert first.plot == "bench-overhead.png"
-    # kvbaton - floor at p50 on the first JSON cell, CPU against the floor's, the hits' own
-    assert "3.25 ms p50 above the floor (2.500 vs 1.250 ms CPU)" in answer
-    assert "on hits at 1 client 2.50 ms (3.000 vs 1.500 ms CPU)" in answer
-    assert "spends 84.0 us of CPU, the floor 77.0: 7.5 us above it" in answer
-    turns, chunks = first.tables
-    assert turns.rows[0][2:4] == ["5.00 / 7.50 / 10.75", "3.25 / 3.00"]
-    assert turns.rows[-1][0].startswith("hits") and turns.rows[-1][3] == "2.50 / 10.00"
-    assert chunks.rows[-1] == ["16,000 tokens into a stream (D 1 ms/token)", "41.0", "36.0", "5.5"]
+    assert first.plot == "bench-overhead.png" and "conversations of 5 turns" in first.question
+    # kvbaton - floor at p50 of the JSON cell with the fewest clients; CPU beside both floors'
+    assert "At 1 client, JSON, kvbaton adds 3.25 ms p50 to a first turn and 2.50 ms" in answer
+    assert "2.500 ms against the work floor's 2.000 (the floor's 1.250)" in answer
+    (turns,) = first.tables
+    assert turns.rows[0] == [
+        "JSON",
+        "16",
+        "7.50 / 10.75",
+        "6.50 / 9.00",
+        "3.25 / 2.50",
+        "3.00 / 10.00",
+        "2.500 / 1.250 / 2.000",
+    ]
+    assert [row[0] for row in turns.rows] == ["JSON", "JSON", "stream", "stream"]
+    assert overhead.first_json(overhead_res())["concurrency"] == 1  # type: ignore[index]
     answer = check(redis, 12)
-    assert "2.17 round trips" in answer and "90-90 us of server time" in answer
-    assert "120 us p50 (900 p99)" in answer and "0.26 ms" in answer
+    assert answer == "A turn takes 2.17 round trips."
+    assert redis.tables[0].rows[0][3] == "evalsha 2.00, zrangebyscore 0.17"
 
 
 def sweep(turns_s: float, cpu: float) -> dict[str, Any]:
@@ -139,6 +121,6 @@ def test_profile_screen_and_parse() -> None:
     res = {x: {**got, "cpu_ms_per_turn": 2.5} for x in ("json", "hits")}
     (screen,) = profile.screens(res, QUICK)
     answer = check(screen, 20)
-    assert "JSON: upstream HTTP client (aiohttp) (60%)" in answer
-    assert screen.tables[0].header == ["share of busy samples", "JSON", "hits"]
+    assert "first turns, JSON: upstream HTTP client (aiohttp) (60%)" in answer
+    assert screen.tables[0].header == ["share of busy samples", "first turns, JSON", "hits"]
     assert ["router CPU ms/turn", "2.500", "2.500"] in screen.tables[0].rows

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from bench import targets, throughput
+from bench.plan import QUICK
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +22,7 @@ def turn(n: int, ok: bool = True, reuse: str | None = "hit") -> dict[str, Any]:
 
 def test_a_level_counts_turns_hits_and_the_cores_ceiling() -> None:
     turns = [turn(1), turn(2), turn(3, reuse="miss"), turn(1), turn(2, ok=False)]
-    x = throughput.level(16, {"turns": turns, "wall_s": 0.5}, cpu_s=0.01)
+    x = throughput.level({"turns": turns, "wall_s": 0.5}, cpu_s=0.01)
     assert (x["turns"], x["failed"], x["hits"], x["later"]) == (5, 1, 1, 2)
     assert x["turns_s"] == pytest.approx(8.0)  # 4 answered in 0.5 s
     assert x["router_cpu_util"] == pytest.approx(0.02)
@@ -53,42 +54,25 @@ def test_the_target_row_is_met_only_by_turns_served() -> None:
     assert targets.hit_rate_rows(None) == [] and targets.hit_rate_rows({"best": None}) == []
 
 
-def test_the_reference_rows_compare_added_latency_over_the_floor() -> None:
-    from bench import hitpath
+def test_the_overhead_rows_are_kvbaton_over_the_floors_at_the_fewest_clients() -> None:
+    def arm(first: float, later: float, cpu: float) -> dict[str, Any]:
+        return {"first": {"p50": first}, "later": {"p50": later}, "cpu_ms_per_turn": cpu}
 
-    def arm(first: float, later: float) -> dict[str, Any]:
-        return {"first": {"p50": first}, "later": {"p50": later}}
-
-    cell = {
-        "stream": False,
-        "concurrency": 16,
-        "kvbaton": arm(5.0, 6.0),
-        "floor": arm(4.0, 4.0),
-        "reference": arm(8.0, 9.0),
-    }
-    assert hitpath.added_ratio(cell, "first") == pytest.approx(0.25)  # 1 ms against 4
-    assert hitpath.added_ratio(cell, "later") == pytest.approx(0.4)  # 2 ms against 5
-    rows = targets.reference_rows({"cells": [cell]})
-    assert [(r[2], r[3]) for r in rows] == [
-        ("0.25x (1.00 vs 4.00 ms)", True),
-        ("0.40x (2.00 vs 5.00 ms)", False),
+    cells = [
+        {"stream": stream, "concurrency": n, "kvbaton": arm(5.0, 6.0, 3.0)}
+        | {"floor": arm(4.75, 4.0, 1.0), "work": arm(5.0, 5.0, 2.0)}
+        for stream in (False, True)
+        for n in (16, 1)
     ]
-    assert rows[0][0] == "own added p50 on first turns, 16 clients: <= 0.3x the reference proxy's"
-    # Each round alone, as the cell's: its spread beside the pooled figure.
-    cell["by_round"] = [
-        {"kvbaton": arm(5.0, 6.0), "floor": arm(4.0, 4.0), "reference": arm(8.0, 9.0)},
-        {"kvbaton": arm(5.0, 5.5), "floor": arm(4.0, 4.0), "reference": arm(8.0, 9.0)},
-        {"kvbaton": arm(5.0, 5.0), "floor": arm(4.0, 4.0), "reference": arm(4.0, 4.0)},
+    cells[1]["kvbaton"] = arm(5.25, 5.5, 2.6)  # JSON at 1 client: the one the targets read
+    rows = targets.rows({"overhead": {"cells": cells}}, QUICK)
+    assert [(r[0], r[2], r[3]) for r in rows] == [
+        ("own added p50 on first turns, 1 client: <= 0.5 ms", "0.50 ms (5.25 - 4.75)", True),
+        ("own added p50 on hits, 1 client: <= 1 ms", "1.50 ms (5.50 - 4.00)", False),
+        ("router CPU per turn: <= 1.25x the work floor's", "1.30x (2.600 vs 2.000 ms)", False),
     ]
-    assert hitpath.round_ratios(cell, "later")[:2] == pytest.approx([0.4, 0.3])
-    assert targets.reference_rows({"cells": [cell]})[1][2] == (
-        "0.40x (2.00 vs 5.00 ms); 2 rounds alone 0.30-0.40x"  # the third had no ratio
-    )
-    del cell["by_round"]
-    cell["reference"] = arm(3.0, 4.0)  # no slower than the floor: no ratio to give
-    assert [r[3] for r in targets.reference_rows({"cells": [cell]})] == [None, None]
-    del cell["reference"]
-    assert targets.reference_rows({"cells": [cell]}) == []
+    assert "2 of every 3 turns are hits" in rows[2][1]  # the quick plan's conversations
+    assert targets.rows({}, QUICK) == []
 
 
 @pytest.mark.skipif(not throughput.can_pin(), reason="needs 2 CPUs and sched_setaffinity")

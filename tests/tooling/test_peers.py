@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bench import headline, peers, vllm_multiturn
-from bench.plan import FULL, QUICK
+from vllm_sim import hf_tokenizer
 from vllm_sim.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
@@ -75,7 +75,7 @@ def test_an_answered_turn_the_benchmark_did_not_measure_is_still_compared() -> N
 
 
 def test_tokenizer_folder_and_text_split_as_the_simulators(tmp_path: Path) -> None:
-    vllm_multiturn.write_tokenizer(tmp_path)
+    hf_tokenizer.write(tmp_path)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     text = vllm_multiturn.words_text(500)
@@ -118,22 +118,12 @@ def test_headline_says_where_kvbaton_is_not_ahead(tmp_path: Path) -> None:
     assert not headline.update(readme, block)
 
 
-def test_the_floor_runs_on_the_multiturn_benchmark_alone() -> None:
-    for plan in (FULL, QUICK):
-        assert peers.FLOOR_ARM in peers.chosen(plan)[1]
-    every = [*peers.ARMS, peers.FLOOR_ARM]
-    for sc in peers.SCENARIOS:
-        names = [a.name for a in peers.scenario_arms(sc, every)]
-        assert (peers.FLOOR_ARM.name in names) == sc.multiturn, sc.name
-        assert names[: len(peers.ARMS)] == [a.name for a in peers.ARMS]
-
-
 def arm(cpu: float) -> dict[str, Any]:
     """A scenario's arm as far as router CPU per turn goes."""
     return {"summary": {"cpu_ms_per_turn": cpu}}
 
 
-def test_the_target_row_compares_kvbaton_with_vllm_router_and_shows_the_floor() -> None:
+def test_the_target_row_compares_kvbaton_with_vllm_router() -> None:
     from bench import targets
 
     arms = {"kvbaton": arm(15.0), "vllm-router cache_aware": arm(6.0)}
@@ -142,9 +132,8 @@ def test_the_target_row_compares_kvbaton_with_vllm_router_and_shows_the_floor() 
     assert "<= 1.5x vllm-router's" in target and "*Side by side*" in reference
     assert (measured, met) == ("2.50x (15.00 vs 6.00 ms)", False)
     arms["kvbaton"] = arm(8.4)
-    arms[peers.FLOOR_ARM.name] = arm(7.2)
     ((_, _, measured, met),) = targets.peer_rows(res)
-    assert (measured, met) == ("1.40x (8.40 vs 6.00 ms); the floor alone 1.20x (7.20 ms)", True)
+    assert (measured, met) == ("1.40x (8.40 vs 6.00 ms)", True)
     assert targets.peer_rows(None) == [] and targets.peer_rows({"scenarios": {}}) == []
 
 
