@@ -130,13 +130,13 @@ def screens(res: dict[str, Any], plan: Plan) -> list[Screen]:
                 "stream" if c["stream"] else "JSON",
                 str(c["concurrency"]),
                 *(_pair(f[key]["p50"], k[key]["p50"]) for key in ("first", "later")),
-                *(_pair(own(c, "first", q), own(c, "later", q)) for q in ("p50", "p99")),
+                *(_pair(own(c, "first", q), own(c, "later", q)) for q in ("p50", "p90")),
                 cpu,
             ]
         )
     head = ["turns", "clients", "turn 1 p50 ms: floor / kvbaton"]
     head += ["turns 2.. p50 ms: floor / kvbaton", "kvbaton - floor p50 ms: turn 1 / 2.."]
-    head += ["kvbaton - floor p99 ms: turn 1 / 2..", "CPU ms/turn: kvbaton / floor / work floor"]
+    head += ["kvbaton - floor p90 ms: turn 1 / 2..", "CPU ms/turn: kvbaton / floor / work floor"]
     answer = []
     if (c := first_json(res)) is not None:
         n, cpus = c["concurrency"], {a: fmt(c[a]["cpu_ms_per_turn"], 3) for a in ARMS}

@@ -30,10 +30,10 @@ def _save(fig: Any, title: str, path: Path) -> None:
 
 
 def overhead(results: dict[str, Any], path: Path) -> None:
-    """kvbaton minus the floor vs clients, p50 and p99: first and later turns, JSON and stream."""
+    """kvbaton minus the floor vs clients, p50 and p90: first and later turns, JSON and stream."""
     cells = results["cells"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    for ax, q in zip(axes, ("p50", "p99"), strict=True):
+    for ax, q in zip(axes, ("p50", "p90"), strict=True):
         for stream, style in ((False, "-"), (True, "--")):
             rows = [c for c in cells if c["stream"] == stream]
             for key, marker, turns in (("first", "o", "turn 1"), ("later", "s", "turns 2..")):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 
 def lat(p50: float, p99: float) -> dict[str, float]:
-    return {"p50": p50, "p99": p99}
+    return {"p50": p50, "p90": (p50 + p99) / 2, "p99": p99}
 
 
 def arm(first: tuple[float, float], later: tuple[float, float], cpu: float) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def test_router_overhead_and_redis_screens() -> None:
         "7.50 / 10.75",
         "6.50 / 9.00",
         "3.25 / 2.50",
-        "3.00 / 10.00",
+        "3.12 / 6.25",
         "2.500 / 1.250 / 2.000",
     ]
     assert [row[0] for row in turns.rows] == ["JSON", "JSON", "stream", "stream"]
