@@ -86,6 +86,10 @@ class Result:
     disconnects: int = 0  # turns whose client hung up after the first chunk (then asked again)
     cut: int = 0  # streams cut mid-way by the killed D: no path (their 200 was sent)
     killed_at: float = 0.0
+    # Failed KV transfers up to the D's kill (all of them where none was killed). After it a
+    # read naming the killed D can fail: one in flight at the kill, or one the router sent
+    # before its health check saw the new process (another engine id); P then recomputes.
+    failed_before_kill: int = 0
 
     @property
     def hits(self) -> int:
@@ -122,6 +126,7 @@ class Result:
             ("handles used twice", str(self.used_twice)),
             ("wrong answers (oracle)", str(self.wrong)),
             ("failed KV transfers", str(int(self.engine.get("failed_transfers", 0)))),
+            ("  before the D was killed", str(self.failed_before_kill)),
             ("failed KV notifications", str(int(self.engine.get("failed_notifications", 0)))),
             ("tokens pulled over KV", str(int(self.engine.get("kv_pulled_tokens", 0)))),
             ("faults injected", "; ".join(self.faults) or "none"),
@@ -151,6 +156,7 @@ class Result:
             "reuse": dict(self.reuse),
             "failures": dict(self.failures),
             "engine": self.engine,
+            "failed_transfers_before_kill": self.failed_before_kill,
             "faults": self.faults,
             "latency_p50_s": self.percentile(0.5),
             "latency_p99_s": self.percentile(0.99),
@@ -228,7 +234,10 @@ async def hang(proc: subprocess.Popen[bytes], seconds: float) -> None:
 
 async def kill_and_restart(stack: Stack, dead: dict[str, float], index: int) -> None:
     """Kill D `index` and start a new process on its ports; its counters are kept in `dead`
-    (they die with it), with the time it was killed."""
+    (they die with it), with the time it was killed and every engine's failed transfers
+    then (`transfers_failed_at_kill`)."""
+    at_kill = await asyncio.to_thread(engine_counters, stack)
+    dead["transfers_failed_at_kill"] = at_kill["failed_transfers"]
     lost = await asyncio.to_thread(counters, [stack.ds[index]])
     for key, value in lost.items():
         dead[key] = dead.get(key, 0.0) + value
@@ -421,6 +430,10 @@ async def run_plan(stack: Stack, plan: Plan) -> Result:
     after = engine_counters(stack)
     dead = runner.dead
     result.engine = {key: after[key] - before[key] + dead.get(key, 0.0) for key in after}
+    at_kill = dead.get(
+        "transfers_failed_at_kill", after["failed_transfers"] + dead.get("failed_transfers", 0.0)
+    )
+    result.failed_before_kill = int(at_kill - before["failed_transfers"])
     return result
 
 

@@ -23,7 +23,9 @@ def test_quick_load_with_faults() -> None:
     assert result.failed == 0, result.failures
     assert result.used_twice == 0
     assert result.wrong == 0
-    assert result.engine["failed_transfers"] == 0
+    # None but the killed D's: a read naming it (in flight at the kill, or sent before the
+    # router saw the new process) fails and P recomputes; the oracle still checks the answer.
+    assert result.failed_before_kill == 0, result.table()
     assert result.hits > 0 and result.engine["kv_pulled_tokens"] > 0
 
 
