@@ -120,8 +120,8 @@ def _commit() -> str:
         return out.stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "router", "sessions", "vllm_sim")
-    return head + (" (router/sessions/vllm_sim with uncommitted changes)" if dirty else "")
+    dirty = git("status", "--porcelain", "--", "router", "sessions", "vllm_sim", "bench/*.py")
+    return head + (" (with uncommitted changes to the code)" if dirty else "")
 
 
 def meta(argv: list[str]) -> dict[str, Any]:
