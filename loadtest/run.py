@@ -430,11 +430,19 @@ async def run_plan(stack: Stack, plan: Plan) -> Result:
     after = engine_counters(stack)
     dead = runner.dead
     result.engine = {key: after[key] - before[key] + dead.get(key, 0.0) for key in after}
-    at_kill = dead.get(
-        "transfers_failed_at_kill", after["failed_transfers"] + dead.get("failed_transfers", 0.0)
-    )
-    result.failed_before_kill = int(at_kill - before["failed_transfers"])
+    result.failed_before_kill = failed_before_kill(before, result.engine, dead)
     return result
+
+
+def failed_before_kill(
+    before: dict[str, float], run: dict[str, float], dead: dict[str, float]
+) -> int:
+    """Failed KV transfers up to the D's kill: every engine's then, less the run's start; with
+    no kill, the run's (`run`: its counters, the killed D's included)."""
+    at_kill = dead.get("transfers_failed_at_kill")
+    if at_kill is None:
+        return int(run["failed_transfers"])
+    return int(at_kill - before["failed_transfers"])
 
 
 def run(plan: Plan, name: str = "load") -> Result:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from loadtest.cli import parse
-from loadtest.run import Plan, run_plan, start_stack
+from loadtest.run import Plan, failed_before_kill, run_plan, start_stack
 
 
 @pytest.mark.timeout(120)
@@ -27,6 +27,16 @@ def test_quick_load_with_faults() -> None:
     # router saw the new process) fails and P recomputes; the oracle still checks the answer.
     assert result.failed_before_kill == 0, result.table()
     assert result.hits > 0 and result.engine["kv_pulled_tokens"] > 0
+
+
+@pytest.mark.unit
+def test_failed_transfers_are_counted_up_to_the_kill() -> None:
+    before = {"failed_transfers": 2.0}
+    # The run's 5 (the killed D's too); the counters read 3 at the kill, 2 at the start.
+    run = {"failed_transfers": 5.0}
+    assert failed_before_kill(before, run, {"transfers_failed_at_kill": 3.0}) == 1
+    assert failed_before_kill(before, run, {"transfers_failed_at_kill": 2.0}) == 0
+    assert failed_before_kill(before, run, {}) == 5  # no kill: every one of the run's
 
 
 @pytest.mark.unit
