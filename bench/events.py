@@ -21,14 +21,10 @@ def job(plan: Plan, url: str, rnd: int) -> dict[str, Any]:
     return {**spec, "n": plan.events_convs}
 
 
-# Every turn takes P's leg, where the events place it and find P's cache (on D alone, the
-# decode plan, they play no part).
-PULL_ONLY = ("--decode-local-max-tokens", "0")
-
-
 def per_turn(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
     """1 P and 1 D (zero cost, publishing KV events), a router without and one with
-    --kv-events on one Redis, taking turns."""
+    --kv-events on one Redis, taking turns. Both pull-only: every turn takes P's leg, where
+    the events place it and find P's cache (on D alone, the decode plan, they play no part)."""
     ports = [free_port(), free_port()]
     base = ["--bidirectional", "--max-model-len", str(plan.max_model_len)]
     with contextlib.ExitStack() as up:
@@ -36,14 +32,14 @@ def per_turn(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
             start_stack(
                 prefill=[[*base, "--kv-events-port", str(ports[0])]],
                 decode=[[*base, "--kv-events-port", str(ports[1])]],
-                routers=[PULL_ONLY],
+                routers=[overhead.PULL_ONLY],
                 name="events",
             )
         )
         sims = [st.ps[0].url, st.ds[0].url]
         args = [f"{u}=tcp://127.0.0.1:{p}" for u, p in zip(sims, ports, strict=True)]
         events = ("--kv-events", args[0], "--kv-events", args[1])
-        on = up.enter_context(another_router(st, *events, *PULL_ONLY, name="events-on"))
+        on = up.enter_context(another_router(st, *events, *overhead.PULL_ONLY, name="events-on"))
         urls = {"events-off": st.url, "events-on": on.url}
         one = lambda name, rnd: lg.run(job(plan, urls[name], rnd), timeout=200.0)  # noqa: E731
         done = alternate(list(urls), plan.events_rounds, tick, "kv events: per turn", one)

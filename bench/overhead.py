@@ -27,7 +27,8 @@ D_ARGS = ["--bidirectional", "--stream-kv-params", "--num-blocks", "131072"]
 D_ARGS += ["--decoder-kv-blocks-ttl", "10"]
 # Pull only: every turn takes P's leg as the floors' do (at 16 clients the decode plan would
 # run some on D alone, `hit;via=decode`).
-ROUTER_ARGS = ["--stream-kv-params", "--decode-local-max-tokens", "0"]
+PULL_ONLY = ["--decode-local-max-tokens", "0"]
+ROUTER_ARGS = ["--stream-kv-params", *PULL_ONLY]
 ARMS = ("kvbaton", "floor", "work")
 # Every turn's request: a system prompt and a user message of one-token words, a short answer.
 SYSTEM_WORDS, USER_WORDS, NONSTREAM_TOKENS, STREAM_TOKENS = 120, 40, 16, 32
@@ -71,8 +72,9 @@ def run(plan: Plan, lg: LoadGen, tick: Tick) -> dict[str, Any]:
             for clients in plan.hit_clients:
                 out["cells"].append(cell(plan, st, lg, tick, arms, stream, clients))
         tick("redis round trips")
-        for i, mode in enumerate(("reuse", "no-reuse")):
-            out["monitor"][mode] = redis_cost.monitor_sample(st, lg, i)
+        for router, mode in zip(st.routers, ("reuse", "no-reuse"), strict=True):
+            spec = job(plan, router.url, stream=False, clients=4, rnd=99, turns=3)
+            out["monitor"][mode] = redis_cost.monitor_sample(st, lg, {**spec, "n": 4})
         out["commands"] = st.commands
     return out
 

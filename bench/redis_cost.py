@@ -56,13 +56,9 @@ def parse_monitor(text: str) -> tuple[Counter[str], Counter[str]]:
     return top, inner
 
 
-def monitor_sample(st: Stack, lg: LoadGen, router_index: int) -> dict[str, Any]:
-    """Round trips per turn: 4 conversations x 3 non-streaming turns through one router."""
+def monitor_sample(st: Stack, lg: LoadGen, spec: dict[str, Any]) -> dict[str, Any]:
+    """Round trips per turn of a load-generator job (not a timed one: MONITOR slows Redis)."""
     assert st.redis_url is not None
-    spec: dict[str, Any] = {"kind": "conversations", "n": 4, "turns": 3, "concurrency": 4}
-    spec.update(target={"mode": "router", "urls": [st.routers[router_index].url]})
-    spec.update(stream=False, system_words=(200, 200), user_words=(20, 20), jitter_s=0.0)
-    spec.update(output_tokens=(16, 16), seed=99, deadline_s=60.0)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "monitor.txt"
         with monitor(st.redis_url, path):

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from bench import overhead
+from bench import overhead, throughput
 from bench.plan import FULL
 from bench.stack import LoadGen, start_stack
 from harness.procs import free_port, stop, wait_http
@@ -41,11 +41,9 @@ SLOW += ["--decode-first-byte-timeout", "60", "--decode-idle-timeout", "60"]
 SLOW += ["--health-interval", "3600"]
 KINDS = ("json", "stream", "chunk-0.33", "chunk-0.32")
 CHUNK_LENGTHS = (8, 128)
-# The chunks' engines: zero cost, D paced as a GPU paces tokens (one SSE chunk per read); every
-# stream a conversation of its own whose handle nobody reads, so D's pins live 2 s.
-CHUNK_P = ["--num-blocks", "65536"]
-CHUNK_D = [*CHUNK_P, "--bidirectional", "--decoder-kv-blocks-ttl", "2", "--sweep-interval", "0.5"]
-CHUNK_D += ["--decode-ms-per-token", "5"]
+# The chunks' engines: make bench's for floods of first turns, D paced as a GPU paces tokens
+# (one SSE chunk per read).
+PACED = ["--decode-ms-per-token", "5"]
 
 
 def available() -> bool:
@@ -170,7 +168,8 @@ def run(
     chunks = kind.startswith("chunk-")
     if chunks:
         version = ["--vllm-version", kind.removeprefix("chunk-")]
-        p_args, d_args, router_args = [*CHUNK_P, *version], [*CHUNK_D, *version], []
+        (p_args,), (d_args,) = throughput.FIRST_TURNS["prefill"], throughput.FIRST_TURNS["decode"]
+        p_args, d_args, router_args = [*p_args, *version], [*d_args, *PACED, *version], []
     else:
         p_args, d_args, router_args = overhead.P_ARGS, overhead.D_ARGS, overhead.ROUTER_ARGS
     results: dict[str, list[dict[str, Any]]] = {}
