@@ -20,18 +20,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.ports import free_port as free_port  # where the tests have it from
 from harness.waiting import Child, Deadline, StartupError
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG_ROOT = Path(tempfile.gettempdir()) / "kvbaton-test-logs"
 RUN_ENV = "KVBATON_TEST_RUN"  # the log folder's run id, set by tests/conftest.py
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_tcp(port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from harness.procs import SimProc, free_port, sim
+from harness.procs import SimProc, sim
 from vllm_sim.clock import SimClock
 from vllm_sim.config import SimSettings
 from vllm_sim.server import Sim, build_app
@@ -35,10 +36,11 @@ class FakeTime:
 @contextlib.asynccontextmanager
 async def running(time_source: FakeTime | None = None, **settings: Any) -> AsyncIterator[InProc]:
     """A Sim app on a free loopback port inside the test's event loop."""
-    settings.setdefault("engine_id", f"inproc-{free_port()}")
+    settings.setdefault("engine_id", f"inproc-{uuid.uuid4().hex[:8]}")
     s = SimSettings(**settings)
     sim_ = Sim(s, clock=SimClock(time_source) if time_source is not None else None)
-    server = TestServer(build_app(sim_), host="127.0.0.1", port=free_port())
+    # No port given: the OS picks one as it binds, so no other test can take it in between.
+    server = TestServer(build_app(sim_), host="127.0.0.1")
     await server.start_server()
     try:
         yield InProc(str(server.make_url("")).rstrip("/"), sim_)

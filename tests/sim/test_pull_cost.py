@@ -13,7 +13,6 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from harness.chat import NULL_HANDOFF
-from harness.procs import free_port
 from tests.sim.client import chat, words
 from tests.sim.conftest import running
 from vllm_sim import transfer
@@ -224,9 +223,10 @@ async def test_a_deadline_is_converted_with_the_first_handshakes_clock() -> None
     """vLLM measures D's clock offset once, at the handshake (vllm#47021): a read with a
     deadline makes no round trip of its own until a new registration calls for one."""
     source = Source()
-    port = free_port()
-    server = TestServer(side_channel_app(source), host="127.0.0.1", port=port)
+    server = TestServer(side_channel_app(source), host="127.0.0.1")  # the OS picks the port
     await server.start_server()
+    port = server.port
+    assert port is not None
     client = KVChannelClient(5.0)
     await client.start()
     try:

@@ -1,0 +1,57 @@
+"""Free TCP ports for the servers tests start, taken where no client socket can take them.
+
+A port the kernel picks for bind(0) comes from its ephemeral range, the range it also picks
+from for every outgoing connection; between the probe and the server's own bind, any of the
+suite's client sockets (to Redis, to a simulator) can take it, and the server fails with
+"Address already in use". The ports here lie below that range, and each pytest-xdist worker
+draws from its own slice, so only something outside the suite can hold one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import socket
+from pathlib import Path
+
+SLICE = 1500  # ports per worker: 8 workers fit below 32768 above 20000
+LOWEST = 1024
+
+
+def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def worker_slice(worker: str | None, ephemeral_low: int) -> range:
+    """The ports a worker draws from: gwN's slice counts down from the ephemeral range."""
+    index = int(worker[2:]) if worker and worker.startswith("gw") and worker[2:].isdigit() else 0
+    top = ephemeral_low - index * SLICE
+    return range(max(LOWEST, top - SLICE), max(LOWEST + 1, top))
+
+
+def _candidates() -> itertools.cycle[int]:
+    ports = list(worker_slice(os.environ.get("PYTEST_XDIST_WORKER"), _ephemeral_low()))
+    start = random.randrange(len(ports))  # a child process of the same worker starts elsewhere
+    return itertools.cycle(ports[start:] + ports[:start])
+
+
+_NEXT = _candidates()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, from this worker's slice."""
+    for _ in range(SLICE):
+        port = next(_NEXT)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # something outside the suite, or a server of this worker, holds it
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the slice is full
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
