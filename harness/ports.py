@@ -9,7 +9,6 @@ draws from its own slice, so only something outside the suite can hold one.
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import socket
@@ -33,25 +32,47 @@ def worker_slice(worker: str | None, ephemeral_low: int) -> range:
     return range(max(LOWEST, top - SLICE), max(LOWEST + 1, top))
 
 
-def _candidates() -> itertools.cycle[int]:
-    ports = list(worker_slice(os.environ.get("PYTEST_XDIST_WORKER"), _ephemeral_low()))
-    start = random.randrange(len(ports))  # a child process of the same worker starts elsewhere
-    return itertools.cycle(ports[start:] + ports[:start])
+class _Cursor:
+    """Where this process's next port comes from: its worker's slice, walked in order from a
+    random start (a child process of the same worker starts elsewhere), so a port comes back
+    only after the whole slice was handed out. The port after each one handed out is left
+    free: vLLM and the router put a second socket at PORT + 1 by default (the KV events
+    replay), and it must not be another server's."""
+
+    def __init__(self) -> None:
+        self.ports = worker_slice(os.environ.get("PYTEST_XDIST_WORKER"), _ephemeral_low())
+        self.at = random.randrange(len(self.ports))
+
+    def take(self, span: int) -> int | None:
+        for _ in range(len(self.ports)):
+            if self.at + span + 1 > len(self.ports):
+                self.at = 0
+            first = self.ports[self.at]
+            self.at += 1
+            if all(_bindable(first + k) for k in range(span)):
+                self.at += span  # the next call starts past the span and the port after it
+                return first
+        return None
 
 
-_NEXT = _candidates()
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False  # something outside the suite, or a server of this worker, holds it
+    return True
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago, from this worker's slice."""
-    for _ in range(SLICE):
-        port = next(_NEXT)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # something outside the suite, or a server of this worker, holds it
-            return port
+_CURSOR = _Cursor()
+
+
+def free_port(span: int = 1) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, from this worker's slice; with span,
+    the first of that many consecutive free ports (a server that also listens on port + 1)."""
+    port = _CURSOR.take(span)
+    if port is not None:
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the slice is full
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

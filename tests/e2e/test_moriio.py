@@ -11,7 +11,6 @@ import concurrent.futures
 import contextlib
 import json
 import re
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,16 +26,6 @@ from harness.router import SESSION_SECRET, RouterProc, http_process
 
 SYSTEM = "You are a terse assistant about rivers and bridges."
 TTL = 2.0
-
-
-def _free_pair() -> int:
-    """A port whose next port is free too (a two-rank P listens on PORT and PORT + 1)."""
-    for _ in range(50):
-        port = free_port()
-        with contextlib.suppress(OSError), socket.socket() as s:
-            s.bind(("127.0.0.1", port + 1))
-            return port
-    raise AssertionError("no free port pair")
 
 
 def sim_flags(reg: int, mode: str) -> tuple[str, ...]:
@@ -75,7 +64,7 @@ def mori_stack(redis_url: str, mode: str) -> Iterator[Mori]:
         ]  # fmt: skip
 
     flags = sim_flags(reg, mode)
-    kv = ("--kv-port", str(_free_pair()))
+    kv = ("--kv-port", str(free_port(span=2)))  # a two-rank P listens on PORT and PORT + 1
     with (
         http_process(argv, f"moriio-{mode}-router", stop_timeout=15) as r,
         sim("prefill", *flags, "--data-parallel-size", "2", *kv, name=f"mori-{mode}-p") as p,

@@ -30,7 +30,18 @@ def test_a_port_held_by_a_server_is_not_handed_out() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.bind(("127.0.0.1", first))
         held.listen()
-        handed = {ports.free_port() for _ in range(ports.SLICE - 1)}
+        handed = {ports.free_port() for _ in range(ports.SLICE)}
     assert first not in handed
     here = ports.worker_slice(os.environ.get("PYTEST_XDIST_WORKER"), ports._ephemeral_low())
     assert first in here and handed <= set(here)
+
+
+def test_a_span_is_free_and_the_next_port_lies_past_it() -> None:
+    """A two-rank engine listens on PORT and PORT + 1: neither is handed out again next."""
+    first = ports.free_port(span=2)
+    after = [ports.free_port() for _ in range(3)]
+    assert not {first, first + 1} & set(after)
+    assert not {p + 1 for p in after} & set(after)  # PORT + 1 (a KV events replay) stays free
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", first))
+        b.bind(("127.0.0.1", first + 1))
