@@ -1,5 +1,5 @@
-"""Real processes for tests: free ports, a private redis-server, simulators, logs, waiting for
-readiness (harness/waiting.py says how long)."""
+"""Real processes for tests: a private redis-server, simulators, logs, waiting for readiness
+(harness/waiting.py says how long), on free ports (harness/ports.py says where)."""
 
 from __future__ import annotations
 
