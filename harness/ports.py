@@ -49,13 +49,14 @@ class _Cursor:
                 self.at = 0
             first = self.ports[self.at]
             self.at += 1
-            if all(_bindable(first + k) for k in range(span)):
+            if all(bindable(first + k) for k in range(span)):
                 self.at += span  # the next call starts past the span and the port after it
                 return first
         return None
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether a server could bind 127.0.0.1:port now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("127.0.0.1", port))

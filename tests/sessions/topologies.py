@@ -6,9 +6,7 @@ Loopback only, no persistence, free ports; each yields the URL sessions.connect 
 from __future__ import annotations
 
 import contextlib
-import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.ports import bindable
 from harness.procs import free_port, logged, stop, wait_tcp
 from harness.waiting import Deadline
 
@@ -60,20 +59,11 @@ def _cli(port: int, *args: str) -> str:
     return done.stdout
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def cluster_port(taken: Sequence[int]) -> int:
     """A free port whose cluster bus port (port + 10000) is free and valid too."""
     for _ in range(200):
-        port = random.randrange(20000, 55000)
-        if port not in taken and _port_free(port) and _port_free(port + 10000):
+        port = free_port()  # below 32768: the bus port is below 42768, a valid port
+        if port not in taken and bindable(port + 10000):
             return port
     raise RuntimeError("no free port pair for a cluster node")
 
